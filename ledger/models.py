@@ -1,0 +1,310 @@
+"""The ledger's data model: pydantic v2 models, the single source of truth.
+
+``schema/ledger.schema.json`` is generated from these models (``vram schema``)
+and a test fails when it drifts. Units live in field names: ``*_mib`` are
+mebibytes (2**20 bytes), ``*_gib`` gibibytes, ``*_s`` seconds. A figure that is
+unknown is ``null`` (or absent), never 0.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import re
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+#: The version of the ledger format these models describe. Bump it with a
+#: migration in ``ledger.store.MIGRATIONS`` whenever a saved file would change.
+SCHEMA_VERSION = 1
+
+SCHEMA_ID = "urn:vram-ledger:schema:ledger"
+
+#: Memory fixes a probe or run can switch on (the recipe's names).
+FIX_NAMES = ("chunked_mlp", "save_on_cpu", "bf16_lm_head", "logits_to_keep")
+
+Id = Annotated[
+    str,
+    Field(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        max_length=200,
+        description="Stable identifier: letters, digits, '.', '_' and '-'.",
+    ),
+]
+MiB = Annotated[float, Field(ge=0, description="Mebibytes (2**20 bytes).")]
+_ISO_DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
+
+
+def _parse_date(value: object) -> object:
+    # Strict mode refuses strings for dates in Python input; accept exactly YYYY-MM-DD.
+    if isinstance(value, str):
+        if not _ISO_DATE.match(value):
+            raise ValueError("must be a date as YYYY-MM-DD")
+        return _dt.date.fromisoformat(value)
+    return value
+
+
+Date = Annotated[_dt.date, BeforeValidator(_parse_date)]
+
+Kind = Literal["probe", "real", "load", "computed", "dry_run"]
+Status = Literal["ok", "oom", "spilled", "crashed", "host_oom"]
+Quant = Literal["4bit", "8bit", "bf16", "fp16", "fp32"]
+FixName = Literal["chunked_mlp", "save_on_cpu", "bf16_lm_head", "logits_to_keep"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=False)
+
+
+class Provenance(_Model):
+    """Where a figure came from, and how much to trust it."""
+
+    source: Optional[str] = Field(
+        None, description="Where the figure was read: a file with line numbers, a log, a command."
+    )
+    measured_on: Optional[Date] = Field(None, description="Date of the measurement (YYYY-MM-DD).")
+    inferred: bool = Field(
+        False, description="True when the figure was derived or assumed rather than read off an instrument."
+    )
+    inferred_fields: list[str] = Field(
+        default_factory=list,
+        description="Names of fields filled from a stated default or derivation rather than from the record itself.",
+    )
+    simulated: bool = Field(
+        False, description="True when an outcome was simulated (e.g. a CPU probe with a memory budget)."
+    )
+    notes: list[str] = Field(default_factory=list, description="Free-text notes, in Markdown (raw HTML is not rendered).")
+
+
+class Gpu(_Model):
+    """One graphics card the ledger has measurements on."""
+
+    name: str = Field(description="Marketing name as the driver reports it, e.g. 'NVIDIA GeForce RTX 3070 Ti'.")
+    vendor: Optional[Literal["nvidia", "amd", "intel", "apple", "other"]] = Field(None, description="Vendor.")
+    arch: Optional[str] = Field(None, description="Architecture or ISA name, e.g. 'gfx1100', 'sm_86'.")
+    total_mib: Optional[MiB] = Field(None, description="Card memory in MiB as the vendor tool reports it.")
+    usable_gib_torch: Optional[float] = Field(
+        None, ge=0, description="Total capacity in GiB as torch reports it (what OOM messages print)."
+    )
+    os: Optional[str] = Field(None, description="Operating system of the box the card was measured in.")
+    driver: Optional[str] = Field(None, description="Driver version.")
+    stack: Optional[str] = Field(None, description="Compute stack: CUDA/ROCm version, torch build.")
+    libraries: Optional[str] = Field(None, description="Library versions as recorded (transformers, peft, ...).")
+    python: Optional[str] = Field(None, description="Python version.")
+    aliases: list[str] = Field(
+        default_factory=list, description="Other names that refer to this card (short names, older keys)."
+    )
+    provenance: Provenance = Field(default_factory=Provenance, description="Where these facts came from.")
+
+
+class Lora(_Model):
+    """LoRA adapter settings."""
+
+    rank: int = Field(gt=0, description="LoRA rank r.")
+    alpha: Optional[float] = Field(None, gt=0, description="lora_alpha.")
+    rslora: Optional[bool] = Field(None, description="Rank-stabilised LoRA scaling (alpha / sqrt(r)).")
+    dropout: Optional[float] = Field(
+        None, ge=0, lt=1, description="lora_dropout; any value > 0 stores dropout masks for backward."
+    )
+    dora: Optional[bool] = Field(None, description="Weight-decomposed LoRA (DoRA).")
+    target_modules: Optional[list[str]] = Field(None, description="Module names LoRA is applied to.")
+
+
+class Dataset(_Model):
+    """The training data a run or probe used."""
+
+    name: Optional[str] = Field(None, description="Name or date of the corpus.")
+    examples: Optional[int] = Field(None, ge=0, description="Number of training examples.")
+    longest_example_tokens: Optional[int] = Field(None, gt=0, description="Tokens in the longest example.")
+    epochs: Optional[float] = Field(None, gt=0, description="Training epochs.")
+
+
+class Oom(_Model):
+    """What an out-of-memory message said. Figures the message did not give are null."""
+
+    tried_mib: Optional[MiB] = Field(None, description="Size of the allocation that failed.")
+    free_mib: Optional[MiB] = Field(None, description="Free device memory when it failed.")
+    total_mib: Optional[MiB] = Field(None, description="Device total capacity the message printed.")
+    in_use_mib: Optional[MiB] = Field(None, description="Memory this process had in use (incl. non-PyTorch).")
+    allocated_mib: Optional[MiB] = Field(None, description="Memory allocated by PyTorch when it failed.")
+    reserved_unallocated_mib: Optional[MiB] = Field(
+        None, description="Reserved by PyTorch but unallocated (allocator cache; fragmentation)."
+    )
+    reserved_mib: Optional[MiB] = Field(None, description="Reserved in total by PyTorch (legacy message form).")
+    other_processes_mib: Optional[MiB] = Field(None, description="Memory other processes held on the card.")
+    max_allocated_mib: Optional[MiB] = Field(
+        None,
+        description="torch.cuda.max_memory_allocated read after the OOM: a lower bound of what the step needed.",
+    )
+    device: Optional[str] = Field(None, description="Device the message named, e.g. 'GPU 0'.")
+    untrusted: list[str] = Field(
+        default_factory=list, description="Fields whose printed values cannot be true (kept, not trusted)."
+    )
+    message: Optional[str] = Field(None, description="The message text as printed.")
+
+
+class Outcome(_Model):
+    """What happened and what was measured."""
+
+    status: Optional[Status] = Field(
+        None,
+        description=(
+            "ok: ran and fit; oom: out of device memory; spilled: finished only because the driver spilled "
+            "past the card (not a fit); crashed: died of something else; host_oom: hit the host RAM cap. "
+            "Null when the source does not say."
+        ),
+    )
+    after_load_mib: Optional[MiB] = Field(None, description="Allocated after the model loaded.")
+    pre_step_mib: Optional[MiB] = Field(None, description="Allocated just before the measured step.")
+    peak_allocated_mib: Optional[MiB] = Field(None, description="torch.cuda.max_memory_allocated over the step/run.")
+    peak_reserved_mib: Optional[MiB] = Field(
+        None, description="torch.cuda.max_memory_reserved (allocator cache included; what decides an OOM)."
+    )
+    peak_delta_mib: Optional[float] = Field(
+        None, description="A peak reported as a delta over a baseline (e.g. HF Trainer's *_peaked_delta)."
+    )
+    per_device_peak_mib: Optional[dict[str, MiB]] = Field(
+        None, description="Peaks per device when a model was split across several."
+    )
+    step_s: Optional[float] = Field(None, ge=0, description="Wall time of the measured step in seconds.")
+    failed_at_step: Optional[int] = Field(None, ge=0, description="Training step at which the run died.")
+    xid: Optional[int] = Field(None, description="NVIDIA Xid error code of a crash.")
+    oom: Optional[Oom] = Field(None, description="Structured figures of the OOM message, when status is oom.")
+    peak_as_reported: Optional[str] = Field(
+        None, description="The peak exactly as the source printed it, with its unit."
+    )
+    result_text: Optional[str] = Field(None, description="The result as the source described it.")
+
+
+class Environment(_Model):
+    """Software and device a probe ran with."""
+
+    python: Optional[str] = Field(None, description="Python version.")
+    torch: Optional[str] = Field(None, description="torch version (with build suffix).")
+    cuda: Optional[str] = Field(None, description="CUDA runtime version torch was built with.")
+    hip: Optional[str] = Field(None, description="HIP version torch was built with (ROCm).")
+    transformers: Optional[str] = Field(None, description="transformers version.")
+    peft: Optional[str] = Field(None, description="peft version.")
+    bitsandbytes: Optional[str] = Field(None, description="bitsandbytes version.")
+    device: Optional[str] = Field(None, description="Device the probe ran on, e.g. 'cuda:0' or 'cpu'.")
+    device_name: Optional[str] = Field(None, description="Device name.")
+    device_total_mib: Optional[MiB] = Field(None, description="Device total memory.")
+    driver: Optional[str] = Field(None, description="Driver version, where readable.")
+    meter: Optional[str] = Field(None, description="Meter that measured the peaks: 'allocator' or 'tracker'.")
+
+
+class RecipeFields(_Model):
+    """The configuration that decides memory: shared by measurements and predictions."""
+
+    gpu: Optional[str] = Field(None, description="Key of the card in the ledger's gpus.")
+    model: Optional[str] = Field(None, description="Model id or config name, e.g. 'unsloth/gemma-3-4b-it'.")
+    quant: Optional[Quant] = Field(None, description="Base weights: '4bit' = bitsandbytes nf4, 'bf16' = plain bf16.")
+    lora: Optional[Lora] = Field(None, description="LoRA settings.")
+    seq_len: Optional[int] = Field(None, gt=0, description="Tokens in the measured sequence.")
+    response_len: Optional[int] = Field(None, gt=0, description="Tokens the loss is computed on (the response span).")
+    batch_size: Optional[int] = Field(None, gt=0, description="Sequences per step.")
+    memory_fixes: Optional[Union[Literal["all", "none"], list[FixName]]] = Field(
+        None,
+        description="Memory fixes on: 'all', 'none', or a list of chunked_mlp, save_on_cpu, bf16_lm_head, logits_to_keep.",
+    )
+    logits_to_keep: Optional[int] = Field(None, gt=0, description="Positions the lm_head computes logits for.")
+    dataset: Optional[Dataset] = Field(None, description="Training data.")
+
+
+class Measurement(RecipeFields):
+    """One measured (or computed) memory figure with the configuration it belongs to."""
+
+    id: Id
+    kind: Kind = Field(
+        description=(
+            "probe: one forward+backward on the worst-case example; real: a full training run; "
+            "load: model load only; computed: arithmetic; dry_run: predicted under fake tensors."
+        )
+    )
+    config_text: Optional[str] = Field(None, description="The configuration as the source described it.")
+    outcome: Outcome = Field(default_factory=Outcome, description="What happened and what was measured.")
+    environment: Optional[Environment] = Field(None, description="Software and device (probes).")
+    provenance: Provenance = Field(default_factory=Provenance, description="Where the figures came from.")
+
+
+class Detail(_Model):
+    """A labelled piece of text in a finding."""
+
+    label: str = Field(description="What the text is about.")
+    text: str = Field(description="The text, in Markdown (raw HTML is not rendered).")
+
+
+class Figure(_Model):
+    """A labelled number (or range, or flag) in a finding."""
+
+    label: str = Field(description="What the figure is.")
+    value: Optional[Union[bool, float]] = Field(None, description="The figure (a number, or a yes/no flag).")
+    low: Optional[float] = Field(None, description="Lower end when the figure is a range.")
+    high: Optional[float] = Field(None, description="Upper end when the figure is a range.")
+    unit: Optional[str] = Field(None, description="Unit, e.g. 'MiB', '%', 'GB (as reported)'.")
+    text: Optional[str] = Field(None, description="The figure as written in the source, when it was text.")
+    provenance: Optional[Provenance] = Field(None, description="Provenance when it differs from the finding's.")
+
+
+class Finding(_Model):
+    """A claim drawn from measurements, with the rows it rests on."""
+
+    id: Id
+    title: str = Field(description="Short title.")
+    claim: Optional[str] = Field(None, description="The claim, in Markdown.")
+    details: list[Detail] = Field(default_factory=list, description="Further labelled text.")
+    figures: list[Figure] = Field(default_factory=list, description="The figures the claim states.")
+    evidence: list[str] = Field(default_factory=list, description="Ids of the measurements the finding rests on.")
+    status: Literal["measured", "inferred", "superseded"] = Field(
+        "measured", description="measured: read off measurements; inferred: derived or estimated; superseded: replaced."
+    )
+    provenance: Provenance = Field(default_factory=Provenance, description="Where the finding came from.")
+
+
+class PredictionScore(_Model):
+    """How a prediction did once the real run landed."""
+
+    measurement: str = Field(description="Id of the real-run measurement the prediction is scored against.")
+    actual_peak_mib: MiB = Field(description="The real run's peak allocated.")
+    error_pct: float = Field(description="(predicted - actual) / actual x 100.")
+
+
+class Prediction(RecipeFields):
+    """A prediction recorded before the real run, scored when it lands."""
+
+    id: Id
+    made_on: Optional[Date] = Field(None, description="Date the prediction was made.")
+    predicted_peak_mib: MiB = Field(description="Predicted real-run peak allocated.")
+    interval_low_mib: Optional[MiB] = Field(None, description="Lower end of the prediction interval.")
+    interval_high_mib: Optional[MiB] = Field(None, description="Upper end of the prediction interval.")
+    basis: list[str] = Field(default_factory=list, description="Ids of the measurements the prediction was made from.")
+    method: Optional[str] = Field(None, description="How the figure was predicted.")
+    calibration_hash: Optional[str] = Field(None, description="Hash of the calibration state that made it.")
+    score: Optional[PredictionScore] = Field(None, description="The score once a matching real run is in the ledger.")
+    provenance: Provenance = Field(default_factory=Provenance, description="Where the prediction came from.")
+
+
+class Ledger(_Model):
+    """The whole ledger file."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        json_schema_extra={"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": SCHEMA_ID},
+        title="vram ledger",
+    )
+
+    schema_version: int = Field(ge=1, description="Version of the ledger format.")
+    about: Optional[str] = Field(None, description="What this ledger holds, in Markdown.")
+    gpus: dict[Id, Gpu] = Field(default_factory=dict, description="Cards, keyed by a slug id.")
+    measurements: list[Measurement] = Field(default_factory=list, description="Measured and computed figures.")
+    findings: list[Finding] = Field(default_factory=list, description="Claims drawn from measurements.")
+    predictions: list[Prediction] = Field(default_factory=list, description="Prospective predictions and their scores.")
+
+
+def json_schema() -> dict:
+    """The JSON Schema (draft 2020-12) of a ledger file, generated from the models."""
+    schema = Ledger.model_json_schema(mode="validation")
+    ordered = {"$schema": schema.pop("$schema"), "$id": schema.pop("$id"), "title": schema.pop("title")}
+    ordered.update(schema)
+    return ordered

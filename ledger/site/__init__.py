@@ -1,0 +1,1 @@
+"""Rendering the ledger into a static site (HTML, Markdown, vram.json, plots)."""

@@ -1,0 +1,356 @@
+"""Reading and writing ledger files: the only code that touches them.
+
+- ``load`` validates (pydantic models + cross-references) and checks the
+  version: a newer ``schema_version`` is refused, an older one is told to run
+  ``vram migrate``; ``migrate`` applies the chained ``update_to_N`` functions.
+- ``save`` writes atomically (temp file + fsync + os.replace) under a file lock,
+  with deterministic formatting: model field order, two-space indent, UTF-8,
+  defaults left out, a trailing newline.
+- ``append`` / ``update`` are locked read-modify-write cycles; ``merge`` combines
+  shard ledgers (same id + same content is a no-op, different content an error).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Sequence
+
+from filelock import FileLock, Timeout
+from pydantic import ValidationError
+
+from .errors import Issue, LedgerError, format_loc
+from .models import SCHEMA_VERSION, Finding, Gpu, Ledger, Measurement, Prediction, json_schema
+
+#: ``MIGRATIONS[n]`` turns a version n-1 ledger dict into version n. Each is
+#: tested on a frozen file of the older version under tests/data/.
+MIGRATIONS: dict[int, Callable[[dict], dict]] = {}
+
+LOCK_TIMEOUT_S = 60.0
+
+
+# -- reading -----------------------------------------------------------------
+
+
+def read_text(path: str | os.PathLike) -> str:
+    """Read a file as UTF-8, or raise a one-line LedgerError."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise LedgerError(Issue(str(path), "", "no such file")) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise LedgerError(Issue(str(path), "", f"cannot read: {exc}")) from None
+
+
+def parse_json(text: str, name: str) -> object:
+    """``json.loads`` with a located error (``file:line:col: invalid JSON: ...``)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise LedgerError(Issue(name, f"{exc.lineno}:{exc.colno}", f"invalid JSON: {exc.msg}")) from None
+
+
+def check_version(data: object, name: str, *, allow_older: bool = False) -> int:
+    """Return the file's schema_version; refuse newer ones and (unless allowed) older ones."""
+    if not isinstance(data, dict):
+        raise LedgerError(Issue(name, "", "top level must be a JSON object"))
+    version = data.get("schema_version")
+    if type(version) is not int:
+        raise LedgerError(Issue(name, "schema_version", "missing or not an integer"))
+    if version > SCHEMA_VERSION:
+        raise LedgerError(
+            Issue(
+                name,
+                "schema_version",
+                f"version {version} is newer than this vram-ledger reads ({SCHEMA_VERSION}): upgrade vram-ledger",
+            )
+        )
+    if version < SCHEMA_VERSION and not allow_older:
+        raise LedgerError(
+            Issue(
+                name,
+                "schema_version",
+                f"version {version} is older than {SCHEMA_VERSION}: run `vram migrate {name}`",
+            )
+        )
+    return version
+
+
+def migrate_data(data: dict, name: str) -> dict:
+    """Apply the chained migrations from the file's version up to SCHEMA_VERSION."""
+    version = check_version(data, name, allow_older=True)
+    for target in range(version + 1, SCHEMA_VERSION + 1):
+        step = MIGRATIONS.get(target)
+        if step is None:
+            raise LedgerError(Issue(name, "schema_version", f"no migration from version {target - 1} to {target}"))
+        data = step(data)
+        data["schema_version"] = target
+    return data
+
+
+def _pydantic_issues(exc: ValidationError, name: str) -> list[Issue]:
+    issues: list[Issue] = []
+    seen: set[str] = set()
+    for err in exc.errors(include_url=False):
+        # Union branches add tags like "literal['all','none']" to the path: drop them.
+        loc = [p for p in err["loc"] if isinstance(p, int) or not any(c in str(p) for c in "[(")]
+        where = format_loc(loc)
+        if where in seen:
+            continue
+        seen.add(where)
+        issues.append(Issue(name, where, err["msg"]))
+    return issues
+
+
+def reference_issues(ledger: Ledger, name: str) -> list[Issue]:
+    """Cross-references the schema cannot express: unique ids, known gpus, known evidence."""
+    issues: list[Issue] = []
+
+    def unique(section: str, items: Sequence) -> set[str]:
+        first: dict[str, int] = {}
+        for i, item in enumerate(items):
+            if item.id in first:
+                issues.append(
+                    Issue(name, f"{section}[{i}].id", f"duplicate id {item.id!r} (first at {section}[{first[item.id]}])")
+                )
+            else:
+                first[item.id] = i
+        return set(first)
+
+    ids = unique("measurements", ledger.measurements)
+    unique("findings", ledger.findings)
+    unique("predictions", ledger.predictions)
+    known = ", ".join(sorted(ledger.gpus)) or "none"
+
+    for section, items in (("measurements", ledger.measurements), ("predictions", ledger.predictions)):
+        for i, item in enumerate(items):
+            if item.gpu is not None and item.gpu not in ledger.gpus:
+                issues.append(Issue(name, f"{section}[{i}].gpu", f"unknown gpu {item.gpu!r} (known: {known})"))
+    for i, finding in enumerate(ledger.findings):
+        for j, ref in enumerate(finding.evidence):
+            if ref not in ids:
+                issues.append(Issue(name, f"findings[{i}].evidence[{j}]", f"unknown measurement id {ref!r}"))
+    for i, pred in enumerate(ledger.predictions):
+        for j, ref in enumerate(pred.basis):
+            if ref not in ids:
+                issues.append(Issue(name, f"predictions[{i}].basis[{j}]", f"unknown measurement id {ref!r}"))
+        if pred.score is not None and pred.score.measurement not in ids:
+            issues.append(
+                Issue(name, f"predictions[{i}].score.measurement", f"unknown measurement id {pred.score.measurement!r}")
+            )
+    return issues
+
+
+def parse_ledger(text: str, name: str, *, allow_older: bool = False) -> Ledger:
+    """Parse and fully validate ledger text; raise LedgerError with every located issue."""
+    data = parse_json(text, name)
+    version = check_version(data, name, allow_older=allow_older)
+    if version < SCHEMA_VERSION:
+        text = json.dumps(migrate_data(data, name))
+    try:
+        ledger = Ledger.model_validate_json(text, strict=True)
+    except ValidationError as exc:
+        raise LedgerError(_pydantic_issues(exc, name)) from None
+    issues = reference_issues(ledger, name)
+    if issues:
+        raise LedgerError(issues)
+    return ledger
+
+
+def load(path: str | os.PathLike, *, allow_older: bool = False) -> Ledger:
+    """Load and validate a ledger file."""
+    return parse_ledger(read_text(path), str(path), allow_older=allow_older)
+
+
+def schema_issues(data: object, name: str) -> list[Issue]:
+    """Validate parsed JSON against the generated JSON Schema (jsonschema, draft 2020-12)."""
+    from jsonschema import Draft202012Validator, FormatChecker
+
+    validator = Draft202012Validator(json_schema(), format_checker=FormatChecker())
+    return [
+        Issue(name, format_loc(err.absolute_path), err.message)
+        for err in sorted(validator.iter_errors(data), key=lambda e: list(map(str, e.absolute_path)))
+    ]
+
+
+def schema_text() -> str:
+    """The generated JSON Schema as the committed file holds it."""
+    return json.dumps(json_schema(), indent=2, ensure_ascii=False) + "\n"
+
+
+def validate_file(path: str | os.PathLike) -> list[Issue]:
+    """Every problem with a ledger file: JSON syntax, version, JSON Schema and pydantic (which
+    must agree), then cross-references. An empty list means valid."""
+    name = str(path)
+    text = read_text(path)
+    data = parse_json(text, name)
+    check_version(data, name)
+    by_schema = schema_issues(data, name)
+    try:
+        ledger = Ledger.model_validate_json(text, strict=True)
+        by_models: list[Issue] = []
+    except ValidationError as exc:
+        ledger, by_models = None, _pydantic_issues(exc, name)
+    if bool(by_schema) != bool(by_models):
+        which = "the JSON Schema" if by_schema else "the models"
+        return (by_models or by_schema) + [
+            Issue(name, "", f"internal error: only {which} rejected this file; please report it")
+        ]
+    if by_models:
+        return by_models
+    return reference_issues(ledger, name)
+
+
+# -- writing -----------------------------------------------------------------
+
+
+def dumps(ledger: Ledger) -> str:
+    """Deterministic text of a ledger: field order, indent 2, defaults omitted, trailing newline."""
+    return ledger.model_dump_json(indent=2, exclude_defaults=True) + "\n"
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write a file so that readers see either the old or the new content, never a mix."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):  # make the rename itself durable
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+@contextlib.contextmanager
+def locked(path: str | os.PathLike, timeout: float = LOCK_TIMEOUT_S) -> Iterator[None]:
+    """Hold the ledger's lock file (``PATH.lock``) for a read-modify-write cycle."""
+    lock = FileLock(f"{os.fspath(path)}.lock", timeout=timeout)
+    try:
+        with lock:
+            yield
+    except Timeout:
+        raise LedgerError(Issue(str(path), "", f"could not lock {path}.lock within {timeout:.0f} s")) from None
+
+
+def save(ledger: Ledger, path: str | os.PathLike) -> None:
+    """Validate cross-references, then write atomically under the lock."""
+    issues = reference_issues(ledger, str(path))
+    if issues:
+        raise LedgerError(issues)
+    with locked(path):
+        atomic_write_text(path, dumps(ledger))
+
+
+def empty_ledger(about: str | None = None) -> Ledger:
+    """A new ledger with nothing in it."""
+    return Ledger(schema_version=SCHEMA_VERSION, about=about)
+
+
+def update(path: str | os.PathLike, change: Callable[[Ledger], Ledger | None], *, create: bool = False) -> Ledger:
+    """Locked read-modify-write: load, apply ``change``, validate, write atomically."""
+    path = Path(path)
+    with locked(path):
+        if path.exists():
+            ledger = load(path)
+        elif create:
+            ledger = empty_ledger()
+        else:
+            raise LedgerError(Issue(str(path), "", "no such file"))
+        result = change(ledger)
+        ledger = result if result is not None else ledger
+        # Re-validate the whole document: the change may have built models without validation.
+        ledger = parse_ledger(ledger.model_dump_json(), str(path))
+        atomic_write_text(path, dumps(ledger))
+    return ledger
+
+
+def _add(section: list, items: Iterable, name: str, what: str) -> int:
+    by_id = {item.id: item for item in section}
+    added = 0
+    for item in items:
+        old = by_id.get(item.id)
+        if old is None:
+            section.append(item)
+            by_id[item.id] = item
+            added += 1
+        elif old != item:
+            raise LedgerError(Issue(name, "", f"{what} id {item.id!r} is already in the ledger with other content"))
+    return added
+
+
+def append(
+    path: str | os.PathLike,
+    measurements: Iterable[Measurement] = (),
+    *,
+    findings: Iterable[Finding] = (),
+    predictions: Iterable[Prediction] = (),
+    gpus: dict[str, Gpu] | None = None,
+    create: bool = False,
+) -> int:
+    """Append entries under the lock. An id already present with the same content is skipped
+    (so re-appending is idempotent); with other content it is an error and nothing is written.
+    Returns how many entries were added."""
+    counter = {"n": 0}
+    name = str(path)
+
+    def change(ledger: Ledger) -> None:
+        for key, gpu in (gpus or {}).items():
+            if key in ledger.gpus and ledger.gpus[key] != gpu:
+                raise LedgerError(Issue(name, f"gpus.{key}", "already in the ledger with other content"))
+            ledger.gpus.setdefault(key, gpu)
+        counter["n"] += _add(ledger.measurements, measurements, name, "measurement")
+        counter["n"] += _add(ledger.findings, findings, name, "finding")
+        counter["n"] += _add(ledger.predictions, predictions, name, "prediction")
+
+    update(path, change, create=create)
+    return counter["n"]
+
+
+# -- merging -----------------------------------------------------------------
+
+
+def merge(ledgers: Sequence[tuple[str, Ledger]]) -> Ledger:
+    """Merge shard ledgers. Entries are unioned by id and sorted by id, so the result does not
+    depend on the order of the inputs; the same id with different content is an error naming
+    both files."""
+    if not ledgers:
+        raise LedgerError("merge needs at least one ledger")
+    about = next((lg.about for _, lg in ledgers if lg.about), None)
+    gpus: dict[str, tuple[str, Gpu]] = {}
+    sections: dict[str, dict[str, tuple[str, int, object]]] = {"measurements": {}, "findings": {}, "predictions": {}}
+    issues: list[Issue] = []
+    for name, ledger in ledgers:
+        for key, gpu in ledger.gpus.items():
+            if key in gpus and gpus[key][1] != gpu:
+                issues.append(Issue(name, f"gpus.{key}", f"differs from {gpus[key][0]}: gpus.{key}"))
+            gpus.setdefault(key, (name, gpu))
+        for section, seen in sections.items():
+            for i, item in enumerate(getattr(ledger, section)):
+                if item.id in seen and seen[item.id][2] != item:
+                    first, j, _ = seen[item.id]
+                    issues.append(
+                        Issue(name, f"{section}[{i}]", f"id {item.id!r} differs from {first}: {section}[{j}]")
+                    )
+                seen.setdefault(item.id, (name, i, item))
+    if issues:
+        raise LedgerError(issues)
+    return Ledger(
+        schema_version=SCHEMA_VERSION,
+        about=about,
+        gpus={k: gpus[k][1] for k in sorted(gpus)},
+        **{s: [seen[k][2] for k in sorted(seen)] for s, seen in sections.items()},
+    )

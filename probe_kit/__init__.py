@@ -1,0 +1,1 @@
+"""The probe kit: everything that touches torch."""
