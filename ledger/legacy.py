@@ -475,6 +475,8 @@ class _Importer:
         n_main = len(self.measurements)
         cross_model = self._model_in(cross.get("about") or "") or self.default_model
         for i, rec in enumerate(cross.get("probes") or []):
+            if isinstance(rec, dict) and "source" not in rec and isinstance(cross.get("source"), str):
+                rec = {**rec, "source": cross["source"]}  # the section's source is each probe's
             self.measurement(rec, f"cross_gpu.probes[{i}]", cross=True, default_model=cross_model)
         cross_ids = [m.id for m in self.measurements[n_main:]]
 

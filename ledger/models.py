@@ -222,7 +222,7 @@ class Measurement(RecipeFields):
         )
     )
     config_text: Optional[str] = Field(None, description="The configuration as the source described it.")
-    outcome: Outcome = Field(default_factory=Outcome, description="What happened and what was measured.")
+    outcome: Outcome = Field(default_factory=Outcome, description="The outcome: status and measured figures.")
     environment: Optional[Environment] = Field(None, description="Software and device (probes).")
     provenance: Provenance = Field(default_factory=Provenance, description="Where the figures came from.")
 

@@ -102,7 +102,12 @@ def _pydantic_issues(exc: ValidationError, name: str) -> list[Issue]:
             continue
         seen.add(where)
         issues.append(Issue(name, where, err["msg"]))
-    return issues
+    # A union reports one error per branch; keep the most specific (deepest) one.
+    deeper = {i.location for i in issues}
+    return [
+        i for i in issues
+        if not any(d != i.location and d.startswith(i.location) and d[len(i.location)] in ".[" for d in deeper)
+    ]
 
 
 def reference_issues(ledger: Ledger, name: str) -> list[Issue]:
@@ -212,12 +217,22 @@ def dumps(ledger: Ledger) -> str:
     return ledger.model_dump_json(indent=2, exclude_defaults=True) + "\n"
 
 
+def _file_mode(path: Path) -> int:
+    try:
+        return path.stat().st_mode & 0o7777
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write a file so that readers see either the old or the new content, never a mix."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, _file_mode(path))  # mkstemp makes 0600; keep the file's mode, else the umask's
         with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as fh:
             fh.write(text)
             fh.flush()

@@ -1,0 +1,620 @@
+"""Phase one of the build: everything the pages show, computed once from the ledger.
+
+The templates get a ``SiteContext`` and nothing else. Every output (HTML, Markdown,
+vram.json, plots) is rendered from the same object, so they cannot disagree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+from ..models import Finding, Gpu, Ledger, Measurement, Prediction
+from ..store import dumps
+from . import filters
+
+#: Tables with more rows than this show a grouped summary on the page and the full rows on
+#: separate pages of this many rows (and in vram.json / vram.csv).
+ROWS_PER_PAGE = 500
+
+
+@dataclass
+class GpuSpec:
+    key: str
+    anchor: str
+    title: str
+    specs: list[tuple[str, str]]
+    notes: list[str]
+    source: Optional[str]
+    measured_on: Optional[str]
+    inferred: bool
+
+
+@dataclass
+class Row:
+    """One measurement as every table shows it (display strings plus sort keys)."""
+
+    id: str
+    kind: str
+    gpu: str
+    gpu_key: Optional[str]
+    model: str
+    quant: str
+    rank: Optional[int]
+    alpha: Optional[float]
+    rslora: Optional[bool]
+    dropout: Optional[float]
+    dora: Optional[bool]
+    seq_len: Optional[int]
+    fixes: str
+    after_load_mib: Optional[float]
+    pre_step_mib: Optional[float]
+    peak_allocated_mib: Optional[float]
+    peak_reserved_mib: Optional[float]
+    step_s: Optional[float]
+    status: Optional[str]
+    inferred: bool
+    peak_text: str
+    detail: str
+    notes: list[str]
+    source: str
+    measured_on: str
+    provenance_title: str
+
+
+@dataclass
+class Table:
+    id: str
+    title: str
+    rows: list[Row]
+    total: int
+    pages: list[str] = field(default_factory=list)
+    summary: list[dict] = field(default_factory=list)
+
+    @property
+    def paginated(self) -> bool:
+        return bool(self.pages)
+
+
+@dataclass
+class FigureRow:
+    label: str
+    value: str
+    source: str
+
+
+@dataclass
+class FindingGroup:
+    anchor: Optional[str]
+    title: Optional[str]
+    figures: list[FigureRow]
+    details: list[tuple[str, str]]
+
+
+@dataclass
+class FindingView:
+    id: str
+    title: str
+    claim: Optional[str]
+    groups: list[FindingGroup]
+    evidence: list[str]
+    status: str
+    source: str
+    measured_on: str
+    notes: list[str]
+
+
+@dataclass
+class PredictionRow:
+    id: str
+    gpu: str
+    config: str
+    predicted_mib: float
+    interval: str
+    actual_mib: Optional[float]
+    error_pct: Optional[float]
+    scored_against: Optional[str]
+    made_on: str
+    basis: list[str]
+    method: Optional[str]
+    source: str
+
+
+@dataclass
+class PlotPoint:
+    x: float
+    y: float
+    id: str
+    status: str
+    exceeded: bool = False
+
+
+@dataclass
+class PlotSeries:
+    label: str
+    points: list[PlotPoint]
+
+
+@dataclass
+class Plot:
+    id: str
+    file: str
+    title: str
+    caption: str
+    alt: str
+    xlabel: str
+    ylabel: str
+    series: list[PlotSeries]
+    limit_mib: Optional[float] = None
+    limit_label: Optional[str] = None
+
+
+@dataclass
+class SiteContext:
+    title: str
+    about: Optional[str]
+    ledger_sha256: str
+    schema_version: int
+    build_date: Optional[str]
+    counts: dict[str, int]
+    training_gpu: Optional[GpuSpec]
+    measurements: Table
+    cross_gpus: list[tuple[GpuSpec, Table]]
+    cross_gpu_intro: Optional[FindingView]
+    findings: list[FindingView]
+    predictions: list[PredictionRow]
+    plots: list[Plot]
+    ids: list[str]
+    extra_tables: list[Table] = field(default_factory=list)
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+def anchor(text: str) -> str:
+    """An HTML id from any text: lower case, a-z0-9 and '-'."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "section"
+
+
+def ledger_hash(ledger: Ledger) -> str:
+    """sha256 of the ledger's canonical text: changes when and only when the content does."""
+    return hashlib.sha256(dumps(ledger).encode("utf-8")).hexdigest()
+
+
+def card_limit_mib(gpu: Optional[Gpu]) -> Optional[float]:
+    """What torch can use on the card: usable GiB as torch reports it, else the total."""
+    if gpu is None:
+        return None
+    if gpu.usable_gib_torch:
+        return gpu.usable_gib_torch * 1024
+    return gpu.total_mib
+
+
+def _fixes(m: Measurement) -> str:
+    f = m.memory_fixes
+    if f is None:
+        return ""
+    return f if isinstance(f, str) else ", ".join(f) or "none"
+
+
+def _gpu_label(ledger: Ledger, key: Optional[str]) -> str:
+    if key is None:
+        return ""
+    gpu = ledger.gpus[key]
+    short = [a for a in gpu.aliases if " " in a]
+    return short[0] if short else gpu.name
+
+
+def _oom_text(m: Measurement) -> str:
+    o = m.outcome.oom
+    if o is None:
+        return "OOM"
+    parts = []
+    for label, value in (
+        ("tried", o.tried_mib),
+        ("free", o.free_mib),
+        ("in use", o.in_use_mib),
+        ("allocated", o.allocated_mib),
+        ("reserved-unallocated", o.reserved_unallocated_mib),
+        ("max allocated before", o.max_allocated_mib),
+    ):
+        if value is not None:
+            parts.append(f"{label} {filters.mib(value)}")
+    return "OOM" + (": " + ", ".join(parts) if parts else "")
+
+
+def _provenance_title(m: Measurement) -> str:
+    p = m.provenance
+    bits = []
+    if p.source:
+        bits.append(f"source: {p.source}")
+    if p.measured_on:
+        bits.append(f"measured on {p.measured_on.isoformat()}")
+    if p.inferred:
+        bits.append("inferred, not read off an instrument")
+    if p.simulated:
+        bits.append("simulated")
+    if p.inferred_fields:
+        bits.append("filled from stated defaults or derived: " + ", ".join(p.inferred_fields))
+    return "; ".join(bits)
+
+
+def make_row(ledger: Ledger, m: Measurement) -> Row:
+    o = m.outcome
+    lora = m.lora
+    seq = m.seq_len or (m.dataset.longest_example_tokens if m.dataset else None)
+    if o.status == "oom":
+        peak_text = _oom_text(m)
+    elif o.peak_allocated_mib is not None:
+        peak_text = filters.num(o.peak_allocated_mib)
+    elif o.per_device_peak_mib:
+        peak_text = " + ".join(f"{filters.mib(v)} on {k}" for k, v in o.per_device_peak_mib.items())
+    else:
+        peak_text = o.peak_as_reported or ""
+    detail_bits = []
+    if m.config_text:
+        detail_bits.append(f"Config: {m.config_text}")
+    if o.result_text and o.status != "oom":
+        detail_bits.append(f"Result: {o.result_text}")
+    elif o.result_text:
+        detail_bits.append(f"Message: {o.result_text}")
+    if o.failed_at_step is not None and "step" not in (o.result_text or ""):
+        detail_bits.append(f"Failed at step {o.failed_at_step}")
+    if m.dataset:
+        d = m.dataset
+        ds = [x for x in (d.name, f"{d.examples} examples" if d.examples else None,
+                          f"{d.epochs:g} epochs" if d.epochs else None) if x]
+        if ds:
+            detail_bits.append("Dataset: " + ", ".join(ds))
+    if m.logits_to_keep:
+        detail_bits.append(f"logits_to_keep {m.logits_to_keep}")
+    return Row(
+        id=m.id,
+        kind=m.kind,
+        gpu=_gpu_label(ledger, m.gpu),
+        gpu_key=m.gpu,
+        model=m.model or "",
+        quant=m.quant or "",
+        rank=lora.rank if lora else None,
+        alpha=lora.alpha if lora else None,
+        rslora=lora.rslora if lora else None,
+        dropout=lora.dropout if lora else None,
+        dora=lora.dora if lora else None,
+        seq_len=seq,
+        fixes=_fixes(m),
+        after_load_mib=o.after_load_mib,
+        pre_step_mib=o.pre_step_mib,
+        peak_allocated_mib=o.peak_allocated_mib,
+        peak_reserved_mib=o.peak_reserved_mib,
+        step_s=o.step_s,
+        status=o.status,
+        inferred=m.provenance.inferred,
+        peak_text=peak_text,
+        detail="; ".join(detail_bits),
+        notes=list(m.provenance.notes),
+        source=m.provenance.source or "",
+        measured_on=m.provenance.measured_on.isoformat() if m.provenance.measured_on else "",
+        provenance_title=_provenance_title(m),
+    )
+
+
+def _summary(rows: list[Row]) -> list[dict]:
+    groups: dict[tuple, list[Row]] = defaultdict(list)
+    for r in rows:
+        key = (r.gpu, r.kind, r.model, r.quant, r.fixes, bool(r.dropout), bool(r.dora))
+        groups[key].append(r)
+    out = []
+    for key in sorted(groups, key=lambda k: tuple(str(x) for x in k)):
+        rs = groups[key]
+        peaks = [r.peak_allocated_mib for r in rs if r.peak_allocated_mib is not None]
+        ranks = [r.rank for r in rs if r.rank is not None]
+        seqs = [r.seq_len for r in rs if r.seq_len is not None]
+        status = Counter(r.status or "unknown" for r in rs)
+        out.append(
+            {
+                "gpu": key[0], "kind": key[1], "model": key[2], "quant": key[3], "fixes": key[4],
+                "dropout": "yes" if key[5] else "no", "dora": "yes" if key[6] else "no",
+                "rows": len(rs),
+                "ranks": f"{min(ranks)}–{max(ranks)}" if ranks else "",
+                "seq_lens": f"{min(seqs)}–{max(seqs)}" if seqs else "",
+                "peak_min_mib": min(peaks) if peaks else None,
+                "peak_max_mib": max(peaks) if peaks else None,
+                "status": ", ".join(f"{k} {v}" for k, v in sorted(status.items())),
+            }
+        )
+    return out
+
+
+def make_table(table_id: str, title: str, rows: list[Row]) -> Table:
+    if len(rows) <= ROWS_PER_PAGE:
+        return Table(id=table_id, title=title, rows=rows, total=len(rows))
+    n_pages = (len(rows) + ROWS_PER_PAGE - 1) // ROWS_PER_PAGE
+    pages = [f"tables/{table_id}-{i + 1}.html" for i in range(n_pages)]
+    return Table(id=table_id, title=title, rows=rows, total=len(rows), pages=pages, summary=_summary(rows))
+
+
+def gpu_spec(key: str, gpu: Gpu) -> GpuSpec:
+    specs = [("Name", gpu.name)]
+    for label, value in (
+        ("Vendor", gpu.vendor),
+        ("Arch", gpu.arch),
+        ("Total", f"{filters.mib(gpu.total_mib)} ({filters.gib(gpu.total_mib)})" if gpu.total_mib else None),
+        ("Usable as torch reports it", f"{gpu.usable_gib_torch:.2f} GiB" if gpu.usable_gib_torch else None),
+        ("OS", gpu.os),
+        ("Driver", gpu.driver),
+        ("Stack", gpu.stack),
+        ("Libraries", gpu.libraries),
+        ("Python", gpu.python),
+    ):
+        if value:
+            specs.append((label, value))
+    p = gpu.provenance
+    return GpuSpec(
+        key=key, anchor=f"gpu-{key}", title=gpu.name, specs=specs, notes=list(p.notes), source=p.source,
+        measured_on=p.measured_on.isoformat() if p.measured_on else None, inferred=p.inferred,
+    )
+
+
+def _figure_value(fig) -> str:
+    unit = fig.unit or ""
+    if isinstance(fig.value, bool):
+        return "yes" if fig.value else "no"
+    if fig.low is not None and fig.high is not None:
+        text = f"{fig.low:g}–{fig.high:g} {unit}".strip()
+    elif fig.value is not None:
+        text = f"{fig.value:g} {unit}".strip() if unit != "%" else f"{fig.value:g}%"
+    else:
+        text = fig.text or ""
+    if fig.text and fig.text not in text and not re.fullmatch(r"[\d.\s\-–]+", fig.text):
+        text += f" ({fig.text})"
+    return text
+
+
+def finding_view(f: Finding) -> FindingView:
+    groups: dict[Optional[str], FindingGroup] = {}
+
+    def group(label: str) -> tuple[FindingGroup, str]:
+        head, sep, rest = label.partition(": ")
+        name = head if sep else None
+        if name not in groups:
+            groups[name] = FindingGroup(
+                anchor=f"{f.id}-{anchor(name)}" if name else None, title=name, figures=[], details=[]
+            )
+        return groups[name], (rest if sep else label)
+
+    for fig in f.figures:
+        g, label = group(fig.label)
+        src = ""
+        if fig.provenance and (fig.provenance.source or fig.provenance.measured_on):
+            src = "; ".join(
+                x for x in (fig.provenance.source,
+                            f"measured on {fig.provenance.measured_on}" if fig.provenance.measured_on else None) if x
+            )
+        g.figures.append(FigureRow(label=label, value=_figure_value(fig), source=src))
+    for d in f.details:
+        g, label = group(d.label)
+        g.details.append((label, d.text))
+    ordered = [groups[k] for k in groups if k is None] + [groups[k] for k in groups if k is not None]
+    p = f.provenance
+    return FindingView(
+        id=f.id, title=f.title, claim=f.claim, groups=ordered, evidence=list(f.evidence), status=f.status,
+        source=p.source or "", measured_on=p.measured_on.isoformat() if p.measured_on else "",
+        notes=list(p.notes),
+    )
+
+
+def prediction_row(ledger: Ledger, p: Prediction) -> PredictionRow:
+    bits = []
+    if p.lora:
+        bits.append(f"r{p.lora.rank}")
+        if p.lora.rslora:
+            bits.append("rsLoRA" + (f" alpha {p.lora.alpha:g}" if p.lora.alpha else ""))
+        if p.lora.dropout:
+            bits.append(f"dropout {p.lora.dropout:g}")
+        if p.lora.dora:
+            bits.append("DoRA")
+    if p.quant:
+        bits.append(p.quant)
+    if p.seq_len:
+        bits.append(f"{p.seq_len} tokens")
+    interval = ""
+    if p.interval_low_mib is not None and p.interval_high_mib is not None:
+        interval = f"{filters.num(p.interval_low_mib)}–{filters.num(p.interval_high_mib)}"
+    return PredictionRow(
+        id=p.id, gpu=_gpu_label(ledger, p.gpu), config=", ".join(bits), predicted_mib=p.predicted_peak_mib,
+        interval=interval, actual_mib=p.score.actual_peak_mib if p.score else None,
+        error_pct=p.score.error_pct if p.score else None,
+        scored_against=p.score.measurement if p.score else None,
+        made_on=p.made_on.isoformat() if p.made_on else "", basis=list(p.basis), method=p.method,
+        source=p.provenance.source or "",
+    )
+
+
+def training_gpu_key(ledger: Ledger) -> Optional[str]:
+    """The card the real runs were trained on (most real runs); else the first card."""
+    reals = Counter(m.gpu for m in ledger.measurements if m.kind == "real" and m.gpu)
+    if reals:
+        return sorted(reals.items(), key=lambda kv: (-kv[1], kv[0]))[0][0]
+    return next(iter(ledger.gpus), None)
+
+
+# -- plots --------------------------------------------------------------------------------
+
+
+def _series_key(m: Measurement) -> tuple:
+    lora = m.lora
+    return (m.quant or "?", m.memory_fixes if isinstance(m.memory_fixes, str) else _fixes(m) or "?",
+            bool(lora and lora.dropout), bool(lora and lora.dora),
+            m.seq_len or (m.dataset.longest_example_tokens if m.dataset else None))
+
+
+def _series_label(key: tuple) -> str:
+    quant, fixes, dropout, dora, seq = key
+    bits = [quant, f"fixes {fixes}", "dropout" if dropout else "no dropout"]
+    if dora:
+        bits.append("DoRA")
+    if seq:
+        bits.append(f"{seq} tokens")
+    return ", ".join(bits)
+
+
+def _point(m: Measurement, x: float, limit: Optional[float]) -> Optional[PlotPoint]:
+    o = m.outcome
+    if o.status == "oom" and limit is not None:
+        return PlotPoint(x=x, y=limit, id=m.id, status="oom", exceeded=True)
+    if o.peak_allocated_mib is not None and o.status in ("ok", "spilled", None):
+        return PlotPoint(x=x, y=o.peak_allocated_mib, id=m.id, status=o.status or "ok")
+    return None
+
+
+def _aggregate(points: list[PlotPoint]) -> list[PlotPoint]:
+    """One point per x (the highest peak, or 'exceeded' when any OOMed): readable at any size."""
+    by_x: dict[float, PlotPoint] = {}
+    for p in points:
+        best = by_x.get(p.x)
+        if best is None or (p.exceeded and not best.exceeded) or (p.exceeded == best.exceeded and p.y > best.y):
+            by_x[p.x] = p
+    return [by_x[x] for x in sorted(by_x)]
+
+
+def make_plots(ledger: Ledger) -> list[Plot]:
+    plots: list[Plot] = []
+    probes = [m for m in ledger.measurements if m.kind == "probe" and m.gpu]
+    for key in ledger.gpus:
+        gpu = ledger.gpus[key]
+        limit = card_limit_mib(gpu)
+        series: dict[tuple, list[PlotPoint]] = defaultdict(list)
+        for m in probes:
+            if m.gpu != key or not m.lora:
+                continue
+            pt = _point(m, float(m.lora.rank), limit)
+            if pt:
+                series[_series_key(m)].append(pt)
+        if series:
+            plots.append(
+                Plot(
+                    id=f"peak-vs-rank-{key}", file=f"plots/peak-vs-rank-{key}.svg",
+                    title=f"Probe peak allocated vs LoRA rank on the {gpu.name}",
+                    caption=(f"One-step probes on the {gpu.name}: peak allocated (MiB) by rank, one line per quant × "
+                             "memory fixes × dropout × DoRA × sequence length. An OOM is drawn as × at the card's "
+                             "limit: the step needed more than the card could give."),
+                    alt=(f"Line chart of probe peak allocated memory in MiB against LoRA rank on the {gpu.name}, "
+                         f"{len(series)} series; OOM probes are marked at the card limit."),
+                    xlabel="LoRA rank", ylabel="peak allocated (MiB)",
+                    series=[PlotSeries(_series_label(k), _aggregate(v)) for k, v in sorted(series.items(), key=str)],
+                    limit_mib=limit, limit_label="card limit (torch)" if gpu.usable_gib_torch else "card total",
+                )
+            )
+    # Peak vs sequence length: series with at least two lengths.
+    seq_series: dict[tuple, list[PlotPoint]] = defaultdict(list)
+    for m in probes:
+        seq = m.seq_len
+        if not seq or not m.lora:
+            continue
+        pt = _point(m, float(seq), card_limit_mib(ledger.gpus.get(m.gpu)))
+        if pt:
+            seq_series[(m.gpu, m.quant, m.lora.rank, bool(m.lora.dropout), bool(m.lora.dora), _fixes(m))].append(pt)
+    seq_series = {k: v for k, v in seq_series.items() if len({p.x for p in v}) >= 2}
+    if seq_series:
+        plots.append(
+            Plot(
+                id="peak-vs-seq-len", file="plots/peak-vs-seq-len.svg",
+                title="Probe peak allocated vs sequence length",
+                caption=("One-step probes: peak allocated (MiB) by sequence length, one line per card × quant × rank × "
+                         "dropout × DoRA × memory fixes. The growth is not linear over long sequences."),
+                alt="Line chart of probe peak allocated memory in MiB against sequence length in tokens.",
+                xlabel="sequence length (tokens)", ylabel="peak allocated (MiB)",
+                series=[
+                    PlotSeries(
+                        f"{_gpu_label(ledger, k[0])}, {k[1]}, r{k[2]}"
+                        + (", dropout" if k[3] else "") + (", DoRA" if k[4] else "") + f", fixes {k[5]}",
+                        _aggregate(v),
+                    )
+                    for k, v in sorted(seq_series.items(), key=str)
+                ],
+            )
+        )
+    # Probe vs real: on each card with real runs, probe and real peaks by rank.
+    for key in ledger.gpus:
+        reals = [m for m in ledger.measurements if m.kind == "real" and m.gpu == key and m.lora
+                 and m.outcome.peak_allocated_mib is not None and m.outcome.status == "ok"]
+        if not reals:
+            continue
+        ps = [m for m in probes if m.gpu == key and m.lora and m.outcome.status == "ok"
+              and m.outcome.peak_allocated_mib is not None]
+        series_list = []
+        for label, group in (("probes (one step)", ps), ("real runs", reals)):
+            by_drop: dict[bool, list[PlotPoint]] = defaultdict(list)
+            for m in group:
+                by_drop[bool(m.lora.dropout)].append(
+                    PlotPoint(x=float(m.lora.rank), y=m.outcome.peak_allocated_mib, id=m.id, status="ok"))
+            for drop in sorted(by_drop):
+                series_list.append(PlotSeries(f"{label}, {'dropout' if drop else 'no dropout'}", _aggregate(by_drop[drop])))
+        gpu = ledger.gpus[key]
+        plots.append(
+            Plot(
+                id=f"probe-vs-real-{key}", file=f"plots/probe-vs-real-{key}.svg",
+                title=f"Probe vs real-run peaks on the {gpu.name}",
+                caption=("Peak allocated (MiB) by rank for one-step probes and for real training runs on the same card "
+                         "(highest value per rank). The probe has no optimizer step and over-estimates the real peak."),
+                alt=f"Scatter chart comparing probe and real-run peak allocated memory by LoRA rank on the {gpu.name}.",
+                xlabel="LoRA rank", ylabel="peak allocated (MiB)", series=series_list,
+                limit_mib=card_limit_mib(gpu), limit_label="card limit (torch)" if gpu.usable_gib_torch else "card total",
+            )
+        )
+    return plots
+
+
+# -- the context --------------------------------------------------------------------------
+
+#: Sections of the page with fixed anchors; a finding with one of these ids is shown inside it.
+BUILTIN_SECTIONS = ("gpu", "measurements", "cross-gpu", "plots", "predictions", "downloads")
+
+
+def build_context(ledger: Ledger, *, build_date: Optional[str] = None, title: str = "VRAM measurements") -> SiteContext:
+    """Compute everything the outputs show. Pure: the same ledger gives the same context."""
+    train_key = training_gpu_key(ledger)
+    rows = [make_row(ledger, m) for m in ledger.measurements]
+    main_rows = [r for r in rows if r.gpu_key in (train_key, None)]
+    cross = []
+    for key, gpu in ledger.gpus.items():
+        if key == train_key:
+            continue
+        gpu_rows = [r for r in rows if r.gpu_key == key]
+        cross.append((gpu_spec(key, gpu), make_table(f"gpu-{key}-table", gpu.name, gpu_rows)))
+    views = [finding_view(f) for f in ledger.findings]
+    intro = next((v for v in views if v.id == "cross-gpu"), None)
+    status = Counter(m.outcome.status or "unknown" for m in ledger.measurements)
+    counts = {
+        "measurements": len(ledger.measurements),
+        "gpus": len(ledger.gpus),
+        "findings": len(ledger.findings),
+        "predictions": len(ledger.predictions),
+        "ok": status.get("ok", 0),
+        "oom": status.get("oom", 0),
+    }
+    return SiteContext(
+        title=title,
+        about=ledger.about,
+        ledger_sha256=ledger_hash(ledger),
+        schema_version=ledger.schema_version,
+        build_date=build_date,
+        counts=counts,
+        training_gpu=gpu_spec(train_key, ledger.gpus[train_key]) if train_key else None,
+        measurements=make_table("measurements-table", "Measurements", main_rows),
+        cross_gpus=cross,
+        cross_gpu_intro=intro,
+        findings=[v for v in views if v.id not in BUILTIN_SECTIONS],
+        predictions=[prediction_row(ledger, p) for p in ledger.predictions],
+        plots=make_plots(ledger),
+        ids=[m.id for m in ledger.measurements],
+    )
+
+
+def all_tables(ctx: SiteContext) -> Iterable[Table]:
+    yield ctx.measurements
+    for _, table in ctx.cross_gpus:
+        yield table

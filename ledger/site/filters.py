@@ -1,0 +1,96 @@
+"""Unit filters and safe Markdown for the templates, in one place (unit-tested).
+
+Every figure is shown with its unit: MiB with one decimal, GiB with two, percent with one.
+Note text is Markdown rendered by markdown-it-py with raw HTML disabled and only
+http(s), relative and in-page links allowed.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+from markdown_it import MarkdownIt
+from markupsafe import Markup, escape
+
+_SCHEME = re.compile(r"^\s*([a-z][a-z0-9+.-]*):", re.I)
+
+
+def _validate_link(url: str) -> bool:
+    # Only http(s), in-page and relative links: no javascript:, data:, vbscript:, file: ...
+    scheme = _SCHEME.match(url)
+    return scheme is None or scheme.group(1).lower() in ("http", "https")
+
+
+_MD = MarkdownIt("commonmark", {"html": False, "linkify": False, "typographer": False})
+_MD.validateLink = _validate_link
+
+
+def markdown(text: Optional[str]) -> Markup:
+    """Markdown to HTML with raw HTML escaped and unsafe links dropped."""
+    if not text:
+        return Markup("")
+    return Markup(_MD.render(text))
+
+
+def markdown_inline(text: Optional[str]) -> Markup:
+    """Like ``markdown`` but without the surrounding paragraph (for table cells)."""
+    if not text:
+        return Markup("")
+    return Markup(_MD.renderInline(text))
+
+
+def num(value: Optional[float], digits: int = 1) -> str:
+    """A number with fixed decimals; '' for unknown."""
+    if value is None:
+        return ""
+    return f"{value:,.{digits}f}"
+
+
+def mib(value: Optional[float]) -> str:
+    """'6,653.0 MiB', or '' when unknown."""
+    return "" if value is None else f"{num(value)} MiB"
+
+
+def gib(value_mib: Optional[float]) -> str:
+    """A MiB figure shown in GiB: '6.50 GiB'."""
+    return "" if value_mib is None else f"{value_mib / 1024:,.2f} GiB"
+
+
+def pct(value: Optional[float], digits: int = 1) -> str:
+    """'4.7%' or '+2.5%' (signed when negative values are possible, use ``signed_pct``)."""
+    return "" if value is None else f"{value:.{digits}f}%"
+
+
+def signed_pct(value: Optional[float], digits: int = 1) -> str:
+    return "" if value is None else f"{value:+.{digits}f}%"
+
+
+def yesno(value: Optional[bool]) -> str:
+    return "" if value is None else ("yes" if value else "no")
+
+
+def md_cell(value: object) -> str:
+    """Text made safe for a Markdown table cell: no pipes, newlines or raw HTML."""
+    text = "" if value is None else str(value)
+    text = text.replace("\\", "\\\\").replace("|", "\\|").replace("\r", " ").replace("\n", " ")
+    return str(escape(text))
+
+
+def md_text(value: object) -> str:
+    """Free text for the Markdown twin: raw HTML neutralised, lines kept."""
+    return "" if value is None else str(escape(str(value)))
+
+
+FILTERS = {
+    "markdown": markdown,
+    "markdown_inline": markdown_inline,
+    "num": num,
+    "mib": mib,
+    "gib": gib,
+    "pct": pct,
+    "signed_pct": signed_pct,
+    "yesno": yesno,
+    "md_cell": md_cell,
+    "md_text": md_text,
+}

@@ -1,0 +1,154 @@
+"""Phase two of the build: render every output from one SiteContext, and write the tree.
+
+The writer refuses paths outside the output folder and two outputs with the same path, writes
+each file atomically, and removes the files it wrote in an earlier build that this build did
+not write (it keeps a manifest); it never touches anything else.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoescape
+
+from ..errors import Issue, UserError
+from ..models import Ledger
+from ..store import atomic_write_text
+from . import filters
+from .context import ROWS_PER_PAGE, SiteContext, all_tables, build_context, training_gpu_key
+from .public import PUBLIC_SCHEMA_VERSION, Derived, PublicDocument, public_schema
+
+HERE = Path(__file__).resolve().parent
+MANIFEST = ".vram-build-manifest"
+
+
+def environment() -> Environment:
+    env = Environment(
+        loader=FileSystemLoader(HERE / "templates"),
+        autoescape=select_autoescape(enabled_extensions=("html.j2",), default_for_string=True, default=False),
+        undefined=StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+    env.filters.update(filters.FILTERS)
+    return env
+
+
+class SiteWriter:
+    """Writes files under one folder, safely and exactly once each."""
+
+    def __init__(self, out: Path):
+        self.out = out.resolve()
+        self.written: dict[str, int] = {}
+
+    def _target(self, rel: str) -> Path:
+        target = (self.out / rel).resolve()
+        if target == self.out or self.out not in target.parents:
+            raise UserError(Issue(str(rel), "", f"refusing to write outside {self.out}"))
+        return target
+
+    def write(self, rel: str, content: str) -> None:
+        if rel in self.written:
+            raise UserError(Issue(rel, "", "two outputs with the same path"))
+        target = self._target(rel)
+        atomic_write_text(target, content)
+        self.written[rel] = len(content.encode("utf-8"))
+
+    def finish(self) -> list[str]:
+        """Remove stale files from the previous build; record this build's files."""
+        manifest = self.out / MANIFEST
+        removed = []
+        if manifest.exists():
+            try:
+                previous = json.loads(manifest.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                previous = []
+            for rel in previous if isinstance(previous, list) else []:
+                if not isinstance(rel, str) or rel in self.written:
+                    continue
+                try:
+                    target = self._target(rel)
+                except UserError:
+                    continue
+                if target.is_file():
+                    target.unlink()
+                    removed.append(rel)
+                    parent = target.parent
+                    while parent != self.out and parent.is_dir() and not any(parent.iterdir()):
+                        parent.rmdir()
+                        parent = parent.parent
+        atomic_write_text(manifest, json.dumps(sorted(self.written), indent=1) + "\n")
+        return removed
+
+
+def build_date_from_env(explicit: Optional[str] = None) -> Optional[str]:
+    """The build date: --build-date, else SOURCE_DATE_EPOCH (UTC), else none (reproducible)."""
+    if explicit:
+        return explicit
+    epoch = os.environ.get("SOURCE_DATE_EPOCH")
+    if epoch:
+        try:
+            return dt.datetime.fromtimestamp(int(epoch), dt.timezone.utc).date().isoformat()
+        except ValueError:
+            raise UserError(Issue("SOURCE_DATE_EPOCH", "", f"not a Unix time: {epoch!r}")) from None
+    return None
+
+
+@dataclass
+class BuildResult:
+    out: Path
+    files: dict[str, int]
+    removed: list[str]
+
+
+def public_document(ledger: Ledger, ctx: SiteContext) -> PublicDocument:
+    return PublicDocument(
+        schema_version=PUBLIC_SCHEMA_VERSION,
+        ledger_sha256=ctx.ledger_sha256,
+        build_date=ctx.build_date,
+        ledger=ledger,
+        derived=Derived(counts=ctx.counts, training_gpu=training_gpu_key(ledger), plots=ctx.plots),
+    )
+
+
+def render_site(ledger: Ledger, out: Path, *, build_date: Optional[str] = None) -> BuildResult:
+    """Compute the context once, then render and write every output."""
+    from .plots import render_svg  # matplotlib is imported only when a site is built
+
+    ctx = build_context(ledger, build_date=build_date)
+    env = environment()
+    css = (HERE / "static" / "style.css").read_text(encoding="utf-8")
+    js = (HERE / "static" / "sort.js").read_text(encoding="utf-8")
+    hrefs = {r.id: f"#m-{r.id}" for t in all_tables(ctx) if not t.paginated for r in t.rows}
+    for t in all_tables(ctx):
+        if t.paginated:
+            for i, page in enumerate(t.pages):
+                for r in t.rows[i * ROWS_PER_PAGE:(i + 1) * ROWS_PER_PAGE]:
+                    hrefs[r.id] = f"{page}#m-{r.id}"
+
+    writer = SiteWriter(Path(out))
+    common = {"ctx": ctx, "css": css, "js": js, "hrefs": hrefs}
+    writer.write("index.html", env.get_template("index.html.j2").render(**common))
+    page_tpl = env.get_template("table_page.html.j2")
+    for t in all_tables(ctx):
+        if not t.paginated:
+            continue
+        size = ROWS_PER_PAGE
+        for i, page in enumerate(t.pages):
+            rows = t.rows[i * size:(i + 1) * size]
+            writer.write(page, page_tpl.render(**common, table=t, rows=rows, page_no=i + 1,
+                                               first=i * size + 1, last=i * size + len(rows)))
+    writer.write("vram.md", env.get_template("vram.md.j2").render(**common))
+    doc = public_document(ledger, ctx)
+    writer.write("vram.json", doc.model_dump_json(indent=1) + "\n")
+    writer.write("vram.schema.json", json.dumps(public_schema(), indent=2) + "\n")
+    for plot in ctx.plots:
+        writer.write(plot.file, render_svg(plot))
+    removed = writer.finish()
+    return BuildResult(out=writer.out, files=dict(writer.written), removed=removed)

@@ -1,0 +1,23 @@
+"""Shared fixtures: paths to checked-in data and the bundled ledger."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+DATA = TESTS / "data"
+REPO = TESTS.parent
+BUNDLED = REPO / "ledger" / "vram.json"
+LEGACY = DATA / "legacy" / "program-vram.json"
+SMALL = DATA / "small-ledger.json"
+
+
+@pytest.fixture
+def small_ledger(tmp_path: Path) -> Path:
+    """A writable copy of the small fixture ledger."""
+    dst = tmp_path / "ledger.json"
+    shutil.copy(SMALL, dst)
+    return dst

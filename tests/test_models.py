@@ -1,0 +1,103 @@
+"""Models: JSON round trips (hypothesis), the committed schema stays generated."""
+
+from __future__ import annotations
+
+import json
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import REPO
+from ledger import store
+from ledger.models import SCHEMA_VERSION, Ledger, Lora, Measurement, Outcome, Provenance, json_schema
+
+ids = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,20}", fullmatch=True)
+mib = st.none() | st.floats(min_value=0, max_value=1e6, allow_nan=False, allow_infinity=False)
+text = st.none() | st.text(max_size=40)
+
+outcomes = st.builds(
+    Outcome,
+    status=st.none() | st.sampled_from(["ok", "oom", "spilled", "crashed", "host_oom"]),
+    pre_step_mib=mib,
+    peak_allocated_mib=mib,
+    peak_reserved_mib=mib,
+    step_s=mib,
+    result_text=text,
+)
+loras = st.none() | st.builds(
+    Lora,
+    rank=st.integers(1, 4096),
+    alpha=st.none() | st.floats(min_value=0.5, max_value=512),
+    rslora=st.none() | st.booleans(),
+    dropout=st.none() | st.floats(min_value=0, max_value=0.99),
+    dora=st.none() | st.booleans(),
+)
+provs = st.builds(
+    Provenance,
+    source=text,
+    measured_on=st.none() | st.dates(),
+    inferred=st.booleans(),
+    notes=st.lists(st.text(max_size=30), max_size=2),
+)
+measurements = st.builds(
+    Measurement,
+    id=ids,
+    kind=st.sampled_from(["probe", "real", "load", "computed", "dry_run"]),
+    model=text,
+    quant=st.none() | st.sampled_from(["4bit", "bf16"]),
+    lora=loras,
+    seq_len=st.none() | st.integers(1, 200_000),
+    memory_fixes=st.none() | st.sampled_from(["all", "none"]) | st.lists(st.sampled_from(["chunked_mlp", "save_on_cpu"]), unique=True),
+    outcome=outcomes,
+    provenance=provs,
+)
+
+
+@st.composite
+def ledgers(draw):
+    ms = draw(st.lists(measurements, max_size=8, unique_by=lambda m: m.id))
+    return Ledger(schema_version=SCHEMA_VERSION, about=draw(text), measurements=ms)
+
+
+@settings(max_examples=150, suppress_health_check=[HealthCheck.too_slow])
+@given(ledgers())
+def test_model_json_model_round_trip(ledger):
+    text = store.dumps(ledger)
+    again = store.parse_ledger(text, "x.json")
+    assert again == ledger
+    assert store.dumps(again) == text
+
+
+@settings(max_examples=60, suppress_health_check=[HealthCheck.too_slow])
+@given(ledgers())
+def test_every_generated_ledger_passes_the_json_schema(ledger):
+    data = json.loads(store.dumps(ledger))
+    assert store.schema_issues(data, "x.json") == []
+
+
+def test_committed_schema_is_generated_from_the_models():
+    committed = (REPO / "schema" / "ledger.schema.json").read_text(encoding="utf-8")
+    assert committed == store.schema_text(), (
+        "schema/ledger.schema.json is stale; regenerate it with: vram schema -o schema/ledger.schema.json"
+    )
+
+
+def test_schema_is_draft_2020_12_with_id_and_title():
+    schema = json_schema()
+    assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    assert schema["$id"] and schema["title"] == "vram ledger"
+
+
+def test_every_field_has_a_description():
+    missing = []
+
+    def walk(defs):
+        for name, d in defs.items():
+            for field, spec in d.get("properties", {}).items():
+                if "description" not in spec:
+                    missing.append(f"{name}.{field}")
+
+    schema = json_schema()
+    walk(schema["$defs"])
+    walk({"Ledger": schema})
+    assert missing == []

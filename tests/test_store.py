@@ -1,0 +1,225 @@
+"""Store: the invalid corpus, versions and migrations, append, merge, locking and crash safety."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import BUNDLED, DATA, SMALL
+from ledger import cli, store
+from ledger.errors import LedgerError
+from ledger.models import SCHEMA_VERSION, Ledger, Measurement, Outcome
+
+INVALID = sorted((DATA / "invalid").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", INVALID, ids=[p.stem for p in INVALID])
+def test_invalid_ledger_gives_its_message(path, capsys, monkeypatch):
+    monkeypatch.chdir(path.parent)
+    before = path.read_bytes()
+    assert cli.main(["validate", path.name]) == 1
+    err = capsys.readouterr().err
+    assert err == path.with_suffix(".expected").read_text(encoding="utf-8")
+    assert "Traceback" not in err
+    assert path.read_bytes() == before
+
+
+def test_invalid_corpus_is_large_enough():
+    assert len(INVALID) >= 15
+
+
+def _structural(path: Path) -> bool:
+    """Cases that reach schema validation (parseable, a current-version object)."""
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return False
+    return isinstance(data, dict) and data.get("schema_version") == SCHEMA_VERSION
+
+
+STRUCTURAL = [p for p in INVALID if _structural(p)]
+
+
+@pytest.mark.parametrize("path", STRUCTURAL, ids=[p.stem for p in STRUCTURAL])
+def test_jsonschema_and_models_agree_on_the_corpus(path):
+    data = json.loads(path.read_text())
+    by_schema = store.schema_issues(data, "x")
+    try:
+        Ledger.model_validate_json(path.read_text(), strict=True)
+        by_models = False
+    except Exception:
+        by_models = True
+    assert bool(by_schema) == by_models
+
+
+def test_bundled_ledger_is_valid():
+    assert store.validate_file(BUNDLED) == []
+    assert cli.main(["validate", str(BUNDLED)]) == 0
+
+
+def test_save_is_deterministic(tmp_path):
+    ledger = store.load(SMALL)
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    store.save(ledger, a)
+    store.save(store.load(a), b)
+    assert a.read_bytes() == b.read_bytes() == SMALL.read_bytes()
+    assert a.read_text().endswith("}\n")
+
+
+def test_older_version_migrates_through_the_chain(tmp_path, monkeypatch):
+    # A frozen version-0 file: the same content with 'peak_mib' instead of 'peak_allocated_mib'.
+    data = json.loads(SMALL.read_text())
+    for m in data["measurements"]:
+        if "peak_allocated_mib" in m.get("outcome", {}):
+            m["outcome"]["peak_mib"] = m["outcome"].pop("peak_allocated_mib")
+    data["schema_version"] = SCHEMA_VERSION - 1
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(data))
+
+    with pytest.raises(LedgerError, match="run `vram migrate"):
+        store.load(old)
+
+    def update_to_current(d):
+        for m in d["measurements"]:
+            if "peak_mib" in m.get("outcome", {}):
+                m["outcome"]["peak_allocated_mib"] = m["outcome"].pop("peak_mib")
+        return d
+
+    monkeypatch.setitem(store.MIGRATIONS, SCHEMA_VERSION, update_to_current)
+    assert cli.main(["migrate", str(old)]) == 0
+    assert store.load(old) == store.load(SMALL)
+
+
+def test_missing_migration_is_a_clear_error(tmp_path):
+    data = json.loads(SMALL.read_text())
+    data["schema_version"] = SCHEMA_VERSION - 1
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(data))
+    with pytest.raises(LedgerError, match="no migration from version"):
+        store.load(old, allow_older=True)
+
+
+def _m(i: int, peak: float = 100.0) -> Measurement:
+    return Measurement(id=f"m{i}", kind="probe", outcome=Outcome(status="ok", peak_allocated_mib=peak))
+
+
+def test_append_enforces_unique_ids_and_is_idempotent(small_ledger):
+    n0 = len(store.load(small_ledger).measurements)
+    assert store.append(small_ledger, [_m(1)]) == 1
+    assert store.append(small_ledger, [_m(1)]) == 0  # same content: nothing added
+    before = small_ledger.read_bytes()
+    with pytest.raises(LedgerError, match="already in the ledger with other content"):
+        store.append(small_ledger, [_m(2), _m(1, peak=999.0)])
+    assert small_ledger.read_bytes() == before  # nothing written on error
+    assert len(store.load(small_ledger).measurements) == n0 + 1
+
+
+def test_append_refuses_an_unknown_gpu_and_writes_nothing(small_ledger):
+    before = small_ledger.read_bytes()
+    bad = Measurement(id="x1", kind="probe", gpu="no-such-card")
+    with pytest.raises(LedgerError, match="unknown gpu"):
+        store.append(small_ledger, [bad])
+    assert small_ledger.read_bytes() == before
+
+
+def _ledger_of(items):
+    return Ledger(schema_version=SCHEMA_VERSION, measurements=list(items))
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, 30), max_size=12), st.lists(st.integers(0, 30), max_size=12))
+def test_merge_twice_is_merge_once_and_order_does_not_matter(xs, ys):
+    a = _ledger_of(_m(i) for i in sorted(set(xs)))
+    b = _ledger_of(_m(i) for i in sorted(set(ys)))
+    ab = store.merge([("a", a), ("b", b)])
+    assert store.merge([("ab", ab), ("b", b)]) == ab
+    assert store.merge([("ab", ab), ("ab2", ab)]) == ab
+    assert store.merge([("b", b), ("a", a)]) == ab
+    assert {m.id for m in ab.measurements} == {f"m{i}" for i in set(xs) | set(ys)}
+
+
+def test_merge_conflict_names_both_files(tmp_path, capsys):
+    a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "out.json"
+    store.save(_ledger_of([_m(1, 100.0)]), a)
+    store.save(_ledger_of([_m(1, 200.0)]), b)
+    assert cli.main(["merge", str(a), str(b), "-o", str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert str(a) in err and str(b) in err and "'m1'" in err
+    assert not out.exists()
+
+
+def test_merge_cli_writes_the_union(tmp_path):
+    a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "out.json"
+    store.save(_ledger_of([_m(1), _m(2)]), a)
+    store.save(_ledger_of([_m(2), _m(3)]), b)
+    assert cli.main(["merge", str(a), str(b), "-o", str(out)]) == 0
+    assert [m.id for m in store.load(out).measurements] == ["m1", "m2", "m3"]
+
+
+# -- concurrency and crash safety ---------------------------------------------------
+
+
+def _appender(path: str, worker: int, count: int) -> None:
+    for i in range(count):
+        store.append(path, [Measurement(id=f"w{worker}-{i}", kind="probe")])
+
+
+def test_four_processes_append_fifty_each(tmp_path):
+    path = tmp_path / "ledger.json"
+    store.save(_ledger_of([]), path)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_appender, args=(str(path), w, 50)) for w in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    ledger = store.load(path)
+    assert len(ledger.measurements) == 200
+    assert len({m.id for m in ledger.measurements}) == 200
+
+
+WRITER = r"""
+import sys
+from ledger import store
+from ledger.models import Ledger, Measurement, Outcome
+path, n = sys.argv[1], int(sys.argv[2])
+big = Ledger(schema_version=1, measurements=[
+    Measurement(id=f"new-{i}", kind="probe", outcome=Outcome(status="ok", peak_allocated_mib=float(i)))
+    for i in range(n)])
+print("ready", flush=True)
+while True:
+    store.save(big, path)
+"""
+
+
+def test_kill_minus_nine_mid_save_never_corrupts(tmp_path):
+    path = tmp_path / "ledger.json"
+    old = _ledger_of([_m(0)])
+    store.save(old, path)
+    old_text = path.read_text()
+    new_text = None
+    for trial in range(50):
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path), "3000"], stdout=subprocess.PIPE)
+        assert proc.stdout.readline().strip() == b"ready"
+        time.sleep(0.005 + (trial % 10) * 0.007)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        text = path.read_text()
+        ledger = store.parse_ledger(text, str(path))  # always valid
+        if text != old_text:
+            new_text = new_text or text
+            assert text == new_text and len(ledger.measurements) == 3000
+        leftovers = [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+        for p in leftovers:  # a killed writer may leave its temp file; never the ledger half-written
+            p.unlink()
