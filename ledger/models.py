@@ -302,9 +302,22 @@ class Ledger(_Model):
     predictions: list[Prediction] = Field(default_factory=list, description="Prospective predictions and their scores.")
 
 
+def _close_pattern_properties(node: object) -> None:
+    # pydantic puts a key pattern in patternProperties; keys that do not match must be refused too.
+    if isinstance(node, dict):
+        if "patternProperties" in node and "additionalProperties" not in node:
+            node["additionalProperties"] = False
+        for value in node.values():
+            _close_pattern_properties(value)
+    elif isinstance(node, list):
+        for value in node:
+            _close_pattern_properties(value)
+
+
 def json_schema() -> dict:
     """The JSON Schema (draft 2020-12) of a ledger file, generated from the models."""
     schema = Ledger.model_json_schema(mode="validation")
+    _close_pattern_properties(schema)
     ordered = {"$schema": schema.pop("$schema"), "$id": schema.pop("$id"), "title": schema.pop("title")}
     ordered.update(schema)
     return ordered

@@ -21,3 +21,8 @@ def small_ledger(tmp_path: Path) -> Path:
     dst = tmp_path / "ledger.json"
     shutil.copy(SMALL, dst)
     return dst
+
+BENCHMARKS = REPO / "benchmarks"
+GOLDEN = DATA / "golden-site"
+#: The one command that regenerates the golden site (run from the repository root).
+REGEN_GOLDEN = "vram build --ledger tests/data/small-ledger.json --out tests/data/golden-site -q"

@@ -21,6 +21,7 @@ _STYLE = {
     "grid.alpha": 0.3,
 }
 _MARKERS = "os^Dv<>phP*"
+_LEGEND_MAX = 16
 
 
 def render_svg(plot: Plot) -> str:
@@ -46,10 +47,14 @@ def render_svg(plot: Plot) -> str:
             ax.set_ylabel(plot.ylabel)
             ax.set_title(plot.title, fontsize=10)
             if plot.series:
-                ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
-            fig.tight_layout()
+                handles, labels = ax.get_legend_handles_labels()
+                if len(handles) > _LEGEND_MAX:  # every series is still in vram.json
+                    extra = len(handles) - _LEGEND_MAX
+                    handles, labels = handles[:_LEGEND_MAX], labels[:_LEGEND_MAX] + [f"+ {extra} more (see vram.json)"]
+                    handles.append(plt.Line2D([], [], linestyle="none"))
+                ax.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
             buf = io.StringIO()
-            fig.savefig(buf, format="svg", metadata={"Date": None, "Creator": "vram-ledger"})
+            fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None, "Creator": "vram-ledger"})
         finally:
             plt.close(fig)
     return buf.getvalue()

@@ -9,7 +9,7 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..models import Ledger
+from ..models import Ledger, _close_pattern_properties
 from .context import Plot
 
 #: Version of the public document's format (not of the ledger inside it).
@@ -44,7 +44,12 @@ class PublicDocument(BaseModel):
 
 
 def public_schema() -> dict:
+    """The JSON Schema of vram.json (draft 2020-12), generated from the models."""
     schema = PublicDocument.model_json_schema()
+    ledger_def = schema["$defs"]["Ledger"]
+    for key in ("$id", "$schema"):  # an embedded $id would rebase the ledger's $refs
+        ledger_def.pop(key, None)
+    _close_pattern_properties(schema)
     ordered = {"$schema": schema.pop("$schema"), "$id": schema.pop("$id"), "title": schema.pop("title")}
     ordered.update(schema)
     return ordered

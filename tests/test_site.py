@@ -1,0 +1,251 @@
+"""The site: golden tree, strict HTML, links and anchors, escaping, determinism, scale."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from urllib.parse import urldefrag
+
+import html5lib
+import pytest
+from jsonschema import Draft202012Validator
+
+from conftest import BENCHMARKS, BUNDLED, GOLDEN, REGEN_GOLDEN, SMALL
+from ledger import cli, store
+from ledger.models import Detail, Figure, Finding, Gpu, Lora, Measurement, Outcome, Provenance
+from ledger.site import filters
+from ledger.site.render import SiteWriter, render_site
+from ledger.errors import UserError
+
+sys.path.insert(0, str(BENCHMARKS))
+from synthetic import synthetic_ledger  # noqa: E402
+
+SECTIONS = ["gpu", "measurements", "cross-gpu", "gpu-rx-7900-xtx", "gpu-rtx-3060-ti", "calibration",
+            "calibration-anchor", "calibration-prediction", "probe-vs-real-gap", "rank-cost", "dropout-memory",
+            "inference-footprint", "host-ram", "plots", "predictions", "downloads"]
+
+
+@pytest.fixture(scope="module")
+def bundled_site(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("site")
+    assert cli.main(["build", "--ledger", str(BUNDLED), "--out", str(out), "-q"]) == 0
+    return out
+
+
+def parse_strict(path: Path):
+    parser = html5lib.HTMLParser(strict=True, namespaceHTMLElements=False)
+    return parser.parse(path.read_bytes())
+
+
+def tree_files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_golden_tree(tmp_path):
+    out = tmp_path / "site"
+    assert cli.main(["build", "--ledger", str(SMALL), "--out", str(out), "-q"]) == 0
+    got, want = tree_files(out), tree_files(GOLDEN)
+    assert sorted(got) == sorted(want), f"file list changed; regenerate with: {REGEN_GOLDEN}"
+    changed = [name for name in got if got[name] != want[name]]
+    assert changed == [], f"outputs changed: {changed}; review, then regenerate with: {REGEN_GOLDEN}"
+
+
+def test_build_twice_is_byte_identical(tmp_path, monkeypatch):
+    a, b = tmp_path / "a", tmp_path / "b"
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1790000000")
+    assert cli.main(["build", "--ledger", str(SMALL), "--out", str(a), "-q"]) == 0
+    assert cli.main(["build", "--ledger", str(SMALL), "--out", str(b), "-q"]) == 0
+    assert tree_files(a) == tree_files(b)
+    assert "2026-09-21" in (a / "index.html").read_text()
+    text = "".join(p.decode("utf-8", "replace") for p in tree_files(a).values())
+    assert str(tmp_path) not in text  # no absolute paths
+
+
+def test_every_page_is_strict_html5(bundled_site):
+    pages = [bundled_site / "index.html", *sorted((bundled_site / "tables").glob("*.html"))]
+    for page in pages:
+        parse_strict(page)  # raises ParseError on any error
+
+
+def _ids_and_links(page: Path):
+    doc = parse_strict(page)
+    ids = {el.get("id") for el in doc.iter() if el.get("id")}
+    links = [el.get("href") for el in doc.iter("a") if el.get("href")]
+    srcs = [el.get("src") for el in doc.iter("img") if el.get("src")]
+    return ids, links, srcs
+
+
+def check_links(site: Path) -> int:
+    checked = 0
+    for page in [site / "index.html", *sorted((site / "tables").glob("*.html"))]:
+        ids, links, srcs = _ids_and_links(page)
+        for href in links + srcs:
+            assert not re.match(r"^[a-z]+:", href), f"{page.name}: external or scripted link {href}"
+            target, frag = urldefrag(href)
+            target_path = (page.parent / target).resolve() if target else page
+            assert target_path.is_file(), f"{page.name}: {href} points to a missing file"
+            if frag:
+                target_ids = ids if target_path == page else _ids_and_links(target_path)[0]
+                assert frag in target_ids, f"{page.name}: {href} points to a missing anchor"
+            checked += 1
+    return checked
+
+
+def test_internal_links_and_anchors_resolve(bundled_site):
+    assert check_links(bundled_site) > 50
+
+
+def test_sections_and_ids_are_on_both_pages(bundled_site):
+    ids, _, _ = _ids_and_links(bundled_site / "index.html")
+    md = (bundled_site / "vram.md").read_text(encoding="utf-8")
+    for section in SECTIONS:
+        assert section in ids, f"index.html lacks #{section}"
+        assert f'<a id="{section}"></a>' in md, f"vram.md lacks #{section}"
+    ledger = store.load(BUNDLED)
+    for m in ledger.measurements:
+        assert f"m-{m.id}" in ids
+        assert f"`{m.id}`" in md
+
+
+def test_oom_rows_show_the_message_not_a_peak(bundled_site):
+    html = (bundled_site / "index.html").read_text(encoding="utf-8")
+    row = re.search(r'<tr id="m-real-v14-run2">(.*?)</tr>', html, re.S).group(1)
+    assert "OOM: free 58.0 MiB, allocated 7,147.5 MiB, reserved-unallocated 394.0 MiB" in row
+    assert 'class="badge oom"' in row
+
+
+def test_public_json_validates_against_the_published_schema(bundled_site):
+    doc = json.loads((bundled_site / "vram.json").read_text())
+    schema = json.loads((bundled_site / "vram.schema.json").read_text())
+    Draft202012Validator.check_schema(schema)
+    errors = list(Draft202012Validator(schema).iter_errors(doc))
+    assert errors == []
+    assert doc["schema_version"] == 1 and doc["ledger"]["schema_version"] == 1
+    plot_ids = {p["id"] for p in doc["derived"]["plots"]}
+    assert {"peak-vs-rank-rx-7900-xtx", "peak-vs-seq-len", "probe-vs-real-rtx-3070-ti"} <= plot_ids
+    for plot in doc["derived"]["plots"]:
+        assert (bundled_site / plot["file"]).is_file() and plot["alt"] and plot["caption"]
+
+
+def test_plot_marks_ooms_as_exceeded_at_the_card_limit(bundled_site):
+    doc = json.loads((bundled_site / "vram.json").read_text())
+    plot = next(p for p in doc["derived"]["plots"] if p["id"] == "peak-vs-rank-rtx-3070-ti")
+    exceeded = [pt for s in plot["series"] for pt in s["points"] if pt["exceeded"]]
+    assert exceeded and all(pt["y"] == pytest.approx(7.65 * 1024) for pt in exceeded)
+
+
+def test_self_contained(bundled_site):
+    html = (bundled_site / "index.html").read_text(encoding="utf-8")
+    assert "<link" not in html and "@import" not in html and "http://" not in html.replace("http://www.w3.org", "")
+    assert re.search(r"<script[^>]+src=", html) is None
+
+
+HOSTILE = [
+    "<script>alert(1)</script>",
+    '<img src=x onerror="alert(1)">',
+    "[click](javascript:alert(1))",
+    '"><svg onload=alert(1)>',
+    "x" * 5000,
+    "ünïcødé ✓ 日本語 \u202e",
+]
+
+
+def hostile_ledger():
+    text = " ".join(HOSTILE)
+    prov = Provenance(source=text, notes=HOSTILE)
+    return store.empty_ledger(about=text).model_copy(update=dict(
+        gpus={"evil": Gpu(name=HOSTILE[0], os=HOSTILE[1], aliases=[HOSTILE[3]], provenance=prov)},
+        measurements=[
+            Measurement(id="m1", kind="real", gpu="evil", model=HOSTILE[1], config_text=HOSTILE[2],
+                        lora=Lora(rank=8), outcome=Outcome(status="ok", peak_allocated_mib=10.0, result_text=HOSTILE[3]),
+                        provenance=prov),
+            Measurement(id="m2", kind="probe", gpu="evil", lora=Lora(rank=16), seq_len=100,
+                        outcome=Outcome(status="oom", result_text=HOSTILE[0]), provenance=prov),
+        ],
+        findings=[Finding(id="f1", title=HOSTILE[0], claim=text, details=[Detail(label=HOSTILE[1], text=HOSTILE[2])],
+                          figures=[Figure(label=HOSTILE[3], value=1.0, unit=HOSTILE[0])], evidence=["m1"],
+                          provenance=prov)],
+    ))
+
+
+def test_hostile_strings_are_never_executable(tmp_path):
+    out = tmp_path / "site"
+    render_site(hostile_ledger(), out)
+    doc = parse_strict(out / "index.html")
+    scripts = list(doc.iter("script"))
+    assert len(scripts) == 1 and "alert(1)" not in (scripts[0].text or "")
+    for el in doc.iter():
+        for attr, value in el.attrib.items():
+            assert not attr.lower().startswith("on"), f"event handler {attr} on <{el.tag}>"
+            if attr in ("href", "src"):
+                assert not value.strip().lower().startswith(("javascript:", "data:")), value
+    assert not any(el.tag in ("img", "svg") and el.get("src") == "x" for el in doc.iter())
+    html = (out / "index.html").read_text(encoding="utf-8")
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+    md = (out / "vram.md").read_text(encoding="utf-8")
+    assert "<script>" not in md and "onerror=" not in md.replace("onerror=&#34;", "") or "&lt;img" in md
+    assert "<script>alert" not in md and "<img src" not in md
+
+
+def test_markdown_filter_drops_unsafe_links_and_raw_html():
+    assert "<a" not in filters.markdown("[x](javascript:alert(1))")
+    assert "<a" not in filters.markdown("[x](data:text/html,hi)")
+    assert "<script>" not in filters.markdown("<script>alert(1)</script>")
+    assert '<a href="https://example.org">' in filters.markdown("[x](https://example.org)")
+    assert '<a href="rel/page.html">' in filters.markdown("[x](rel/page.html)")
+
+
+def test_unit_filters():
+    assert filters.mib(6653) == "6,653.0 MiB"
+    assert filters.gib(7833.6) == "7.65 GiB"
+    assert filters.pct(4.7) == "4.7%" and filters.signed_pct(-2.47, 2) == "-2.47%"
+    assert filters.mib(None) == "" and filters.num(None) == ""
+    assert filters.md_cell("a|b\nc<d>") == "a\\|b c&lt;d&gt;"
+
+
+def test_writer_refuses_paths_outside_and_duplicates(tmp_path):
+    w = SiteWriter(tmp_path / "out")
+    with pytest.raises(UserError, match="outside"):
+        w.write("../escape.txt", "x")
+    w.write("a.txt", "x")
+    with pytest.raises(UserError, match="same path"):
+        w.write("a.txt", "y")
+    assert not (tmp_path / "escape.txt").exists()
+
+
+def test_stale_files_are_removed_and_others_kept(tmp_path):
+    out = tmp_path / "site"
+    render_site(store.load(BUNDLED), out)
+    assert (out / "plots" / "peak-vs-rank-rx-7900-xtx.svg").exists()
+    (out / "mine.txt").write_text("not the builder's")
+    render_site(store.load(SMALL).model_copy(update={"gpus": {k: v for k, v in store.load(SMALL).gpus.items()}}), out)
+    small = store.load(SMALL)
+    assert "rtx-3060-ti" not in small.gpus
+    render_site(small, out)
+    assert not (out / "plots" / "peak-vs-rank-rtx-3060-ti.svg").exists()
+    assert (out / "mine.txt").read_text() == "not the builder's"
+
+
+def test_large_ledger_is_paginated_with_a_summary(tmp_path):
+    ledger = synthetic_ledger(2500)
+    out = tmp_path / "site"
+    render_site(ledger, out)
+    pages = sorted((out / "tables").glob("*.html"))
+    assert pages, "no pages for a large ledger"
+    index = (out / "index.html").read_text(encoding="utf-8")
+    assert index.count("<tr id=\"m-") == 0 and "too many for one page" in index
+    assert len(index) < 300_000
+    assert check_links(out) > 0
+    rows = sum(p.read_text().count('<tr id="m-') for p in pages)
+    assert rows == 2500
+
+
+def test_bad_ledger_builds_nothing(tmp_path, capsys):
+    out = tmp_path / "site"
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert cli.main(["build", "--ledger", str(bad), "--out", str(out)]) == 1
+    assert capsys.readouterr().err.strip() == f"{bad}:schema_version: missing or not an integer"
+    assert not out.exists()
