@@ -13,12 +13,11 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from ..models import Finding, Gpu, Ledger, Measurement, Prediction
-from ..store import dumps
 from . import filters
 
-#: Tables with more rows than this show a grouped summary on the page and the full rows on
-#: separate pages of this many rows (and in vram.json / vram.csv).
-ROWS_PER_PAGE = 500
+#: Tables with more rows than this show a grouped summary on the page instead; every row is
+#: in vram.csv and vram.json. A browser opens a page of this many rows quickly.
+ROW_LIMIT = 2000
 
 
 @dataclass
@@ -67,16 +66,18 @@ class Row:
 
 @dataclass
 class Table:
+    """A measurement table. Up to ROW_LIMIT rows are shown on the page; a larger table is shown
+    as a grouped summary, with every row in vram.csv and vram.json."""
+
     id: str
     title: str
     rows: list[Row]
     total: int
-    pages: list[str] = field(default_factory=list)
     summary: list[dict] = field(default_factory=list)
 
     @property
-    def paginated(self) -> bool:
-        return bool(self.pages)
+    def summarised(self) -> bool:
+        return self.total > len(self.rows)
 
 
 @dataclass
@@ -179,9 +180,14 @@ def anchor(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "section"
 
 
-def ledger_hash(ledger: Ledger) -> str:
-    """sha256 of the ledger's canonical text: changes when and only when the content does."""
-    return hashlib.sha256(dumps(ledger).encode("utf-8")).hexdigest()
+def canonical_json(ledger: Ledger) -> str:
+    """The ledger's compact canonical JSON (model field order, nulls left out)."""
+    return ledger.model_dump_json(exclude_none=True)
+
+
+def ledger_hash(ledger: Ledger, text: Optional[str] = None) -> str:
+    """sha256 of the ledger's canonical JSON: changes when and only when the content does."""
+    return hashlib.sha256((text if text is not None else canonical_json(ledger)).encode("utf-8")).hexdigest()
 
 
 def card_limit_mib(gpu: Optional[Gpu]) -> Optional[float]:
@@ -301,23 +307,26 @@ def make_row(ledger: Ledger, m: Measurement) -> Row:
     )
 
 
-def _summary(rows: list[Row]) -> list[dict]:
-    groups: dict[tuple, list[Row]] = defaultdict(list)
-    for r in rows:
-        key = (r.gpu, r.kind, r.model, r.quant, r.fixes, bool(r.dropout), bool(r.dora))
-        groups[key].append(r)
+def _summary(ledger: Ledger, measurements: list[Measurement]) -> list[dict]:
+    groups: dict[tuple, list[Measurement]] = defaultdict(list)
+    labels = {key: _gpu_label(ledger, key) for key in ledger.gpus}
+    for m in measurements:
+        lora = m.lora
+        key = (labels.get(m.gpu, ""), m.kind, m.model or "", m.quant or "", _fixes(m),
+               bool(lora and lora.dropout), bool(lora and lora.dora))
+        groups[key].append(m)
     out = []
     for key in sorted(groups, key=lambda k: tuple(str(x) for x in k)):
-        rs = groups[key]
-        peaks = [r.peak_allocated_mib for r in rs if r.peak_allocated_mib is not None]
-        ranks = [r.rank for r in rs if r.rank is not None]
-        seqs = [r.seq_len for r in rs if r.seq_len is not None]
-        status = Counter(r.status or "unknown" for r in rs)
+        ms = groups[key]
+        peaks = [m.outcome.peak_allocated_mib for m in ms if m.outcome.peak_allocated_mib is not None]
+        ranks = [m.lora.rank for m in ms if m.lora]
+        seqs = [m.seq_len for m in ms if m.seq_len]
+        status = Counter(m.outcome.status or "unknown" for m in ms)
         out.append(
             {
                 "gpu": key[0], "kind": key[1], "model": key[2], "quant": key[3], "fixes": key[4],
                 "dropout": "yes" if key[5] else "no", "dora": "yes" if key[6] else "no",
-                "rows": len(rs),
+                "rows": len(ms),
                 "ranks": f"{min(ranks)}–{max(ranks)}" if ranks else "",
                 "seq_lens": f"{min(seqs)}–{max(seqs)}" if seqs else "",
                 "peak_min_mib": min(peaks) if peaks else None,
@@ -328,12 +337,12 @@ def _summary(rows: list[Row]) -> list[dict]:
     return out
 
 
-def make_table(table_id: str, title: str, rows: list[Row]) -> Table:
-    if len(rows) <= ROWS_PER_PAGE:
+def make_table(ledger: Ledger, table_id: str, title: str, measurements: list[Measurement]) -> Table:
+    if len(measurements) <= ROW_LIMIT:
+        rows = [make_row(ledger, m) for m in measurements]
         return Table(id=table_id, title=title, rows=rows, total=len(rows))
-    n_pages = (len(rows) + ROWS_PER_PAGE - 1) // ROWS_PER_PAGE
-    pages = [f"tables/{table_id}-{i + 1}.html" for i in range(n_pages)]
-    return Table(id=table_id, title=title, rows=rows, total=len(rows), pages=pages, summary=_summary(rows))
+    return Table(id=table_id, title=title, rows=[], total=len(measurements),
+                 summary=_summary(ledger, measurements))
 
 
 def gpu_spec(key: str, gpu: Gpu) -> GpuSpec:
@@ -444,13 +453,6 @@ def training_gpu_key(ledger: Ledger) -> Optional[str]:
 # -- plots --------------------------------------------------------------------------------
 
 
-def _series_key(m: Measurement) -> tuple:
-    lora = m.lora
-    return (m.quant or "?", m.memory_fixes if isinstance(m.memory_fixes, str) else _fixes(m) or "?",
-            bool(lora and lora.dropout), bool(lora and lora.dora),
-            m.seq_len or (m.dataset.longest_example_tokens if m.dataset else None))
-
-
 def _series_label(key: tuple) -> str:
     quant, fixes, dropout, dora, seq = key
     bits = [quant, f"fixes {fixes}", "dropout" if dropout else "no dropout"]
@@ -461,63 +463,73 @@ def _series_label(key: tuple) -> str:
     return ", ".join(bits)
 
 
-def _point(m: Measurement, x: float, limit: Optional[float]) -> Optional[PlotPoint]:
+def _keep_highest(points: dict, x: float, m: Measurement, limit: Optional[float]) -> None:
+    """Keep, per x, the highest peak of a series; an OOM (drawn at the card's limit as
+    'exceeded') outranks any peak that fit. Readable at any ledger size."""
     o = m.outcome
-    if o.status == "oom" and limit is not None:
-        return PlotPoint(x=x, y=limit, id=m.id, status="oom", exceeded=True)
-    if o.peak_allocated_mib is not None and o.status in ("ok", "spilled", None):
-        return PlotPoint(x=x, y=o.peak_allocated_mib, id=m.id, status=o.status or "ok")
-    return None
+    if o.status == "oom":
+        if limit is None:
+            return
+        cand = (True, limit, m.id, "oom")
+    elif o.peak_allocated_mib is not None and o.status in ("ok", "spilled", None):
+        cand = (False, o.peak_allocated_mib, m.id, o.status or "ok")
+    else:
+        return
+    old = points.get(x)
+    if old is None or cand[:2] > old[:2]:
+        points[x] = cand
 
 
-def _aggregate(points: list[PlotPoint]) -> list[PlotPoint]:
-    """One point per x (the highest peak, or 'exceeded' when any OOMed): readable at any size."""
-    by_x: dict[float, PlotPoint] = {}
-    for p in points:
-        best = by_x.get(p.x)
-        if best is None or (p.exceeded and not best.exceeded) or (p.exceeded == best.exceeded and p.y > best.y):
-            by_x[p.x] = p
-    return [by_x[x] for x in sorted(by_x)]
+def _points(points: dict) -> list[PlotPoint]:
+    return [PlotPoint(x=x, y=v[1], id=v[2], status=v[3], exceeded=v[0]) for x, v in sorted(points.items())]
 
 
 def make_plots(ledger: Ledger) -> list[Plot]:
-    plots: list[Plot] = []
-    probes = [m for m in ledger.measurements if m.kind == "probe" and m.gpu]
-    for key in ledger.gpus:
-        gpu = ledger.gpus[key]
-        limit = card_limit_mib(gpu)
-        series: dict[tuple, list[PlotPoint]] = defaultdict(list)
-        for m in probes:
-            if m.gpu != key or not m.lora:
-                continue
-            pt = _point(m, float(m.lora.rank), limit)
-            if pt:
-                series[_series_key(m)].append(pt)
-        if series:
-            plots.append(
-                Plot(
-                    id=f"peak-vs-rank-{key}", file=f"plots/peak-vs-rank-{key}.svg",
-                    title=f"Probe peak allocated vs LoRA rank on the {gpu.name}",
-                    caption=(f"One-step probes on the {gpu.name}: peak allocated (MiB) by rank, one line per quant × "
-                             "memory fixes × dropout × DoRA × sequence length. An OOM is drawn as × at the card's "
-                             "limit: the step needed more than the card could give."),
-                    alt=(f"Line chart of probe peak allocated memory in MiB against LoRA rank on the {gpu.name}, "
-                         f"{len(series)} series; OOM probes are marked at the card limit."),
-                    xlabel="LoRA rank", ylabel="peak allocated (MiB)",
-                    series=[PlotSeries(_series_label(k), _aggregate(v)) for k, v in sorted(series.items(), key=str)],
-                    limit_mib=limit, limit_label="card limit (torch)" if gpu.usable_gib_torch else "card total",
-                )
-            )
-    # Peak vs sequence length: series with at least two lengths.
-    seq_series: dict[tuple, list[PlotPoint]] = defaultdict(list)
-    for m in probes:
-        seq = m.seq_len
-        if not seq or not m.lora:
+    """Peak vs rank per card, peak vs sequence length, probe vs real: one pass over the rows."""
+    limits = {key: card_limit_mib(gpu) for key, gpu in ledger.gpus.items()}
+    by_rank: dict[str, dict[tuple, dict]] = defaultdict(lambda: defaultdict(dict))
+    by_seq: dict[tuple, dict] = defaultdict(dict)
+    probe_real: dict[str, dict[tuple, dict]] = defaultdict(lambda: defaultdict(dict))
+    has_real: set[str] = set()
+    for m in ledger.measurements:
+        gpu, lora = m.gpu, m.lora
+        if not gpu or not lora:
             continue
-        pt = _point(m, float(seq), card_limit_mib(ledger.gpus.get(m.gpu)))
-        if pt:
-            seq_series[(m.gpu, m.quant, m.lora.rank, bool(m.lora.dropout), bool(m.lora.dora), _fixes(m))].append(pt)
-    seq_series = {k: v for k, v in seq_series.items() if len({p.x for p in v}) >= 2}
+        limit, rank = limits[gpu], float(lora.rank)
+        dropout, dora = bool(lora.dropout), bool(lora.dora)
+        ok = m.outcome.status == "ok" and m.outcome.peak_allocated_mib is not None
+        if m.kind == "probe":
+            fixes = _fixes(m)
+            seq = m.seq_len or (m.dataset.longest_example_tokens if m.dataset else None)
+            _keep_highest(by_rank[gpu][(m.quant or "?", fixes or "?", dropout, dora, seq)], rank, m, limit)
+            if m.seq_len:
+                _keep_highest(by_seq[(gpu, m.quant, lora.rank, dropout, dora, fixes)], float(m.seq_len), m, limit)
+            if ok:
+                _keep_highest(probe_real[gpu][(0, dropout)], rank, m, limit)
+        elif m.kind == "real" and ok:
+            has_real.add(gpu)
+            _keep_highest(probe_real[gpu][(1, dropout)], rank, m, limit)
+
+    plots: list[Plot] = []
+    for key, gpu in ledger.gpus.items():
+        series = by_rank.get(key)
+        if not series:
+            continue
+        plots.append(
+            Plot(
+                id=f"peak-vs-rank-{key}", file=f"plots/peak-vs-rank-{key}.svg",
+                title=f"Probe peak allocated vs LoRA rank on the {gpu.name}",
+                caption=(f"One-step probes on the {gpu.name}: peak allocated (MiB) by rank, one line per quant × "
+                         "memory fixes × dropout × DoRA × sequence length (the highest value per rank). An OOM is "
+                         "drawn as × at the card's limit: the step needed more than the card could give."),
+                alt=(f"Line chart of probe peak allocated memory in MiB against LoRA rank on the {gpu.name}, "
+                     f"{len(series)} series; OOM probes are marked at the card limit."),
+                xlabel="LoRA rank", ylabel="peak allocated (MiB)",
+                series=[PlotSeries(_series_label(k), _points(v)) for k, v in sorted(series.items(), key=str)],
+                limit_mib=limits[key], limit_label="card limit (torch)" if gpu.usable_gib_torch else "card total",
+            )
+        )
+    seq_series = {k: v for k, v in by_seq.items() if len(v) >= 2}
     if seq_series:
         plots.append(
             Plot(
@@ -531,29 +543,17 @@ def make_plots(ledger: Ledger) -> list[Plot]:
                     PlotSeries(
                         f"{_gpu_label(ledger, k[0])}, {k[1]}, r{k[2]}"
                         + (", dropout" if k[3] else "") + (", DoRA" if k[4] else "") + f", fixes {k[5]}",
-                        _aggregate(v),
+                        _points(v),
                     )
                     for k, v in sorted(seq_series.items(), key=str)
                 ],
             )
         )
-    # Probe vs real: on each card with real runs, probe and real peaks by rank.
-    for key in ledger.gpus:
-        reals = [m for m in ledger.measurements if m.kind == "real" and m.gpu == key and m.lora
-                 and m.outcome.peak_allocated_mib is not None and m.outcome.status == "ok"]
-        if not reals:
+    names = ("probes (one step)", "real runs")
+    for key, gpu in ledger.gpus.items():
+        if key not in has_real:
             continue
-        ps = [m for m in probes if m.gpu == key and m.lora and m.outcome.status == "ok"
-              and m.outcome.peak_allocated_mib is not None]
-        series_list = []
-        for label, group in (("probes (one step)", ps), ("real runs", reals)):
-            by_drop: dict[bool, list[PlotPoint]] = defaultdict(list)
-            for m in group:
-                by_drop[bool(m.lora.dropout)].append(
-                    PlotPoint(x=float(m.lora.rank), y=m.outcome.peak_allocated_mib, id=m.id, status="ok"))
-            for drop in sorted(by_drop):
-                series_list.append(PlotSeries(f"{label}, {'dropout' if drop else 'no dropout'}", _aggregate(by_drop[drop])))
-        gpu = ledger.gpus[key]
+        groups = probe_real[key]
         plots.append(
             Plot(
                 id=f"probe-vs-real-{key}", file=f"plots/probe-vs-real-{key}.svg",
@@ -561,8 +561,10 @@ def make_plots(ledger: Ledger) -> list[Plot]:
                 caption=("Peak allocated (MiB) by rank for one-step probes and for real training runs on the same card "
                          "(highest value per rank). The probe has no optimizer step and over-estimates the real peak."),
                 alt=f"Scatter chart comparing probe and real-run peak allocated memory by LoRA rank on the {gpu.name}.",
-                xlabel="LoRA rank", ylabel="peak allocated (MiB)", series=series_list,
-                limit_mib=card_limit_mib(gpu), limit_label="card limit (torch)" if gpu.usable_gib_torch else "card total",
+                xlabel="LoRA rank", ylabel="peak allocated (MiB)",
+                series=[PlotSeries(f"{names[k[0]]}, {'dropout' if k[1] else 'no dropout'}", _points(groups[k]))
+                        for k in sorted(groups)],
+                limit_mib=limits[key], limit_label="card limit (torch)" if gpu.usable_gib_torch else "card total",
             )
         )
     return plots
@@ -574,17 +576,23 @@ def make_plots(ledger: Ledger) -> list[Plot]:
 BUILTIN_SECTIONS = ("gpu", "measurements", "cross-gpu", "plots", "predictions", "downloads")
 
 
-def build_context(ledger: Ledger, *, build_date: Optional[str] = None, title: str = "VRAM measurements") -> SiteContext:
+def build_context(
+    ledger: Ledger,
+    *,
+    build_date: Optional[str] = None,
+    title: str = "VRAM measurements",
+    ledger_sha256: Optional[str] = None,
+) -> SiteContext:
     """Compute everything the outputs show. Pure: the same ledger gives the same context."""
     train_key = training_gpu_key(ledger)
-    rows = [make_row(ledger, m) for m in ledger.measurements]
-    main_rows = [r for r in rows if r.gpu_key in (train_key, None)]
+    by_gpu: dict[Optional[str], list[Measurement]] = defaultdict(list)
+    for m in ledger.measurements:
+        by_gpu[m.gpu if m.gpu != train_key else None].append(m)
     cross = []
     for key, gpu in ledger.gpus.items():
         if key == train_key:
             continue
-        gpu_rows = [r for r in rows if r.gpu_key == key]
-        cross.append((gpu_spec(key, gpu), make_table(f"gpu-{key}-table", gpu.name, gpu_rows)))
+        cross.append((gpu_spec(key, gpu), make_table(ledger, f"gpu-{key}-table", gpu.name, by_gpu.get(key, []))))
     views = [finding_view(f) for f in ledger.findings]
     intro = next((v for v in views if v.id == "cross-gpu"), None)
     status = Counter(m.outcome.status or "unknown" for m in ledger.measurements)
@@ -599,12 +607,12 @@ def build_context(ledger: Ledger, *, build_date: Optional[str] = None, title: st
     return SiteContext(
         title=title,
         about=ledger.about,
-        ledger_sha256=ledger_hash(ledger),
+        ledger_sha256=ledger_sha256 or ledger_hash(ledger),
         schema_version=ledger.schema_version,
         build_date=build_date,
         counts=counts,
         training_gpu=gpu_spec(train_key, ledger.gpus[train_key]) if train_key else None,
-        measurements=make_table("measurements-table", "Measurements", main_rows),
+        measurements=make_table(ledger, "measurements-table", "Measurements", by_gpu.get(None, [])),
         cross_gpus=cross,
         cross_gpu_intro=intro,
         findings=[v for v in views if v.id not in BUILTIN_SECTIONS],

@@ -20,8 +20,9 @@ from ..errors import Issue, UserError
 from ..models import Ledger
 from ..store import atomic_write_text
 from . import filters
-from .context import ROWS_PER_PAGE, SiteContext, all_tables, build_context, training_gpu_key
-from .public import PUBLIC_SCHEMA_VERSION, Derived, PublicDocument, public_schema
+from .context import SiteContext, all_tables, build_context, canonical_json, ledger_hash, training_gpu_key
+from .downloads import measurements_csv
+from .public import PUBLIC_SCHEMA_VERSION, Derived, public_schema
 
 HERE = Path(__file__).resolve().parent
 MANIFEST = ".vram-build-manifest"
@@ -107,13 +108,13 @@ class BuildResult:
     removed: list[str]
 
 
-def public_document(ledger: Ledger, ctx: SiteContext) -> PublicDocument:
-    return PublicDocument(
-        schema_version=PUBLIC_SCHEMA_VERSION,
-        ledger_sha256=ctx.ledger_sha256,
-        build_date=ctx.build_date,
-        ledger=ledger,
-        derived=Derived(counts=ctx.counts, training_gpu=training_gpu_key(ledger), plots=ctx.plots),
+def public_json(ledger_json: str, ctx: SiteContext, ledger: Ledger) -> str:
+    """vram.json text, assembled around the ledger's canonical JSON (serialised only once)."""
+    derived = Derived(counts=ctx.counts, training_gpu=training_gpu_key(ledger), plots=ctx.plots)
+    return (
+        f'{{"schema_version":{PUBLIC_SCHEMA_VERSION},"ledger_sha256":{json.dumps(ctx.ledger_sha256)},'
+        f'"build_date":{json.dumps(ctx.build_date)},"ledger":{ledger_json},'
+        f'"derived":{derived.model_dump_json()}}}\n'
     )
 
 
@@ -121,33 +122,20 @@ def render_site(ledger: Ledger, out: Path, *, build_date: Optional[str] = None) 
     """Compute the context once, then render and write every output."""
     from .plots import render_svg  # matplotlib is imported only when a site is built
 
-    ctx = build_context(ledger, build_date=build_date)
+    ledger_json = canonical_json(ledger)
+    ctx = build_context(ledger, build_date=build_date, ledger_sha256=ledger_hash(ledger, ledger_json))
     env = environment()
     css = (HERE / "static" / "style.css").read_text(encoding="utf-8")
     js = (HERE / "static" / "sort.js").read_text(encoding="utf-8")
-    hrefs = {r.id: f"#m-{r.id}" for t in all_tables(ctx) if not t.paginated for r in t.rows}
-    for t in all_tables(ctx):
-        if t.paginated:
-            for i, page in enumerate(t.pages):
-                for r in t.rows[i * ROWS_PER_PAGE:(i + 1) * ROWS_PER_PAGE]:
-                    hrefs[r.id] = f"{page}#m-{r.id}"
+    hrefs = {r.id: f"#m-{r.id}" for t in all_tables(ctx) for r in t.rows}
 
     writer = SiteWriter(Path(out))
     common = {"ctx": ctx, "css": css, "js": js, "hrefs": hrefs}
     writer.write("index.html", env.get_template("index.html.j2").render(**common))
-    page_tpl = env.get_template("table_page.html.j2")
-    for t in all_tables(ctx):
-        if not t.paginated:
-            continue
-        size = ROWS_PER_PAGE
-        for i, page in enumerate(t.pages):
-            rows = t.rows[i * size:(i + 1) * size]
-            writer.write(page, page_tpl.render(**common, table=t, rows=rows, page_no=i + 1,
-                                               first=i * size + 1, last=i * size + len(rows)))
     writer.write("vram.md", env.get_template("vram.md.j2").render(**common))
-    doc = public_document(ledger, ctx)
-    writer.write("vram.json", doc.model_dump_json(indent=1) + "\n")
+    writer.write("vram.json", public_json(ledger_json, ctx, ledger))
     writer.write("vram.schema.json", json.dumps(public_schema(), indent=2) + "\n")
+    writer.write("vram.csv", measurements_csv(ledger))
     for plot in ctx.plots:
         writer.write(plot.file, render_svg(plot))
     removed = writer.finish()

@@ -1,0 +1,59 @@
+"""The flat download: vram.csv, one row per measurement, units in the headers."""
+
+from __future__ import annotations
+
+import csv
+import io
+from ..models import Ledger, Measurement
+
+
+def _fixes(m: Measurement) -> str:
+    f = m.memory_fixes
+    return "" if f is None else (f if isinstance(f, str) else " ".join(f) or "none")
+
+
+def _v(value: object) -> object:
+    if value is None:
+        return ""
+    if value is True or value is False:
+        return "true" if value else "false"
+    return value
+
+
+#: Column names, units in the names; a stable order (consumers index by name).
+COLUMNS = [
+    "id", "kind", "gpu", "model", "quant", "lora_rank", "lora_alpha", "lora_rslora", "lora_dropout", "lora_dora",
+    "seq_len_tokens", "response_len_tokens", "batch_size", "memory_fixes", "logits_to_keep", "dataset",
+    "dataset_examples", "longest_example_tokens", "status", "after_load_mib", "pre_step_mib", "peak_allocated_mib",
+    "peak_reserved_mib", "step_s", "oom_tried_mib", "oom_free_mib", "oom_allocated_mib",
+    "oom_reserved_unallocated_mib", "oom_max_allocated_mib", "failed_at_step", "source", "measured_on", "inferred",
+]
+_NO_LORA = ("", "", "", "", "")
+_NO_DATASET = ("", "", "")
+_NO_OOM = ("", "", "", "", "")
+
+
+def csv_row(m: Measurement) -> list:
+    """One measurement as the COLUMNS (one function per row: the file has 100k rows at scale)."""
+    lora, ds, o, p = m.lora, m.dataset, m.outcome, m.provenance
+    oom = o.oom
+    return [
+        m.id, m.kind, _v(m.gpu), _v(m.model), _v(m.quant),
+        *((lora.rank, _v(lora.alpha), _v(lora.rslora), _v(lora.dropout), _v(lora.dora)) if lora else _NO_LORA),
+        _v(m.seq_len), _v(m.response_len), _v(m.batch_size), _fixes(m), _v(m.logits_to_keep),
+        *((_v(ds.name), _v(ds.examples), _v(ds.longest_example_tokens)) if ds else _NO_DATASET),
+        _v(o.status), _v(o.after_load_mib), _v(o.pre_step_mib), _v(o.peak_allocated_mib), _v(o.peak_reserved_mib),
+        _v(o.step_s),
+        *((_v(oom.tried_mib), _v(oom.free_mib), _v(oom.allocated_mib), _v(oom.reserved_unallocated_mib),
+           _v(oom.max_allocated_mib)) if oom else _NO_OOM),
+        _v(o.failed_at_step), _v(p.source), p.measured_on.isoformat() if p.measured_on else "", _v(p.inferred),
+    ]
+
+
+def measurements_csv(ledger: Ledger) -> str:
+    """vram.csv text (RFC 4180 quoting, '\n' line ends)."""
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(COLUMNS)
+    writer.writerows(map(csv_row, ledger.measurements))
+    return buf.getvalue()
