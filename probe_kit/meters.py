@@ -1,0 +1,190 @@
+"""Peak-memory meters behind one interface.
+
+- ``AllocatorMeter``: the caching allocator's own counters (``torch.cuda``; ROCm builds expose
+  HIP through the same API). Assumptions: figures are read after ``synchronize``; "allocated"
+  excludes the CUDA context and cuBLAS/cuDNN workspaces outside the caching allocator;
+  "reserved" includes the allocator's cache and is what decides an OOM.
+- ``TrackerMeter``: a ``TorchDispatchMode`` that keeps the set of live tensor storages (a
+  storage counts once however many views share it), each rounded up to 512 bytes like the CUDA
+  allocator's blocks. Tensors that exist before it starts (parameters, buffers, gradients,
+  bitsandbytes ``quant_state`` tensors, which are neither parameters nor buffers) are
+  registered explicitly. Deterministic run to run; used on CPU and under fake tensors. With a
+  budget it raises ``torch.OutOfMemoryError`` (in the CUDA message form) when live bytes would
+  exceed it, so the OOM path runs end to end without a GPU.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Iterable, Optional, Protocol
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+MIB = 2**20
+BLOCK = 512  # the CUDA caching allocator rounds every block up to a multiple of 512 bytes
+
+
+def round_block(nbytes: int) -> int:
+    return (nbytes + BLOCK - 1) // BLOCK * BLOCK
+
+
+class Meter(Protocol):
+    """What a probe reads: bytes allocated now, and the peaks since the last reset."""
+
+    name: str
+
+    def allocated_mib(self) -> float: ...
+
+    def reset_peak(self) -> None: ...
+
+    def peak_allocated_mib(self) -> float: ...
+
+    def peak_reserved_mib(self) -> Optional[float]: ...
+
+
+class AllocatorMeter:
+    """torch.cuda memory statistics for one device (CUDA or ROCm/HIP)."""
+
+    name = "allocator"
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+
+    def _sync(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def allocated_mib(self) -> float:
+        self._sync()
+        return torch.cuda.memory_allocated(self.device) / MIB
+
+    def reset_peak(self) -> None:
+        self._sync()
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_allocated_mib(self) -> float:
+        self._sync()
+        return torch.cuda.max_memory_allocated(self.device) / MIB
+
+    def peak_reserved_mib(self) -> Optional[float]:
+        self._sync()
+        return torch.cuda.max_memory_reserved(self.device) / MIB
+
+
+def _fmt(nbytes: float) -> str:
+    # The units and two decimals of PyTorch's own OOM message.
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{int(nbytes)} bytes"
+
+
+class TrackerMeter(TorchDispatchMode):
+    """Live tensor storages seen by the dispatcher, counted once each, 512-byte blocks."""
+
+    name = "tracker"
+
+    def __init__(self, budget_mib: Optional[float] = None):
+        super().__init__()
+        self.budget = None if budget_mib is None else int(budget_mib * MIB)
+        self.live: dict[int, tuple[weakref.ref, int]] = {}
+        self.live_bytes = 0
+        self.peak_bytes = 0
+
+    # -- bookkeeping ------------------------------------------------------------------
+    def _add(self, t: torch.Tensor) -> int:
+        """Start counting t's storage if it is new; return the bytes added. A weak reference to
+        the storage object (one Python object per live storage) drops it the moment it is freed."""
+        st = t.untyped_storage()
+        key = st._cdata
+        entry = self.live.get(key)
+        if entry is not None and entry[0]() is st:
+            return 0
+        if entry is not None:  # the address was reused after a free we had not seen yet
+            self.live_bytes -= entry[1]
+        size = round_block(st.nbytes())
+
+        def freed(ref: weakref.ref, key: int = key) -> None:
+            current = self.live.get(key)
+            if current is not None and current[0] is ref:
+                del self.live[key]
+                self.live_bytes -= current[1]
+
+        self.live[key] = (weakref.ref(st, freed), size)
+        self.live_bytes += size
+        return size
+
+    def register(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Count tensors that existed before tracking started (weights, buffers, quant state)."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() > 0:
+                self._add(t)
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def register_module(self, module: torch.nn.Module) -> None:
+        """Parameters, buffers, gradients and bitsandbytes quant_state tensors of a module."""
+        tensors: list[torch.Tensor] = []
+        for p in module.parameters():
+            tensors.append(p)
+            if p.grad is not None:
+                tensors.append(p.grad)
+            tensors.extend(quant_state_tensors(p))
+        tensors.extend(module.buffers())
+        self.register(tensors)
+
+    def exclude(self, t: torch.Tensor) -> None:
+        """Stop counting t's storage: it lives off the device (e.g. offloaded to host RAM)."""
+        entry = self.live.pop(t.untyped_storage()._cdata, None)
+        if entry is not None:
+            self.live_bytes -= entry[1]
+
+    # -- the dispatch hook --------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        added = 0
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                added += self._add(t)
+        if self.live_bytes > self.peak_bytes:
+            if self.budget is not None and self.live_bytes > self.budget:
+                self._raise_oom(added)
+            self.peak_bytes = self.live_bytes
+        return out
+
+    def _raise_oom(self, tried: int) -> None:
+        held = self.live_bytes - tried
+        free = max(self.budget - held, 0)
+        raise torch.OutOfMemoryError(
+            f"CUDA out of memory. Tried to allocate {_fmt(tried)}. GPU 0 has a total capacity of "
+            f"{_fmt(self.budget)} of which {_fmt(free)} is free. Including non-PyTorch memory, this process has "
+            f"{_fmt(held)} memory in use. Of the allocated memory {_fmt(held)} is allocated by PyTorch, and "
+            "0 bytes is reserved by PyTorch but unallocated. (simulated by the tracker meter's budget)"
+        )
+
+    # -- the Meter interface -------------------------------------------------------------
+    def allocated_mib(self) -> float:
+        return self.live_bytes / MIB
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.live_bytes
+
+    def peak_allocated_mib(self) -> float:
+        return self.peak_bytes / MIB
+
+    def peak_reserved_mib(self) -> Optional[float]:
+        return None  # a tracker has no allocator cache
+
+
+def quant_state_tensors(p: torch.Tensor) -> list[torch.Tensor]:
+    """bitsandbytes keeps absmax, the code book and the nested (double-quant) state on
+    ``param.quant_state``: not parameters, not buffers, but device memory all the same."""
+    qs = getattr(p, "quant_state", None)
+    out: list[torch.Tensor] = []
+    while qs is not None:
+        for name in ("absmax", "code", "offset"):
+            t = getattr(qs, name, None)
+            if isinstance(t, torch.Tensor):
+                out.append(t)
+        qs = getattr(qs, "state2", None)
+    return out

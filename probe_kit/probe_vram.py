@@ -1,0 +1,375 @@
+"""One probe: one forward+backward of the training recipe on the worst-case shape -> one Measurement.
+
+    python -m probe_kit.probe_vram --model gemma-3-4b-it --random-weights --rank 16 --seq-len 7177 \
+        --response-len 237 --device cuda --ledger ledger/vram.json
+
+Semantics (each cost the program GPU-hours): model.train() with gradient checkpointing verified
+active before the step (refused otherwise); synthetic tokens of seq_len with the loss on the last
+response_len; no optimizer step (a probe over-estimates a real run: calibration turns probes into
+predictions). An OOM is data: status oom with the message's figures, never a made-up peak. Peak
+reserved above the card's total means the driver spilled: status spilled. Host RAM is capped by a
+watchdog: status host_oom.
+"""
+
+from __future__ import annotations
+
+import _thread
+import argparse
+import contextlib
+import datetime as dt
+import hashlib
+import json
+import os
+import platform
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Iterator, Optional
+
+from ledger import store
+from ledger.errors import UserError
+from ledger.legacy import slug, vendor_of
+from ledger.models import Environment, Gpu, Lora, Measurement, Oom, Outcome, Provenance
+from ledger.oom import find_oom, parse_oom_message
+from ledger.units import round_mib
+
+from .recipe import ProbeConfig, RecipeError, fixes_label, parse_fixes
+
+MIB = 2**20
+
+
+# -- host RAM -----------------------------------------------------------------------------
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process (Linux /proc; elsewhere the peak from getrusage)."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def default_host_cap_gib() -> float:
+    """Three quarters of the machine's RAM (the probe must never take the box down)."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 32.0
+    return round(total * 0.75 / 2**30, 1)
+
+
+class HostWatchdog:
+    """Interrupts the main thread when RSS passes the cap; the probe records host_oom."""
+
+    def __init__(self, cap_gib: Optional[float], interval_s: float = 0.05):
+        self.cap = None if not cap_gib else int(cap_gib * 2**30)
+        self.interval = interval_s
+        self.fired = False
+        self.peak_rss = 0
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            rss = rss_bytes()
+            self.peak_rss = max(self.peak_rss, rss)
+            if self.cap is not None and rss > self.cap and not self.fired:
+                self.fired = True
+                _thread.interrupt_main()
+
+    def __enter__(self) -> "HostWatchdog":
+        self._thread = threading.Thread(target=self._run, name="host-ram-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+# -- the probe ----------------------------------------------------------------------------
+
+
+def versions() -> dict[str, Optional[str]]:
+    out: dict[str, Optional[str]] = {"python": platform.python_version()}
+    for name in ("torch", "transformers", "peft", "bitsandbytes"):
+        try:
+            module = __import__(name)
+            out[name] = getattr(module, "__version__", None)
+        except Exception:  # a library that fails to import is reported as missing
+            out[name] = None
+    return out
+
+
+def environment(device, meter_name: str) -> Environment:
+    import torch
+
+    v = versions()
+    env = Environment(
+        python=v["python"], torch=v["torch"], transformers=v["transformers"], peft=v["peft"],
+        bitsandbytes=v["bitsandbytes"], cuda=torch.version.cuda, hip=getattr(torch.version, "hip", None),
+        device=str(device), meter=meter_name,
+    )
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.device_name = props.name
+        env.device_total_mib = round_mib(props.total_memory / MIB)
+        env.driver = driver_version()
+    else:
+        env.device_name = platform.processor() or platform.machine()
+    return env
+
+
+def driver_version() -> Optional[str]:
+    """The GPU driver version from nvidia-smi or rocm-smi, where present."""
+    import shutil
+    import subprocess
+
+    for cmd in (["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                ["rocm-smi", "--showdriverversion"]):
+        if shutil.which(cmd[0]):
+            try:
+                out = subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.strip()
+            except (OSError, subprocess.SubprocessError):
+                continue
+            if out:
+                return out.splitlines()[0].split(":")[-1].strip()
+    return None
+
+
+def probe_id(cfg: ProbeConfig, device: str, gpu_key: Optional[str]) -> str:
+    """A readable id that is the same for the same configuration (what --resume relies on)."""
+    digest = hashlib.sha256(json.dumps([cfg.key(), device, gpu_key], sort_keys=True).encode()).hexdigest()[:8]
+    parts = ["probe", gpu_key or device.split(":")[0], cfg.quant, f"r{cfg.rank}"]
+    if cfg.dropout:
+        parts.append(f"drop{cfg.dropout:g}")
+    if cfg.dora:
+        parts.append("dora")
+    parts += [f"seq{cfg.seq_len}", digest]
+    return "-".join(parts)
+
+
+def _is_oom(exc: BaseException) -> bool:
+    import torch
+
+    return isinstance(exc, torch.OutOfMemoryError) or (isinstance(exc, RuntimeError) and find_oom(str(exc)) is not None)
+
+
+@contextlib.contextmanager
+def _maybe(ctx) -> Iterator[None]:
+    if ctx is None:
+        yield
+    else:
+        with ctx:
+            yield
+
+
+def run_probe(
+    cfg: ProbeConfig,
+    *,
+    device: str = "cpu",
+    budget_mib: Optional[float] = None,
+    host_cap_gib: Optional[float] = None,
+    gpu_key: Optional[str] = None,
+    mid: Optional[str] = None,
+) -> tuple[Measurement, Optional[tuple[str, Gpu]]]:
+    """Run one probe and return its Measurement (and, on a GPU, the card's ledger entry)."""
+    import torch
+
+    from .meters import AllocatorMeter, TrackerMeter
+    from .recipe import build_model, checkpointing_active, offload, prepare, step, synthetic_batch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RecipeError("--device cuda: no CUDA or ROCm GPU is visible (see `vram doctor`)")
+        if budget_mib is not None:
+            raise RecipeError("--budget-mib simulates an OOM with the CPU tracker meter; use it with --device cpu")
+        dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+        meter = AllocatorMeter(dev)
+        mode = None
+    elif dev.type == "cpu":
+        meter = TrackerMeter(budget_mib)
+        mode = meter
+    else:
+        raise RecipeError(f"--device must be cuda or cpu, got {device!r}")
+
+    gpu_entry = None
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        key = gpu_key or slug(props.name)
+        gpu_entry = (key, Gpu(name=props.name, vendor=vendor_of(props.name) or ("amd" if torch.version.hip else None),
+                              total_mib=round_mib(props.total_memory / MIB),
+                              usable_gib_torch=round(props.total_memory / 2**30, 2),
+                              stack=f"torch {torch.__version__}" + (f", HIP {torch.version.hip}" if torch.version.hip
+                                                                     else f", CUDA {torch.version.cuda}"),
+                              provenance=Provenance(source="torch.cuda.get_device_properties",
+                                                    measured_on=dt.date.today())))
+        gpu_key = key
+
+    out: dict = {}
+    oom: Optional[Oom] = None
+    status = "ok"
+    torch.manual_seed(cfg.seed)
+    with HostWatchdog(host_cap_gib) as dog:
+        try:
+            if dev.type == "cuda":
+                meter.reset_peak()
+            model = build_model(cfg, dev)
+            if isinstance(meter, TrackerMeter):
+                meter.register_module(model)
+            out["after_load_mib"] = round_mib(meter.allocated_mib())
+            with _maybe(mode):
+                model = prepare(model, cfg)
+                if not checkpointing_active(model):
+                    raise RecipeError("gradient checkpointing is not active in training mode: refusing to probe "
+                                      "(every activation would be stored, and offloaded to host RAM)")
+                ids = synthetic_batch(cfg, model.get_input_embeddings().num_embeddings, dev)
+                out["pre_step_mib"] = round_mib(meter.allocated_mib())
+                meter.reset_peak()
+                t0 = time.perf_counter()
+                step(model, ids, cfg, offload(cfg, dev, meter.exclude if isinstance(meter, TrackerMeter) else None))
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                out["step_s"] = round(time.perf_counter() - t0, 3)
+            out["peak_allocated_mib"] = round_mib(meter.peak_allocated_mib())
+            reserved = meter.peak_reserved_mib()
+            if reserved is not None:
+                out["peak_reserved_mib"] = round_mib(reserved)
+                if gpu_entry and gpu_entry[1].total_mib and reserved > gpu_entry[1].total_mib:
+                    status = "spilled"  # finished only because the driver spilled past the card
+        except KeyboardInterrupt:
+            if not dog.fired:
+                raise
+            status = "host_oom"
+            out["result_text"] = f"host RAM passed the cap of {host_cap_gib} GiB (RSS {dog.peak_rss / 2**30:.2f} GiB)"
+        except RecipeError:
+            raise
+        except BaseException as exc:  # an OOM is data; anything else propagates
+            if not _is_oom(exc):
+                raise
+            status = "oom"
+            oom = parse_oom_message(str(exc)) or Oom(message=str(exc))
+            oom.max_allocated_mib = round_mib(meter.peak_allocated_mib())
+            out.pop("step_s", None)
+    if dev.type == "cuda":
+        with contextlib.suppress(Exception):
+            torch.cuda.empty_cache()
+
+    notes = []
+    if isinstance(meter, TrackerMeter):
+        notes.append("Measured on the CPU by the tracker meter (live tensor storages, 512-byte blocks); "
+                     "no allocator cache, so no reserved figure.")
+    measurement = Measurement(
+        id=mid or probe_id(cfg, str(dev.type), gpu_key),
+        kind="probe",
+        gpu=gpu_key,
+        model=cfg.model,
+        quant=cfg.quant,
+        lora=Lora(rank=cfg.rank, alpha=cfg.alpha if cfg.alpha is not None else float(cfg.rank), rslora=cfg.rslora,
+                  dropout=cfg.dropout, dora=cfg.dora, target_modules=list(cfg.target_modules)),
+        seq_len=cfg.seq_len,
+        response_len=cfg.response_len,
+        batch_size=1,
+        memory_fixes=fixes_label(cfg.fixes),
+        logits_to_keep=cfg.keep if "logits_to_keep" in cfg.fixes else None,
+        config_text=json.dumps(cfg.key(), sort_keys=True),
+        outcome=Outcome(status=status, oom=oom, **out),
+        environment=environment(dev, meter.name),
+        provenance=Provenance(
+            source=f"probe_kit.probe_vram on {dev}",
+            measured_on=dt.date.today(),
+            simulated=budget_mib is not None,
+            notes=notes + ([f"Simulated OOM: the tracker meter's budget was {budget_mib} MiB."]
+                           if budget_mib is not None else []),
+        ),
+    )
+    return measurement, gpu_entry
+
+
+# -- command line -------------------------------------------------------------------------
+
+
+def add_recipe_options(p: argparse.ArgumentParser) -> None:
+    """The recipe flags, shared by probe_vram, run_sweep points and dry_run."""
+    p.add_argument("--model", required=True, help="model id or directory (real weights), or a config JSON "
+                   "(a path, or a shipped name such as gemma-3-4b-it) with --random-weights")
+    p.add_argument("--rank", type=int, required=True, help="LoRA rank")
+    p.add_argument("--alpha", type=float, help="lora_alpha (default: the rank)")
+    p.add_argument("--rslora", action="store_true", help="rank-stabilised scaling")
+    p.add_argument("--dropout", type=float, default=0.0, help="lora_dropout (default 0: no masks stored)")
+    p.add_argument("--dora", action="store_true", help="DoRA (weight-decomposed LoRA)")
+    p.add_argument("--quant", choices=["4bit", "bf16"], default="4bit", help="4bit = bitsandbytes nf4; bf16 = plain")
+    p.add_argument("--no-double-quant", action="store_true", help="4bit without double quantisation")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens in the probed sequence (the longest example)")
+    p.add_argument("--response-len", type=int, default=256, help="tokens the loss is computed on")
+    p.add_argument("--fixes", default="all", help="memory fixes: all, none, or a comma list of "
+                   "chunked_mlp, save_on_cpu, bf16_lm_head, logits_to_keep (default: all)")
+    p.add_argument("--logits-to-keep", type=int, help="response positions to keep logits for (default: response-len)")
+    p.add_argument("--mlp-chunk", type=int, default=1024, help="tokens per chunk of the chunked MLP (default 1024)")
+    p.add_argument("--target-modules", help="comma list of LoRA target modules (default: the 7 projections)")
+    p.add_argument("--random-weights", action="store_true", help="build from the config with random weights")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic tokens and random weights")
+
+
+def config_from_args(args: argparse.Namespace) -> ProbeConfig:
+    kwargs = dict(
+        model=args.model, rank=args.rank, alpha=args.alpha, rslora=args.rslora, dropout=args.dropout, dora=args.dora,
+        quant=args.quant, seq_len=args.seq_len, response_len=args.response_len, fixes=parse_fixes(args.fixes),
+        logits_to_keep=args.logits_to_keep, double_quant=not args.no_double_quant, mlp_chunk=args.mlp_chunk,
+        random_weights=args.random_weights, seed=args.seed,
+    )
+    if args.target_modules:
+        kwargs["target_modules"] = [t.strip() for t in args.target_modules.split(",") if t.strip()]
+    return ProbeConfig(**kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m probe_kit.probe_vram", description=__doc__.split("\n\n")[0],
+                                epilog="Exit codes: 0 ok (an OOM is a result, not a failure), 1 bad input, 2 bad usage.")
+    add_recipe_options(p)
+    p.add_argument("--device", default="cuda", help="cuda (CUDA or ROCm) or cpu (default: cuda)")
+    p.add_argument("--budget-mib", type=float, help="with --device cpu: simulate an OOM above this many MiB")
+    p.add_argument("--host-ram-cap-gib", type=float, default=default_host_cap_gib(),
+                   help="host RAM cap watched during the probe (default: 3/4 of RAM, %(default)s GiB; 0 = none)")
+    p.add_argument("--gpu", help="the card's key in the ledger (default: from its name)")
+    p.add_argument("--ledger", help="append the measurement to this ledger (locked, atomic)")
+    p.add_argument("--id", help="measurement id (default: derived from the configuration)")
+    p.add_argument("--json", action="store_true", help="print the measurement as one JSON document")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+        with contextlib.redirect_stdout(sys.stderr):  # libraries print banners on import; stdout is ours
+            measurement, gpu = run_probe(cfg, device=args.device, budget_mib=args.budget_mib,
+                                         host_cap_gib=args.host_ram_cap_gib or None, gpu_key=args.gpu, mid=args.id)
+        if args.ledger:
+            store.append(args.ledger, [measurement], gpus=dict([gpu]) if gpu else None, create=True)
+    except RecipeError as exc:
+        print(f"probe_vram: {exc}", file=sys.stderr)
+        return 1
+    except UserError as exc:
+        for issue in exc.issues:
+            print(str(issue), file=sys.stderr)
+        return 1
+    if args.json:
+        print(measurement.model_dump_json(exclude_none=True))
+    else:
+        o = measurement.outcome
+        figure = (f"peak allocated {o.peak_allocated_mib} MiB" if o.status != "oom"
+                  else f"OOM ({o.oom.message.splitlines()[0][:160] if o.oom and o.oom.message else ''})")
+        print(f"{measurement.id}: {o.status}; after load {o.after_load_mib} MiB, pre-step {o.pre_step_mib} MiB, "
+              f"{figure}" + (f", step {o.step_s} s" if o.step_s else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

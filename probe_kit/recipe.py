@@ -1,0 +1,319 @@
+"""The training recipe a probe measures: model, quantisation, LoRA, memory fixes, one step.
+
+Shared by the probe (real tensors, on a GPU or the CPU) and the dry run (fake tensors), so the
+two can never measure different recipes.
+
+Memory fixes (``--fixes all|none|LIST``):
+
+- ``chunked_mlp``: each decoder MLP runs over the sequence in chunks of ``mlp_chunk`` tokens,
+  each chunk checkpointed, so the seq × intermediate activations exist one chunk at a time;
+- ``save_on_cpu``: tensors autograd saves for backward (with reentrant checkpointing: each
+  layer's input) are moved to host RAM and brought back for backward;
+- ``bf16_lm_head``: the lm_head (tied to the embedding in Gemma) is cast back to bf16 after
+  ``prepare_model_for_kbit_training`` upcast it to fp32;
+- ``logits_to_keep``: the lm_head computes logits only for the response positions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from ledger.models import FIX_NAMES
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class RecipeError(Exception):
+    """A probe configuration that cannot run (a user mistake, reported in one line)."""
+
+
+def parse_fixes(text: str) -> list[str]:
+    """'all', 'none' or a comma list of fix names -> the list of fixes on."""
+    text = text.strip()
+    if text == "all":
+        return list(FIX_NAMES)
+    if text in ("none", ""):
+        return []
+    fixes = [f.strip().replace("-", "_") for f in text.split(",") if f.strip()]
+    unknown = [f for f in fixes if f not in FIX_NAMES]
+    if unknown:
+        raise RecipeError(f"unknown memory fix {unknown[0]!r} (known: all, none, {', '.join(FIX_NAMES)})")
+    return [f for f in FIX_NAMES if f in fixes]
+
+
+def fixes_label(fixes: list[str]) -> object:
+    """How the ledger records a fix list: 'all', 'none' or the list."""
+    if set(fixes) == set(FIX_NAMES):
+        return "all"
+    return fixes if fixes else "none"
+
+
+@dataclass
+class ProbeConfig:
+    """Everything that decides a probe's memory."""
+
+    model: str
+    rank: int
+    alpha: Optional[float] = None
+    rslora: bool = False
+    dropout: float = 0.0
+    dora: bool = False
+    quant: str = "4bit"
+    seq_len: int = 2048
+    response_len: int = 256
+    fixes: list[str] = field(default_factory=lambda: list(FIX_NAMES))
+    logits_to_keep: Optional[int] = None
+    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
+    double_quant: bool = True
+    mlp_chunk: int = 1024
+    random_weights: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.rank <= 0:
+            raise RecipeError(f"--rank must be > 0, got {self.rank}")
+        if not 0 <= self.dropout < 1:
+            raise RecipeError(f"--dropout must be in [0, 1), got {self.dropout}")
+        if self.quant not in ("4bit", "bf16"):
+            raise RecipeError(f"--quant must be 4bit or bf16, got {self.quant!r}")
+        if self.seq_len < 2:
+            raise RecipeError(f"--seq-len must be at least 2, got {self.seq_len}")
+        if not 0 < self.response_len < self.seq_len:
+            raise RecipeError(f"--response-len must be in [1, seq_len), got {self.response_len}")
+        if self.mlp_chunk <= 0:
+            raise RecipeError(f"--mlp-chunk must be > 0, got {self.mlp_chunk}")
+
+    @property
+    def keep(self) -> int:
+        """Positions whose logits the loss needs: the response, plus the one before it."""
+        return (self.logits_to_keep or self.response_len) + 1
+
+    def key(self) -> dict:
+        """The configuration as a dict (stable; used for ids and --resume)."""
+        return asdict(self)
+
+
+# -- model ----------------------------------------------------------------------------------
+
+
+def resolve_config_path(model: str) -> Optional[Path]:
+    """A config JSON: a path, or the name of one shipped in probe_kit/configs/."""
+    path = Path(model)
+    if path.suffix == ".json" and path.is_file():
+        return path
+    shipped = CONFIG_DIR / f"{model.split('/')[-1]}.json"
+    if shipped.is_file():
+        return shipped
+    if path.suffix == ".json":
+        raise RecipeError(f"{model}: no such config file")
+    return None
+
+
+def load_config(model: str):
+    """A transformers config from a JSON file (a text-only config is used as is; a multimodal
+    one's text part is what the probe builds)."""
+    from transformers import AutoConfig
+
+    path = resolve_config_path(model)
+    if path is None:
+        raise RecipeError(f"{model}: --random-weights needs a config JSON (a path or a shipped name)")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise RecipeError(f"{path}: invalid JSON: {exc}") from None
+    data = {k: v for k, v in data.items() if not k.startswith("_")}
+    model_type = data.pop("model_type", None)
+    if model_type is None:
+        raise RecipeError(f"{path}: no model_type")
+    try:
+        config = AutoConfig.for_model(model_type, **data)
+    except (ValueError, KeyError) as exc:
+        raise RecipeError(f"{path}: {exc}") from None
+    return getattr(config, "text_config", None) or config
+
+
+def quantize_linear_layers(model: torch.nn.Module, device: torch.device, double_quant: bool) -> None:
+    """Replace every nn.Linear but the lm_head by a bitsandbytes nf4 Linear4bit (bf16 compute),
+    quantising the weights in place: no 8 GB round trip through disk for a 4B model."""
+    import bitsandbytes as bnb
+
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, torch.nn.Linear) or name == "lm_head":
+                continue
+            q = bnb.nn.Linear4bit(
+                child.in_features, child.out_features, bias=child.bias is not None,
+                compute_dtype=torch.bfloat16, quant_type="nf4", compress_statistics=double_quant, device="cpu",
+            )
+            weight = bnb.nn.Params4bit(child.weight.data.to("cpu", torch.bfloat16), requires_grad=False,
+                                       quant_type="nf4", compress_statistics=double_quant)
+            q.weight = weight._quantize(device) if device.type == "cpu" else weight.to(device)
+            if child.bias is not None:
+                q.bias = torch.nn.Parameter(child.bias.data.to(device, torch.bfloat16), requires_grad=False)
+            setattr(parent, name, q)
+            del child
+    model.is_loaded_in_4bit = True  # so peft's prepare_model_for_kbit_training treats it as k-bit
+
+
+def build_model(cfg: ProbeConfig, device: torch.device) -> torch.nn.Module:
+    """The base model on the device: random weights from a config, or from_pretrained."""
+    from transformers import AutoModelForCausalLM
+
+    if cfg.random_weights:
+        config = load_config(cfg.model)
+        torch.manual_seed(cfg.seed)
+        with torch.device("cpu" if cfg.quant == "4bit" else device):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        if cfg.quant == "4bit":
+            quantize_linear_layers(model, device, cfg.double_quant)
+            model.to(device)
+        return model
+    if resolve_config_path(cfg.model) is not None and Path(cfg.model).suffix == ".json":
+        raise RecipeError(f"{cfg.model}: a config file has no weights; add --random-weights")
+    kwargs: dict = {"dtype": torch.bfloat16, "device_map": {"": str(device)}}
+    if cfg.quant == "4bit":
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
+            bnb_4bit_use_double_quant=cfg.double_quant,
+        )
+    try:
+        return AutoModelForCausalLM.from_pretrained(cfg.model, **kwargs)
+    except OSError as exc:
+        raise RecipeError(f"{cfg.model}: cannot load: {str(exc).splitlines()[0]}") from None
+
+
+def prepare(model: torch.nn.Module, cfg: ProbeConfig) -> torch.nn.Module:
+    """Freeze the base, enable gradient checkpointing (the library's default, reentrant), LoRA."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    if cfg.quant == "4bit":
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
+    else:
+        for p in model.parameters():
+            p.requires_grad = False
+        model.gradient_checkpointing_enable()
+        model.enable_input_require_grads()
+    lora = LoraConfig(
+        r=cfg.rank, lora_alpha=cfg.alpha if cfg.alpha is not None else cfg.rank, lora_dropout=cfg.dropout,
+        use_rslora=cfg.rslora, use_dora=cfg.dora, target_modules=list(cfg.target_modules), bias="none",
+        task_type="CAUSAL_LM",
+    )
+    try:
+        model = get_peft_model(model, lora)
+    except ValueError as exc:
+        raise RecipeError(f"LoRA: {str(exc).splitlines()[0]}") from None
+    apply_fixes(model, cfg)
+    model.train()
+    return model
+
+
+def _chunked(forward: Callable, chunk: int) -> Callable:
+    from torch.utils.checkpoint import checkpoint
+
+    def run(x, *args, **kwargs):
+        if x.dim() < 2 or x.shape[1] <= chunk:
+            return forward(x, *args, **kwargs)
+        outs = []
+        for piece in x.split(chunk, dim=1):
+            if torch.is_grad_enabled():
+                outs.append(checkpoint(forward, piece, *args, use_reentrant=False, **kwargs))
+            else:
+                outs.append(forward(piece, *args, **kwargs))
+        return torch.cat(outs, dim=1)
+
+    return run
+
+
+def apply_fixes(model: torch.nn.Module, cfg: ProbeConfig) -> None:
+    """Switch on the memory fixes the config names (logits_to_keep acts in the step)."""
+    if "chunked_mlp" in cfg.fixes:
+        for name, module in model.named_modules():
+            if name.endswith(".mlp") and not getattr(module, "_vram_chunked", False):
+                module.forward = _chunked(module.forward, cfg.mlp_chunk)
+                module._vram_chunked = True
+    if "bf16_lm_head" in cfg.fixes:
+        head = model.get_output_embeddings()
+        if head is not None:
+            head.to(torch.bfloat16)
+            # The final norm runs in fp32 after prepare_model_for_kbit_training: feed the head its dtype.
+            head.register_forward_pre_hook(lambda mod, args: (args[0].to(mod.weight.dtype), *args[1:]))
+
+
+def checkpointing_active(model: torch.nn.Module) -> bool:
+    """True when the model is in training mode and gradient checkpointing is on in its layers.
+    Without it the step silently stores every activation (and save_on_cpu spills them all to
+    host RAM): the program's first probe hit a 32 GB host cap that way."""
+    if not model.training:
+        return False
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    flagged = [m for m in base.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    return bool(getattr(base, "is_gradient_checkpointing", False)) and bool(flagged) and all(m.training for m in flagged)
+
+
+# -- the step -------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def offload(cfg: ProbeConfig, device: torch.device, exclude: Optional[Callable[[torch.Tensor], None]] = None
+            ) -> Iterator[None]:
+    """save_on_cpu for the step when the fix is on. On a GPU: torch's own (pinned host RAM).
+    Under the tracker meter (CPU, fake tensors) the same hooks, with the host copy excluded
+    from device memory and brought back as a fresh device tensor for backward."""
+    if "save_on_cpu" not in cfg.fixes:
+        yield
+        return
+    if device.type != "cpu" or exclude is None:
+        with torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"):
+            yield
+        return
+
+    def pack(t: torch.Tensor):
+        host = t.detach().clone()
+        exclude(host)
+        return host
+
+    def unpack(host: torch.Tensor) -> torch.Tensor:
+        return host.clone()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
+
+
+def synthetic_batch(cfg: ProbeConfig, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """seq_len random token ids: peak memory depends on shapes, not on what the tokens say."""
+    g = torch.Generator().manual_seed(cfg.seed)
+    return torch.randint(0, vocab_size, (1, cfg.seq_len), generator=g).to(device)
+
+
+def step(model: torch.nn.Module, ids: torch.Tensor, cfg: ProbeConfig,
+         forward_context: Optional[contextlib.AbstractContextManager] = None) -> torch.Tensor:
+    """One forward and backward with the loss on the last response_len tokens. The forward runs
+    inside ``forward_context`` (the save_on_cpu offload): what the forward saves goes to host
+    RAM; the layers recomputed in backward keep theirs on the device, as in the trainer."""
+    with forward_context if forward_context is not None else contextlib.nullcontext():
+        loss = _forward_loss(model, ids, cfg)
+    loss.backward()
+    return loss.detach()
+
+
+def _forward_loss(model: torch.nn.Module, ids: torch.Tensor, cfg: ProbeConfig) -> torch.Tensor:
+    k = cfg.response_len
+    if "logits_to_keep" in cfg.fixes:
+        logits = model(input_ids=ids, logits_to_keep=cfg.keep, use_cache=False).logits
+        # positions seq-k-1 .. seq-2 predict tokens seq-k .. seq-1
+        logits = logits[:, -(k + 1):-1, :]
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, -k:].reshape(-1))
+    else:
+        labels = ids.clone()
+        labels[:, :-k] = -100
+        loss = model(input_ids=ids, labels=labels, use_cache=False).loss
+    return loss

@@ -1,0 +1,344 @@
+"""A sweep: many probes, each in a fresh subprocess, appended to the ledger as each finishes.
+
+    python -m probe_kit.run_sweep SWEEP.toml --ledger L [--shard K/N] [--resume] [--list]
+                                   [--find-ceiling rank]
+
+A sweep file has ``[sweep]`` (name, device, timeout_s, gpu), ``[base]`` (probe options),
+``[axes]`` (lists: the grid is their product) and ``[[points]]`` (explicit points over the
+base). Option names are probe_vram's flags with '_' for '-' (``seq_len``, ``random_weights``).
+
+Each point runs as ``python -m probe_kit.probe_vram ... --ledger L`` in its own process, with a
+timeout: a child that dies (segfault, illegal memory access, killed, timed out) is recorded as
+status crashed with the tail of its stderr, and the sweep goes on. A point whose options are
+wrong is reported before anything runs. ``--resume`` skips points whose id (derived from the
+configuration) is already in the ledger; ``--shard K/N`` takes every N-th point from the K-th,
+so N machines split a sweep without overlap (then ``vram merge`` their ledgers).
+``--find-ceiling rank`` bisects the rank axis (a larger rank never uses less memory) for each
+combination of the other axes, and finds the largest rank that fits in at most
+ceil(log2(steps)) + 1 probes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import itertools
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from ledger import store
+from ledger.errors import Issue, UserError
+from ledger.models import Lora, Measurement, Outcome, Provenance
+
+from .recipe import ProbeConfig, RecipeError, fixes_label, parse_fixes
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+#: Sweep options that are not probe options.
+SWEEP_KEYS = {"name", "device", "timeout_s", "gpu", "host_ram_cap_gib"}
+BOOL_FLAGS = {"rslora", "dora", "random_weights", "no_double_quant"}
+PROBE_KEYS = {"model", "rank", "alpha", "rslora", "dropout", "dora", "quant", "no_double_quant", "seq_len",
+              "response_len", "fixes", "logits_to_keep", "mlp_chunk", "target_modules", "random_weights", "seed"}
+
+
+@dataclass
+class Point:
+    index: int
+    options: dict
+    config: ProbeConfig
+    id: str
+    where: str
+
+    def flags(self) -> list[str]:
+        out: list[str] = []
+        for key, value in self.options.items():
+            flag = "--" + key.replace("_", "-")
+            if key in BOOL_FLAGS:
+                if value:
+                    out.append(flag)
+            elif key == "target_modules" and isinstance(value, list):
+                out += [flag, ",".join(value)]
+            else:
+                out += [flag, str(value)]
+        return out
+
+
+@dataclass
+class Sweep:
+    path: str
+    name: str
+    device: str
+    timeout_s: float
+    gpu: Optional[str]
+    host_ram_cap_gib: Optional[float]
+    axes: dict[str, list]
+    base: dict
+    points: list[Point] = field(default_factory=list)
+
+
+def _config(options: dict, where: str) -> ProbeConfig:
+    unknown = sorted(set(options) - PROBE_KEYS)
+    if unknown:
+        raise UserError(Issue(where, unknown[0], f"unknown option (known: {', '.join(sorted(PROBE_KEYS))})"))
+    kw = {k: v for k, v in options.items() if k not in ("no_double_quant", "fixes", "target_modules")}
+    try:
+        return ProbeConfig(
+            **kw,
+            double_quant=not options.get("no_double_quant", False),
+            fixes=parse_fixes(str(options.get("fixes", "all"))),
+            **({"target_modules": list(options["target_modules"])} if "target_modules" in options else {}),
+        )
+    except (RecipeError, TypeError) as exc:
+        raise UserError(Issue(where, "", str(exc))) from None
+
+
+def load_sweep(path: str) -> Sweep:
+    """Read and check a sweep file: every point is validated before anything runs."""
+    from probe_kit.probe_vram import probe_id
+
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise UserError(Issue(path, "", "no such file")) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(Issue(path, "", f"invalid TOML: {exc}")) from None
+    head = data.get("sweep", {})
+    unknown = sorted(set(head) - SWEEP_KEYS)
+    if unknown:
+        raise UserError(Issue(path, f"sweep.{unknown[0]}", "unknown key"))
+    base = data.get("base", {})
+    axes = data.get("axes", {})
+    for key, values in axes.items():
+        if not isinstance(values, list) or not values:
+            raise UserError(Issue(path, f"axes.{key}", "must be a non-empty list"))
+    sweep = Sweep(
+        path=path, name=str(head.get("name", Path(path).stem)), device=str(head.get("device", "cuda")),
+        timeout_s=float(head.get("timeout_s", 1800)), gpu=head.get("gpu"),
+        host_ram_cap_gib=head.get("host_ram_cap_gib"), axes=axes, base=base,
+    )
+    combos: list[tuple[dict, str]] = []
+    if axes:
+        names = list(axes)
+        for i, values in enumerate(itertools.product(*(axes[n] for n in names))):
+            combos.append(({**base, **dict(zip(names, values))}, f"{path}:axes[{i}]"))
+    for i, extra in enumerate(data.get("points", [])):
+        combos.append(({**base, **extra}, f"{path}:points[{i}]"))
+    if not combos and base:
+        combos.append((dict(base), f"{path}:base"))
+    seen: dict[str, str] = {}
+    for index, (options, where) in enumerate(combos):
+        cfg = _config(options, where)
+        pid = probe_id(cfg, sweep.device.split(":")[0], sweep.gpu)
+        if pid in seen:
+            continue  # the same configuration twice (e.g. a point repeating a grid cell)
+        seen[pid] = where
+        sweep.points.append(Point(index=len(sweep.points), options=options, config=cfg, id=pid, where=where))
+    if not sweep.points:
+        raise UserError(Issue(path, "", "no points: give [base] with [axes] and/or [[points]]"))
+    return sweep
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise UserError(Issue("--shard", "", f"must be K/N, got {text!r}")) from None
+    if not 1 <= k <= n:
+        raise UserError(Issue("--shard", "", f"needs 1 <= K <= N, got {text!r}"))
+    return k, n
+
+
+def shard(points: list[Point], k: int, n: int) -> list[Point]:
+    """Every n-th point starting from the k-th (1-based): disjoint, together complete."""
+    return [p for p in points if p.index % n == k - 1]
+
+
+# -- running ----------------------------------------------------------------------------
+
+
+def probe_command(point: Point, sweep: Sweep, ledger: str) -> list[str]:
+    """The child's command line (one fresh interpreter per probe)."""
+    cmd = [sys.executable, "-m", "probe_kit.probe_vram", *point.flags(), "--device", sweep.device,
+           "--ledger", ledger, "--id", point.id, "--json"]
+    if sweep.gpu:
+        cmd += ["--gpu", sweep.gpu]
+    if sweep.host_ram_cap_gib is not None:
+        cmd += ["--host-ram-cap-gib", str(sweep.host_ram_cap_gib)]
+    return cmd
+
+
+@dataclass
+class Result:
+    point: Point
+    status: str
+    seconds: float
+    step_s: Optional[float] = None
+    message: str = ""
+
+
+def crashed_measurement(point: Point, sweep: Sweep, why: str, stderr_tail: str) -> Measurement:
+    cfg = point.config
+    return Measurement(
+        id=point.id, kind="probe", gpu=sweep.gpu, model=cfg.model, quant=cfg.quant,
+        lora=Lora(rank=cfg.rank, alpha=cfg.alpha if cfg.alpha is not None else float(cfg.rank), rslora=cfg.rslora,
+                  dropout=cfg.dropout, dora=cfg.dora, target_modules=list(cfg.target_modules)),
+        seq_len=cfg.seq_len, response_len=cfg.response_len, batch_size=1, memory_fixes=fixes_label(cfg.fixes),
+        outcome=Outcome(status="crashed", result_text=f"{why}\n{stderr_tail}".strip()),
+        provenance=Provenance(source=f"probe_kit.run_sweep {sweep.path} ({point.where})",
+                              measured_on=dt.date.today(), notes=[why]),
+    )
+
+
+def run_point(point: Point, sweep: Sweep, ledger: str,
+              command: Callable[[Point, Sweep, str], list[str]] = probe_command) -> Result:
+    """Run one point in a fresh process; a dead child becomes a crashed record."""
+    import json
+
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(command(point, sweep, ledger), capture_output=True, text=True, timeout=sweep.timeout_s,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    except subprocess.TimeoutExpired as exc:
+        tail = (exc.stderr.decode("utf-8", "replace") if isinstance(exc.stderr, bytes) else exc.stderr or "")[-2000:]
+        why = f"timed out after {sweep.timeout_s:g} s"
+        store.append(ledger, [crashed_measurement(point, sweep, why, tail)], create=True)
+        return Result(point, "crashed", time.perf_counter() - t0, message=why)
+    seconds = time.perf_counter() - t0
+    if proc.returncode == 0:
+        try:
+            m = json.loads(proc.stdout.strip().splitlines()[-1])
+            return Result(point, m["outcome"]["status"], seconds, m["outcome"].get("step_s"))
+        except (ValueError, IndexError, KeyError):
+            pass
+        why = "the probe exited 0 without a result"
+    elif proc.returncode == 1:  # the probe refused its input: not a crash, nothing recorded
+        line = (proc.stderr.strip().splitlines() or ["exit 1"])[-1]
+        return Result(point, "error", seconds, message=line)
+    elif proc.returncode < 0:
+        try:
+            name = signal.Signals(-proc.returncode).name
+        except ValueError:
+            name = str(-proc.returncode)
+        why = f"the probe process died of signal {name}"
+    else:
+        why = f"the probe process exited with status {proc.returncode}"
+    store.append(ledger, [crashed_measurement(point, sweep, why, proc.stderr[-2000:])], create=True)
+    return Result(point, "crashed", seconds, message=why)
+
+
+def ceiling_groups(sweep: Sweep, axis: str) -> list[list[Point]]:
+    """Points grouped by everything but the axis, each group sorted by the axis."""
+    if axis != "rank":
+        raise UserError(Issue("--find-ceiling", "", f"only the rank axis is searched, got {axis!r}"))
+    groups: dict[str, list[Point]] = {}
+    for p in sweep.points:
+        other = {k: v for k, v in p.options.items() if k != axis}
+        groups.setdefault(repr(sorted(other.items())), []).append(p)
+    return [sorted(g, key=lambda p: p.config.rank) for g in groups.values()]
+
+
+def find_ceiling(points: list[Point], fits: Callable[[Point], bool]) -> tuple[Optional[Point], int]:
+    """Bisect points sorted by rank (monotone: a larger rank never uses less). Returns the
+    largest point that fits (None if none does) and how many probes it took:
+    at most ceil(log2(len + 1)) <= ceil(log2(len)) + 1."""
+    lo, hi, probes = -1, len(points), 0  # invariant: points[lo] fits (or lo = -1); points[hi] does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        probes += 1
+        if fits(points[mid]):
+            lo = mid
+        else:
+            hi = mid
+    return (points[lo] if lo >= 0 else None), probes
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m probe_kit.run_sweep", description=__doc__.split("\n\n")[0],
+                                 epilog="Exit codes: 0 ok, 1 bad sweep file or a point refused, 2 bad usage.")
+    ap.add_argument("sweep", help="sweep file (TOML)")
+    ap.add_argument("--ledger", default="ledger/vram.json", help="ledger to append to (default: %(default)s)")
+    ap.add_argument("--shard", help="K/N: run every N-th point from the K-th (1-based)")
+    ap.add_argument("--resume", action="store_true", help="skip points already in the ledger")
+    ap.add_argument("--list", action="store_true", help="print the points and run nothing")
+    ap.add_argument("--find-ceiling", metavar="AXIS", help="bisect AXIS (rank) for the largest value that fits")
+    ap.add_argument("--timeout", type=float, help="seconds per probe (default: the sweep's timeout_s or 1800)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = ap.parse_args(argv)
+    try:
+        sweep = load_sweep(args.sweep)
+        if args.timeout:
+            sweep.timeout_s = args.timeout
+        points = sweep.points
+        if args.shard:
+            points = shard(points, *parse_shard(args.shard))
+        if args.list:
+            for p in points:
+                print(f"{p.id}\t{' '.join(p.flags())}")
+            print(f"{len(points)} points", file=sys.stderr)
+            return 0
+        done: dict[str, str] = {}
+        if args.resume and Path(args.ledger).exists():
+            done = {m.id: m.outcome.status or "" for m in store.load(args.ledger).measurements}
+        return _run(sweep, points, args, done)
+    except UserError as exc:
+        for issue in exc.issues:
+            print(str(issue), file=sys.stderr)
+        return 1
+
+
+def _run(sweep: Sweep, points: list[Point], args, done: dict[str, str]) -> int:
+    from tqdm import tqdm
+
+    results: list[Result] = []
+    bar = tqdm(total=len(points), unit="probe", disable=args.no_progress, file=sys.stderr, dynamic_ncols=True)
+
+    def run(p: Point) -> Result:
+        if p.id in done:
+            r = Result(p, "skipped", 0.0, message=f"already in the ledger: {done[p.id]}")
+        else:
+            bar.set_postfix_str(f"r{p.config.rank} seq{p.config.seq_len}")
+            r = run_point(p, sweep, args.ledger)
+        results.append(r)
+        bar.update(1)
+        if r.status not in ("skipped",):
+            bar.write(f"{p.id}: {r.status}" + (f" ({r.message})" if r.message else ""))
+        return r
+
+    if args.find_ceiling:
+        for group in ceiling_groups(sweep, args.find_ceiling):
+            group = [p for p in group if p in points]
+            if not group:
+                continue
+            bar.total = None
+            best, probes = find_ceiling(
+                group, lambda p: run(p).status == "ok" or done.get(p.id) == "ok")
+            limit = math.ceil(math.log2(len(group))) + 1 if len(group) > 1 else 1
+            ranks = [p.config.rank for p in group]
+            print(f"ceiling: rank {best.config.rank if best else 'none'} of {ranks} "
+                  f"({probes} probes; at most {limit})")
+    else:
+        for p in points:
+            run(p)
+    bar.close()
+    ran = [r for r in results if r.status != "skipped"]
+    step_total = sum(r.step_s or 0 for r in ran)
+    wall = sum(r.seconds for r in ran)
+    counts = {s: sum(1 for r in results if r.status == s) for s in sorted({r.status for r in results})}
+    print(f"{len(results)} points: " + ", ".join(f"{v} {k}" for k, v in counts.items())
+          + f"; wall {wall:.1f} s, step time {step_total:.1f} s", file=sys.stderr)
+    return 1 if counts.get("error") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
