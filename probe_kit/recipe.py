@@ -195,12 +195,19 @@ def prepare(model: torch.nn.Module, cfg: ProbeConfig) -> torch.nn.Module:
     """Freeze the base, enable gradient checkpointing (the library's default, reentrant), LoRA."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
+    # Reentrant checkpointing (the library default the trainer used): each layer's input is saved
+    # through autograd's saved-tensor hooks, which is what save_on_cpu offloads.
+    ckpt = {"use_reentrant": True}
     if cfg.quant == "4bit":
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True,
+                                                gradient_checkpointing_kwargs=ckpt)
     else:
         for p in model.parameters():
             p.requires_grad = False
-        model.gradient_checkpointing_enable()
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=ckpt)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt)
         model.enable_input_require_grads()
     lora = LoraConfig(
         r=cfg.rank, lora_alpha=cfg.alpha if cfg.alpha is not None else cfg.rank, lora_dropout=cfg.dropout,
@@ -256,7 +263,10 @@ def checkpointing_active(model: torch.nn.Module) -> bool:
         return False
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     flagged = [m for m in base.modules() if getattr(m, "gradient_checkpointing", False) is True]
-    return bool(getattr(base, "is_gradient_checkpointing", False)) and bool(flagged) and all(m.training for m in flagged)
+    enabled = getattr(base, "is_activation_checkpointing", None)
+    if enabled is None:
+        enabled = getattr(base, "is_gradient_checkpointing", False)
+    return bool(enabled) and bool(flagged) and all(m.training for m in flagged)
 
 
 # -- the step -------------------------------------------------------------------------------

@@ -201,10 +201,12 @@ def crashed_measurement(point: Point, sweep: Sweep, why: str, stderr_tail: str) 
 
 
 def run_point(point: Point, sweep: Sweep, ledger: str,
-              command: Callable[[Point, Sweep, str], list[str]] = probe_command) -> Result:
-    """Run one point in a fresh process; a dead child becomes a crashed record."""
+              command: Optional[Callable[[Point, Sweep, str], list[str]]] = None) -> Result:
+    """Run one point in a fresh process (``command`` builds its command line; default
+    ``probe_command``); a dead child becomes a crashed record."""
     import json
 
+    command = command or probe_command
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(command(point, sweep, ledger), capture_output=True, text=True, timeout=sweep.timeout_s,

@@ -1,0 +1,157 @@
+"""Sweeps: points, shards, resume, crashed children, and the rank-ceiling bisection."""
+
+from __future__ import annotations
+
+import math
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from ledger import store
+from probe_kit import run_sweep
+from probe_kit.run_sweep import find_ceiling, load_sweep, shard
+
+SWEEP = """
+[sweep]
+name = "t"
+device = "cpu"
+timeout_s = 300
+
+[base]
+model = "tiny-llama"
+random_weights = true
+seq_len = 256
+response_len = 16
+
+[axes]
+rank = [8, 16]
+dropout = [0.0, 0.1]
+
+[[points]]
+rank = 32
+dora = true
+"""
+
+
+def write(tmp_path: Path, text: str = SWEEP) -> str:
+    path = tmp_path / "sweep.toml"
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def test_points_are_grid_plus_explicit_and_ids_are_stable(tmp_path):
+    sweep = load_sweep(write(tmp_path))
+    assert len(sweep.points) == 5
+    assert [p.config.rank for p in sweep.points] == [8, 8, 16, 16, 32]
+    assert load_sweep(write(tmp_path)).points[3].id == sweep.points[3].id
+
+
+def test_shards_split_without_overlap():
+    sweep = load_sweep(str(REPO / "examples" / "sweeps" / "program-rx-7900-xtx.toml"))
+    parts = [shard(sweep.points, k, 4) for k in range(1, 5)]
+    ids = [p.id for part in parts for p in part]
+    assert sorted(ids) == sorted(p.id for p in sweep.points) and len(set(ids)) == len(ids)
+
+
+def test_example_sweeps_reproduce_the_program_cross_gpu_sweep():
+    points = [p for name in ("program-rx-7900-xtx", "program-rtx-3060-ti")
+              for p in load_sweep(str(REPO / "examples" / "sweeps" / f"{name}.toml")).points]
+    assert len(points) == 27
+    legacy = [m for m in store.load(REPO / "ledger" / "vram.json").measurements
+              if m.gpu in ("rx-7900-xtx", "rtx-3060-ti")]
+
+    def key(quant, fixes, rank, dropout, dora, seq):
+        return (quant, fixes, rank, round(dropout, 3), bool(dora), seq)
+
+    want = sorted(key(m.quant, m.memory_fixes, m.lora.rank, m.lora.dropout, m.lora.dora, m.seq_len) for m in legacy)
+    got = sorted(key(p.config.quant, "all" if len(p.config.fixes) == 4 else "none", p.config.rank, p.config.dropout,
+                     p.config.dora, p.config.seq_len) for p in points)
+    assert got == want
+
+
+def test_bad_point_is_reported_before_anything_runs(tmp_path, capsys):
+    path = write(tmp_path, SWEEP + "\n[[points]]\nrank = -4\n")
+    assert run_sweep.main([path, "--ledger", str(tmp_path / "l.json")]) == 1
+    assert capsys.readouterr().err.strip() == f"{path}:points[1]: --rank must be > 0, got -4"
+    assert not (tmp_path / "l.json").exists()
+
+
+def test_list_runs_nothing(tmp_path, capsys):
+    assert run_sweep.main([write(tmp_path), "--list", "--shard", "2/2"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 2 and all(line.startswith("probe-cpu-") for line in out)
+
+
+def test_run_resume_and_crash(tmp_path, monkeypatch):
+    ledger = tmp_path / "l.json"
+    path = write(tmp_path, SWEEP.replace("rank = [8, 16]", "rank = [8]").replace("dropout = [0.0, 0.1]",
+                                                                                  "dropout = [0.0]"))
+    # Point 2 dies of SIGSEGV in a real child process; the sweep records it and goes on.
+    real = run_sweep.probe_command
+
+    def command(point, sweep, ledger_path):
+        if point.config.dora:
+            return [sys.executable, "-c", "import os, signal, sys; sys.stderr.write('boom: illegal memory access');"
+                                          "sys.stderr.flush(); os.kill(os.getpid(), signal.SIGSEGV)"]
+        return real(point, sweep, ledger_path)
+
+    monkeypatch.setattr(run_sweep, "probe_command", command)
+    assert run_sweep.main([path, "--ledger", str(ledger), "--no-progress"]) == 0
+    ms = {m.id: m for m in store.load(ledger).measurements}
+    assert len(ms) == 2
+    crashed = [m for m in ms.values() if m.outcome.status == "crashed"]
+    assert len(crashed) == 1 and "SIGSEGV" in crashed[0].outcome.result_text
+    assert "illegal memory access" in crashed[0].outcome.result_text
+    before = ledger.read_bytes()
+    assert run_sweep.main([path, "--ledger", str(ledger), "--resume", "--no-progress"]) == 0
+    assert ledger.read_bytes() == before  # everything was done already
+
+
+def test_timeout_is_a_crashed_record(tmp_path):
+    ledger = tmp_path / "l.json"
+    sweep = load_sweep(write(tmp_path))
+    sweep.timeout_s = 0.5
+    result = run_sweep.run_point(sweep.points[0], sweep, str(ledger))
+    assert result.status == "crashed"
+    (m,) = store.load(ledger).measurements
+    assert m.outcome.status == "crashed" and "timed out" in m.outcome.result_text
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 8, 16, 33])
+def test_find_ceiling_is_exact_within_the_promised_probes(n):
+    for ceiling in range(-1, n):
+        points = list(range(n))
+        asked = []
+
+        def fits(p):
+            asked.append(p)
+            return p <= ceiling
+
+        best, probes = find_ceiling(points, fits)
+        assert best == (ceiling if ceiling >= 0 else None)
+        assert probes == len(asked) <= math.ceil(math.log2(n)) + 1
+
+
+def test_find_ceiling_end_to_end_on_cpu(tmp_path, capsys, monkeypatch):
+    # A budget makes the ceiling real: ranks above it OOM in the tracker meter.
+    text = SWEEP.split("[axes]")[0] + "[axes]\nrank = [4, 8, 16, 32, 64, 128, 256, 512]\n"
+    path = write(tmp_path, text)
+    sweep = load_sweep(path)
+    from probe_kit.probe_vram import run_probe
+
+    peaks = {p.config.rank: run_probe(p.config, device="cpu")[0].outcome.peak_allocated_mib for p in sweep.points}
+    budget = (peaks[32] + peaks[64]) / 2  # 32 fits, 64 does not
+    real = run_sweep.probe_command
+
+    def command(point, sw, ledger_path):
+        return real(point, sw, ledger_path) + ["--budget-mib", str(budget)]
+
+    monkeypatch.setattr(run_sweep, "probe_command", command)
+    assert run_sweep.main([path, "--ledger", str(tmp_path / "l.json"), "--find-ceiling", "rank",
+                           "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "ceiling: rank 32 of [4, 8, 16, 32, 64, 128, 256, 512] (3 probes; at most 4)" in out
+    assert len(store.load(tmp_path / "l.json").measurements) == 3
