@@ -163,7 +163,7 @@ def _load_plugins() -> None:
 
 
 #: Modules that add commands with ``register``.
-PLUGINS: list[str] = ["ledger.site_cli", "ledger.probe_cli"]
+PLUGINS: list[str] = ["ledger.site_cli", "ledger.probe_cli", "ledger.ingest"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

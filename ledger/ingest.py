@@ -1,0 +1,191 @@
+"""``vram ingest-log``: real-run measurements from training logs, appended to the ledger.
+
+Idempotent: a measurement's id comes from the log's content, so ingesting the same log twice
+adds nothing. Nothing is written unless every log given could be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import hashlib
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Optional
+
+from . import store
+from .cli import dump_json, register
+from .errors import Issue, UserError
+from .logs import LogError, RunEvidence, parse_log
+from .lookup import require_gpu
+from .models import Dataset, FIX_NAMES, Ledger, Lora, Measurement, Outcome, Provenance
+from .paths import DEFAULT_LEDGER, shown
+
+
+def add_config_options(p: argparse.ArgumentParser) -> None:
+    """The recipe flags a real run is described by (shared with predict and ceiling)."""
+    p.add_argument("--gpu", help="the card (a key of the ledger's gpus, an alias or its name)")
+    p.add_argument("--model", help="model id, e.g. unsloth/gemma-3-4b-it")
+    p.add_argument("--quant", choices=["4bit", "8bit", "bf16", "fp16", "fp32"], help="base weights")
+    p.add_argument("--rank", type=int, help="LoRA rank")
+    p.add_argument("--alpha", type=float, help="lora_alpha")
+    p.add_argument("--rslora", action="store_true", help="rank-stabilised LoRA")
+    p.add_argument("--dropout", type=float, help="lora_dropout")
+    p.add_argument("--dora", action="store_true", help="DoRA")
+    p.add_argument("--seq-len", type=int, help="tokens in the longest example")
+    p.add_argument("--fixes", help="memory fixes: all, none or a comma list")
+    p.add_argument("--dataset", help="dataset name or date")
+    p.add_argument("--examples", type=int, help="training examples")
+    p.add_argument("--epochs", type=float, help="epochs")
+
+
+def fixes_value(text: Optional[str]):
+    if text is None:
+        return None
+    if text in ("all", "none"):
+        return text
+    fixes = [f.strip().replace("-", "_") for f in text.split(",") if f.strip()]
+    bad = [f for f in fixes if f not in FIX_NAMES]
+    if bad:
+        raise UserError(Issue("--fixes", "", f"unknown memory fix {bad[0]!r} (known: all, none, {', '.join(FIX_NAMES)})"))
+    return fixes
+
+
+def config_fields(args: argparse.Namespace, ledger: Ledger) -> dict:
+    """Measurement fields from the recipe flags (validated by the models on construction)."""
+    fields: dict = {}
+    if args.gpu:
+        fields["gpu"] = require_gpu(ledger, args.gpu)
+    if args.model:
+        fields["model"] = args.model
+    if args.quant:
+        fields["quant"] = args.quant
+    if args.rank is not None:
+        fields["lora"] = Lora(rank=args.rank, alpha=args.alpha, rslora=args.rslora or None,
+                              dropout=args.dropout, dora=args.dora or None)
+    elif any(x is not None for x in (args.alpha, args.dropout)) or args.rslora or args.dora:
+        raise UserError(Issue("--rank", "", "LoRA settings need --rank"))
+    if args.fixes:
+        fields["memory_fixes"] = fixes_value(args.fixes)
+    ds = {k: v for k, v in (("name", args.dataset), ("examples", args.examples),
+                            ("longest_example_tokens", args.seq_len), ("epochs", args.epochs)) if v is not None}
+    if ds:
+        fields["dataset"] = Dataset(**ds)
+    return fields
+
+
+def log_id(path: Path, text: str) -> str:
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", path.stem).strip("-.")[:60] or "log"
+    return f"real-{stem}-{hashlib.sha256(text.encode('utf-8')).hexdigest()[:8]}"
+
+
+def measurement_from_log(path: Path, text: str, ev: RunEvidence, fields: dict, mid: Optional[str]) -> Measurement:
+    inferred: list[str] = []
+    measured_on = ev.measured_on
+    if measured_on is None:
+        measured_on = dt.date.fromtimestamp(os.stat(path).st_mtime)
+        inferred.append("measured_on")
+    notes = []
+    if ev.kinds:
+        notes.append("Read from " + ", ".join(ev.kinds) + " lines.")
+    if ev.peak_delta_mib is not None and ev.peak_allocated_mib is None:
+        notes.append("HF Trainer reports train_mem_gpu_peaked_delta: the peak over the memory at the start of "
+                     "training, not an absolute peak.")
+    if ev.total_steps and ev.failed_at_step is not None:
+        notes.append(f"Died at step {ev.failed_at_step} of {ev.total_steps}.")
+    notes += ev.warnings
+    return Measurement(
+        id=mid or log_id(path, text),
+        kind="real",
+        outcome=Outcome(status=ev.status, peak_allocated_mib=ev.peak_allocated_mib,
+                        peak_reserved_mib=ev.peak_reserved_mib, peak_delta_mib=ev.peak_delta_mib, oom=ev.oom,
+                        failed_at_step=ev.failed_at_step, xid=ev.xid, result_text=ev.crash_text),
+        provenance=Provenance(source=f"{path}:{ev.evidence_line}" if ev.evidence_line else str(path),
+                              measured_on=measured_on, inferred_fields=inferred, notes=notes),
+        **fields,
+    )
+
+
+def ingest(paths: list[str], ledger_path: str, args: argparse.Namespace) -> tuple[list[Measurement], list[str]]:
+    """Parse every log and build its measurement. Returns (new measurements, ids already there).
+    Raises UserError (one line per bad log) before anything is written."""
+    ledger = store.load(ledger_path)
+    fields = config_fields(args, ledger)
+    if args.id and len(paths) > 1:
+        raise UserError(Issue("--id", "", "names one measurement: give one log"))
+    existing = {m.id for m in ledger.measurements}
+    issues: list[Issue] = []
+    new: list[Measurement] = []
+    already: list[str] = []
+    for raw in paths:
+        path = Path(raw)
+        try:
+            text = path.read_text(encoding="utf-8", errors="replace")
+        except OSError as exc:
+            issues.append(Issue(raw, "", f"cannot read: {exc.strerror or exc}"))
+            continue
+        try:
+            ev = parse_log(text, raw)
+        except LogError as exc:
+            issues.append(Issue(raw, "", str(exc)))
+            continue
+        for w in ev.warnings:
+            print(f"warning: {w}", file=sys.stderr)
+        try:
+            m = measurement_from_log(path, text, ev, fields, args.id)
+        except ValueError as exc:  # pydantic: a flag value out of range
+            issues.append(Issue(raw, "", str(exc).splitlines()[-1].strip()))
+            continue
+        if m.id in existing or any(n.id == m.id for n in new):
+            already.append(m.id)
+        else:
+            new.append(m)
+    if issues:
+        raise UserError(issues)
+    return new, already
+
+
+def add_ingest_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("logs", nargs="+", help="training log files")
+    p.add_argument("--ledger", default=shown(DEFAULT_LEDGER), help="ledger to append to (default: %(default)s)")
+    add_config_options(p)
+    p.add_argument("--id", help="measurement id (one log only; default: from the log's name and content)")
+    p.add_argument("--dry-run", action="store_true", help="show what would be appended; write nothing")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+
+
+def cmd_ingest(args: argparse.Namespace) -> int:
+    """Append kind=real measurements read from training logs: the peak (callback line, HF Trainer,
+    axolotl, Unsloth, DeepSpeed), or the OOM / crash and the step it happened at. The recipe flags
+    describe the run. Source is the log's path and line; measured_on comes from the log's
+    timestamps or, failing that, the file's date (flagged inferred). Ingesting a log twice adds
+    nothing. A log with nothing to read is an error naming the file; nothing is written."""
+    new, already = ingest(args.logs, args.ledger, args)
+    if not args.dry_run and new:
+        from .predictions import score_predictions
+
+        def change(ledger: Ledger) -> None:
+            ledger.measurements.extend(new)
+            score_predictions(ledger)
+
+        store.update(args.ledger, change)
+    if args.json:
+        key = "would_append" if args.dry_run else "appended"
+        dump_json({key: [m.model_dump(mode="json", exclude_none=True) for m in new], "already_in_ledger": already})
+    else:
+        verb = "would append" if args.dry_run else "appended"
+        for m in new:
+            o = m.outcome
+            figure = (f"peak allocated {o.peak_allocated_mib} MiB" if o.peak_allocated_mib is not None else
+                      f"peak reserved {o.peak_reserved_mib} MiB" if o.peak_reserved_mib is not None else
+                      f"peak delta {o.peak_delta_mib} MiB" if o.peak_delta_mib is not None else "")
+            print(f"{verb} {m.id}: {o.status}" + (f", {figure}" if figure else "")
+                  + (f", at step {o.failed_at_step}" if o.failed_at_step is not None else ""))
+        for mid in already:
+            print(f"{mid}: already in the ledger")
+    return 0
+
+
+register("ingest-log", "append real-run peaks, OOMs and crashes read from training logs", add_ingest_options)(cmd_ingest)

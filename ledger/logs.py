@@ -1,0 +1,210 @@
+"""Real-run evidence from training logs (no torch): peaks, OOMs, crashes, when and at which step.
+
+What is read, line by line:
+
+- this project's callback line: ``vram-ledger: {"event": "train_end" | "oom", ...}`` (JSON);
+- PyTorch OOM messages in every form (``ledger.oom``), and the step they happened at when the log
+  shows progress (``236/1172``);
+- crashes: ``illegal memory access``, ``Xid NN``, other ``CUDA error:`` / ``HIP error:`` lines;
+- HF Trainer memory metrics (``train_mem_gpu_peaked_delta`` and friends): deltas over the memory
+  at the stage's start, not absolute peaks, and recorded as such (``peak_delta_mib``);
+- axolotl's ``memory/max_mem_allocated(gib)``, ``memory/max_mem_active(gib)`` and
+  ``memory/device_mem_reserved(gib)``;
+- Unsloth's ``Peak reserved memory = X GB.``;
+- DeepSpeed's ``see_memory_usage`` lines (``MA .. Max_MA .. CA .. Max_CA ..``).
+
+Peaks are the highest value seen in the log. A line that looks like one of these but cannot be
+read is skipped with a warning naming its line; a log with nothing to go on is an error.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .models import Oom
+from .oom import find_oom, parse_oom_message
+from .units import round_mib, to_mib
+
+CALLBACK_PREFIX = "vram-ledger:"
+
+_NUM = r"([-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)"
+_PROGRESS = re.compile(r"(?<![\d/.])(\d+)/(\d+)\s*\[")  # tqdm: " 236/1172 [12:01<..."
+_STEP_WORD = re.compile(r"\b(?:global_)?step[\s=:]+(\d+)\b", re.I)
+_TIMESTAMP = re.compile(r"(\d{4}-\d{2}-\d{2})[T ]\d{2}:\d{2}(?::\d{2})?")
+_XID = re.compile(r"\bXid\s*(?:\([^)]*\))?:?\s*(\d+)", re.I)
+_CRASH = re.compile(r"illegal memory access|\bXid\b|(?:CUDA|HIP) error:|Segmentation fault|core dumped|"
+                    r"device-side assert|misaligned address", re.I)
+_HF = re.compile(r"['\"]?((?:init|train|eval|test|predict)_mem_(?:gpu|cpu)_(?:alloc|peaked)_delta)['\"]?"
+                 r"\s*[:=]\s*" + _NUM + r"\s*(MB|B)?", re.I)
+_AXOLOTL = re.compile(r"['\"]?memory/(max_mem_allocated|max_mem_active|device_mem_reserved)\(gib\)['\"]?\s*[:=]\s*"
+                      r"([^,}\s]+)", re.I)
+_UNSLOTH = re.compile(r"Peak reserved memory\s*=\s*([^\s]+)\s*GB", re.I)
+_UNSLOTH_TRAINING = re.compile(r"Peak reserved memory for training", re.I)
+_DEEPSPEED = re.compile(r"\bMA\s+" + _NUM + r"\s*GB\s+Max_MA\s+" + _NUM + r"\s*GB\s+CA\s+" + _NUM + r"\s*GB\s+"
+                        r"Max_CA\s+" + _NUM + r"\s*GB", re.I)
+
+
+class LogError(Exception):
+    """A log with no evidence in it."""
+
+
+@dataclass
+class RunEvidence:
+    """What one log says about one run."""
+
+    status: Optional[str] = None
+    peak_allocated_mib: Optional[float] = None
+    peak_reserved_mib: Optional[float] = None
+    peak_delta_mib: Optional[float] = None
+    oom: Optional[Oom] = None
+    failed_at_step: Optional[int] = None
+    xid: Optional[int] = None
+    crash_text: Optional[str] = None
+    last_step: Optional[int] = None
+    total_steps: Optional[int] = None
+    measured_on: Optional[dt.date] = None
+    evidence_line: Optional[int] = None
+    kinds: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    callback: dict = field(default_factory=dict)
+
+    def _peak(self, name: str, mib: float, line: int, kind: str) -> None:
+        if getattr(self, name) is None or mib > getattr(self, name):
+            setattr(self, name, round_mib(mib))
+            if self.evidence_line is None or self.oom is None:
+                self.evidence_line = line
+        if kind not in self.kinds:
+            self.kinds.append(kind)
+
+
+def _float(text: str) -> float:
+    value = float(text.strip().strip("'\""))
+    if value != value or value < 0:  # NaN or negative
+        raise ValueError(text)
+    return value
+
+
+def parse_log(text: str, name: str = "log") -> RunEvidence:
+    """Read one log. Raises LogError naming what was missing when the log holds no evidence."""
+    ev = RunEvidence()
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        _read_line(ev, line, lineno, name)
+    if ev.oom is not None:
+        ev.status = "oom"
+        if ev.failed_at_step is None:
+            ev.failed_at_step = ev.last_step
+    elif ev.crash_text is not None:
+        ev.status = "crashed"
+        if ev.failed_at_step is None:
+            ev.failed_at_step = ev.last_step
+    elif ev.peak_allocated_mib is not None or ev.peak_reserved_mib is not None:
+        ev.status = "ok"
+    elif ev.peak_delta_mib is not None:
+        ev.status = "ok"
+    else:
+        raise LogError("no peak-memory line (vram-ledger callback, HF Trainer memory metrics, axolotl, Unsloth, "
+                       "DeepSpeed), OOM message or crash found")
+    return ev
+
+
+def _read_line(ev: RunEvidence, line: str, lineno: int, name: str) -> None:
+    ts = _TIMESTAMP.search(line)
+    if ts:
+        try:
+            ev.measured_on = dt.date.fromisoformat(ts[1])
+        except ValueError:
+            pass
+    progress = list(_PROGRESS.finditer(line))
+    if progress:
+        step, total = int(progress[-1][1]), int(progress[-1][2])
+        if step <= total:
+            ev.last_step, ev.total_steps = step, total
+    else:
+        sw = _STEP_WORD.search(line)
+        if sw:
+            ev.last_step = int(sw[1])
+
+    if CALLBACK_PREFIX in line:
+        _read_callback(ev, line, lineno, name)
+        return
+    if find_oom(line):
+        oom = parse_oom_message(line)
+        if oom is not None and ev.oom is None:
+            ev.oom = oom
+            ev.evidence_line = lineno
+            ev.failed_at_step = ev.last_step
+        return
+    if ev.xid is None and ev.crash_text is not None:
+        xid = _XID.search(line)  # the kernel's Xid line often follows the CUDA error
+        if xid:
+            ev.xid = int(xid[1])
+    if _CRASH.search(line) and ev.crash_text is None and "out of memory" not in line.lower():
+        ev.crash_text = line.strip()[:500]
+        xid = _XID.search(line)
+        if xid:
+            ev.xid = int(xid[1])
+        if ev.oom is None:
+            ev.evidence_line = lineno
+        ev.failed_at_step = ev.last_step
+        return
+    for m in _HF.finditer(line):
+        try:
+            value = _float(m[2])
+        except ValueError:
+            ev.warnings.append(f"{name}:{lineno}: skipped: cannot read {m[1]} = {m[2]!r}")
+            continue
+        mib = value if (m[3] or "").upper() == "MB" else to_mib(value, "B")
+        if m[1].lower().endswith("gpu_peaked_delta") and m[1].lower().startswith("train"):
+            ev._peak("peak_delta_mib", mib, lineno, "hf-trainer")
+    for m in _AXOLOTL.finditer(line):
+        try:
+            gib = _float(m[2])
+        except ValueError:
+            ev.warnings.append(f"{name}:{lineno}: skipped: cannot read memory/{m[1]}(gib) = {m[2]!r}")
+            continue
+        target = {"max_mem_allocated": "peak_allocated_mib", "device_mem_reserved": "peak_reserved_mib"}.get(m[1])
+        if target:
+            ev._peak(target, gib * 1024, lineno, "axolotl")
+    m = _UNSLOTH.search(line)
+    if m and not _UNSLOTH_TRAINING.search(line):
+        try:
+            ev._peak("peak_reserved_mib", _float(m[1]) * 1024, lineno, "unsloth")  # Unsloth's GB are GiB
+        except ValueError:
+            ev.warnings.append(f"{name}:{lineno}: skipped: cannot read Unsloth's peak {m[1]!r}")
+    m = _DEEPSPEED.search(line)
+    if m:
+        ev._peak("peak_allocated_mib", float(m[2]) * 1024, lineno, "deepspeed")  # Max_MA, GiB
+        ev._peak("peak_reserved_mib", float(m[4]) * 1024, lineno, "deepspeed")  # Max_CA
+
+
+def _read_callback(ev: RunEvidence, line: str, lineno: int, name: str) -> None:
+    try:
+        doc = json.loads(line.split(CALLBACK_PREFIX, 1)[1])
+        if not isinstance(doc, dict):
+            raise ValueError("not an object")
+    except ValueError:
+        ev.warnings.append(f"{name}:{lineno}: skipped: the vram-ledger line is not valid JSON")
+        return
+    ev.callback.update(doc)
+    for key in ("peak_allocated_mib", "peak_reserved_mib"):
+        value = doc.get(key)
+        if isinstance(value, (int, float)) and value >= 0:
+            ev._peak(key, float(value), lineno, "callback")
+    if doc.get("event") == "oom" and isinstance(doc.get("message"), str):
+        oom = parse_oom_message(doc["message"]) or Oom(message=doc["message"])
+        if isinstance(doc.get("peak_allocated_mib"), (int, float)):
+            oom.max_allocated_mib = round_mib(doc["peak_allocated_mib"])
+            ev.peak_allocated_mib = None  # an OOM has no peak: what was read is a lower bound
+        ev.oom = oom
+        ev.evidence_line = lineno
+        if isinstance(doc.get("step"), int):
+            ev.failed_at_step = doc["step"]
+    if isinstance(doc.get("date"), str):
+        try:
+            ev.measured_on = dt.date.fromisoformat(doc["date"])
+        except ValueError:
+            pass

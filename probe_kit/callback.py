@@ -1,0 +1,136 @@
+"""A transformers TrainerCallback that records a real run's peak memory.
+
+Three lines in a training script:
+
+    from probe_kit.callback import VramLedgerCallback
+    vram = VramLedgerCallback(ledger="ledger/vram.json", gpu="rtx-3070-ti", rank=96, dropout=0.1)
+    trainer = Trainer(..., callbacks=[vram]);  with vram.watch(): trainer.train()
+
+At train end (and on an OOM, which ``watch()`` catches, records and re-raises) it reads
+``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` (never resetting them: peak stats are
+process-global and the trainer or the user may rely on them), prints one ``vram-ledger: {...}``
+line that ``vram ingest-log`` reads, and, given a ledger, appends the real measurement itself.
+Without a GPU (a CPU test run) it measures with the tracker meter between train begin and end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+from transformers import TrainerCallback
+
+from ledger.logs import CALLBACK_PREFIX
+
+from .meters import MIB, TrackerMeter
+
+log = logging.getLogger(__name__)
+
+
+class VramLedgerCallback(TrainerCallback):
+    """Records the run's peak memory at train end and on an OOM."""
+
+    def __init__(self, ledger: Optional[str] = None, log_file: Optional[str] = None, stream=None, **config):
+        self.ledger = ledger
+        self.log_file = log_file
+        self.stream = stream
+        self.config = config  # recipe flags for the ledger entry: gpu, model, quant, rank, dropout, ...
+        self.step = 0
+        self.tracker: Optional[TrackerMeter] = None
+        self.written: list[dict] = []
+
+    # -- meters -------------------------------------------------------------------------
+    def _cuda(self) -> bool:
+        return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+    def _figures(self) -> dict:
+        if self._cuda():
+            dev = torch.cuda.current_device()
+            torch.cuda.synchronize(dev)
+            props = torch.cuda.get_device_properties(dev)
+            return {"meter": "allocator", "device": props.name, "total_mib": round(props.total_memory / MIB, 1),
+                    "peak_allocated_mib": round(torch.cuda.max_memory_allocated(dev) / MIB, 1),
+                    "peak_reserved_mib": round(torch.cuda.max_memory_reserved(dev) / MIB, 1)}
+        if self.tracker is not None:
+            return {"meter": "tracker", "device": "cpu",
+                    "peak_allocated_mib": round(self.tracker.peak_allocated_mib(), 1)}
+        return {"meter": None, "device": "cpu"}
+
+    # -- TrainerCallback hooks ----------------------------------------------------------
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not torch.cuda.is_available() and self.tracker is None:
+            self.tracker = TrackerMeter()
+            model = kwargs.get("model")
+            if model is not None:
+                self.tracker.register_module(model)
+            self.tracker.__enter__()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.step = state.global_step
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.step = state.global_step
+        self._stop_tracker()
+        self.record("train_end")
+
+    def _stop_tracker(self) -> None:
+        if self.tracker is not None and self.tracker in _active_modes():
+            self.tracker.__exit__(None, None, None)
+
+    # -- recording ----------------------------------------------------------------------
+    def record(self, event: str, message: Optional[str] = None) -> dict:
+        """Write the vram-ledger line (and the ledger entry, when a ledger was given)."""
+        doc = {"event": event, "date": dt.date.today().isoformat(), "step": self.step, **self._figures()}
+        if message is not None:
+            doc["message"] = message
+        line = f"{CALLBACK_PREFIX} {json.dumps(doc, sort_keys=True)}"
+        print(line, file=self.stream or sys.stdout, flush=True)
+        if self.log_file:
+            with open(self.log_file, "a", encoding="utf-8") as fh:
+                fh.write(line + "\n")
+        self.written.append(doc)
+        if self.ledger:
+            self._append(line)
+        return doc
+
+    def _append(self, line: str) -> None:
+        import argparse
+        import tempfile
+
+        from ledger.ingest import ingest
+        from ledger import store
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp, f"run-{dt.date.today().isoformat()}-{len(self.written)}.log")
+            path.write_text(line + "\n", encoding="utf-8")
+            flags = {k: None for k in ("gpu", "model", "quant", "rank", "alpha", "dropout", "seq_len", "fixes",
+                                       "dataset", "examples", "epochs")}
+            flags.update(rslora=False, dora=False, id=None)
+            flags.update(self.config)
+            new, _ = ingest([str(path)], self.ledger, argparse.Namespace(**flags))
+            for m in new:
+                m.provenance.source = "probe_kit.callback (VramLedgerCallback)"
+            if new:
+                store.append(self.ledger, new)
+
+    @contextlib.contextmanager
+    def watch(self) -> Iterator["VramLedgerCallback"]:
+        """Wrap ``trainer.train()``: an OOM is recorded (with its message and step), then re-raised."""
+        try:
+            yield self
+        except torch.OutOfMemoryError as exc:
+            self._stop_tracker()
+            self.record("oom", message=f"torch.OutOfMemoryError: {exc}")
+            raise
+
+
+def _active_modes() -> list:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return list(_get_current_dispatch_mode_stack())

@@ -1,0 +1,181 @@
+"""Log ingestion: every log form, ingest into a ledger, idempotence, and the TrainerCallback."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from conftest import DATA, SMALL
+from ledger import cli, store
+from ledger.logs import LogError, parse_log
+
+LOGS = sorted((DATA / "logs").glob("*.log"))
+
+
+def summary(path: Path) -> dict:
+    try:
+        e = parse_log(path.read_text(encoding="utf-8"), path.name)
+    except LogError as exc:
+        return {"error": str(exc)}
+    d = {k: v for k, v in asdict(e).items() if v not in (None, [], {}) and k != "callback"}
+    if e.oom:
+        d["oom"] = e.oom.model_dump(mode="json", exclude_none=True, exclude={"message", "untrusted"})
+    if e.measured_on:
+        d["measured_on"] = e.measured_on.isoformat()
+    return {"parse": d}
+
+
+@pytest.mark.parametrize("path", LOGS, ids=[p.stem for p in LOGS])
+def test_each_log_form_parses_as_expected(path):
+    expected = json.loads(path.with_suffix(".expected.json").read_text())
+    assert summary(path) == expected
+
+
+def test_the_corpus_covers_every_form():
+    names = {p.stem for p in LOGS}
+    assert {"oom-current", "oom-legacy", "oom-hip", "hf-trainer-metrics", "hf-trainer-log-metrics", "axolotl",
+            "unsloth", "deepspeed", "callback", "crash-xid", "garbled", "truncated-oom", "nothing"} <= names
+
+
+def test_garbled_lines_are_skipped_with_a_warning():
+    e = parse_log((DATA / "logs" / "garbled.log").read_text(), "garbled.log")
+    assert len(e.warnings) == 2 and all(w.startswith("garbled.log:") for w in e.warnings)
+
+
+def test_random_garbage_never_crashes():
+    import random
+
+    rng = random.Random(0)
+    pieces = ["CUDA out of memory.", "Tried to allocate", "GiB", "Xid", "memory/max_mem_allocated(gib)': ",
+              "Peak reserved memory = ", "vram-ledger: {", "MA 1 GB Max_MA", "236/1172 [", "\x00", "ü", "12.5"]
+    for _ in range(300):
+        text = "\n".join(" ".join(rng.choice(pieces) for _ in range(rng.randint(1, 8))) for _ in range(5))
+        try:
+            parse_log(text, "x")
+        except LogError:
+            pass
+
+
+@pytest.fixture
+def ledger(tmp_path):
+    path = tmp_path / "ledger.json"
+    path.write_bytes(SMALL.read_bytes())
+    return path
+
+
+def test_ingest_round_trip_and_idempotence(ledger, capsys):
+    log = DATA / "logs" / "oom-current.log"
+    args = ["ingest-log", str(log), "--ledger", str(ledger), "--gpu", "RTX 3070 Ti", "--rank", "112", "--rslora",
+            "--dropout", "0.1", "--model", "unsloth/gemma-3-4b-it", "--quant", "4bit", "--seq-len", "7177"]
+    assert cli.main(args) == 0
+    assert store.validate_file(ledger) == []
+    m = store.load(ledger).measurements[-1]
+    assert m.kind == "real" and m.gpu == "rtx-3070-ti" and m.outcome.status == "oom"
+    assert m.outcome.failed_at_step == 236 and m.outcome.oom.reserved_unallocated_mib == 394
+    assert m.provenance.source == f"{log}:6" and str(m.provenance.measured_on) == "2026-09-23"
+    assert m.lora.rank == 112 and m.dataset.longest_example_tokens == 7177
+    before = ledger.read_bytes()
+    capsys.readouterr()
+    assert cli.main(args) == 0
+    assert ledger.read_bytes() == before
+    assert "already in the ledger" in capsys.readouterr().out
+
+
+def test_dry_run_json_writes_nothing(ledger, capsys):
+    before = ledger.read_bytes()
+    assert cli.main(["ingest-log", str(DATA / "logs" / "axolotl.log"), str(DATA / "logs" / "unsloth.log"),
+                     "--ledger", str(ledger), "--dry-run", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [m["outcome"]["status"] for m in doc["would_append"]] == ["ok", "ok"]
+    unsloth = doc["would_append"][1]
+    assert unsloth["outcome"]["peak_reserved_mib"] == 7077.9 and "measured_on" in unsloth["provenance"]
+    assert unsloth["provenance"]["inferred_fields"] == ["measured_on"]  # no timestamp: the file's date
+    assert ledger.read_bytes() == before
+
+
+def test_unparseable_log_is_one_line_and_nothing_is_written(ledger, capsys):
+    before = ledger.read_bytes()
+    bad = DATA / "logs" / "nothing.log"
+    assert cli.main(["ingest-log", str(DATA / "logs" / "axolotl.log"), str(bad), "--ledger", str(ledger)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"{bad}: no peak-memory line (vram-ledger callback, HF Trainer memory metrics, axolotl, Unsloth, "
+                   "DeepSpeed), OOM message or crash found"]
+    assert ledger.read_bytes() == before
+
+
+def test_unknown_gpu_is_a_clear_error(ledger, capsys):
+    assert cli.main(["ingest-log", str(DATA / "logs" / "axolotl.log"), "--ledger", str(ledger), "--gpu", "h100"]) == 1
+    assert "unknown gpu 'h100'" in capsys.readouterr().err
+
+
+def test_hf_deltas_are_recorded_as_deltas(ledger):
+    assert cli.main(["ingest-log", str(DATA / "logs" / "hf-trainer-metrics.log"), "--ledger", str(ledger)]) == 0
+    m = store.load(ledger).measurements[-1]
+    assert m.outcome.peak_delta_mib == 3335.0 and m.outcome.peak_allocated_mib is None
+    assert any("not an absolute peak" in n for n in m.provenance.notes)
+
+
+def test_ingesting_a_matching_run_scores_an_open_prediction(ledger):
+    from ledger.models import Lora, Prediction
+
+    lg = store.load(ledger)
+    lg.predictions.append(Prediction(id="pred-next", gpu="rtx-3070-ti", quant="4bit",
+                                     lora=Lora(rank=96, dropout=0.1), predicted_peak_mib=6700.0,
+                                     made_on="2026-11-01"))
+    store.save(lg, ledger)
+    assert cli.main(["ingest-log", str(DATA / "logs" / "callback.log"), "--ledger", str(ledger), "--gpu",
+                     "rtx-3070-ti", "--quant", "4bit", "--rank", "96", "--dropout", "0.1"]) == 0
+    pred = next(p for p in store.load(ledger).predictions if p.id == "pred-next")
+    assert pred.score.actual_peak_mib == 6629.4 and pred.score.error_pct == pytest.approx(1.06, abs=0.01)
+
+
+def test_callback_in_a_tiny_cpu_trainer_writes_a_line_that_ingests(tmp_path, ledger):
+    import io
+
+    import torch
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    from probe_kit.callback import VramLedgerCallback
+    from probe_kit.recipe import load_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(load_config("tiny-llama"))
+    data = [{"input_ids": torch.randint(0, 1024, (64,)), "labels": torch.randint(0, 1024, (64,))} for _ in range(4)]
+    out = io.StringIO()
+    log_file = tmp_path / "train.log"
+    cb = VramLedgerCallback(ledger=str(ledger), log_file=str(log_file), stream=out, gpu="rtx-3070-ti", rank=8)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=2,
+                             report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True)
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[cb])
+    with cb.watch():
+        trainer.train()
+    line = out.getvalue().strip()
+    assert line.startswith("vram-ledger: ")
+    doc = json.loads(line.split(": ", 1)[1])
+    assert doc["event"] == "train_end" and doc["step"] == 3 and doc["meter"] == "tracker"
+    assert doc["peak_allocated_mib"] > 1
+    m = store.load(ledger).measurements[-1]  # appended by the callback itself
+    assert m.kind == "real" and m.outcome.peak_allocated_mib == doc["peak_allocated_mib"] and m.lora.rank == 8
+    # and the log line ingests on its own
+    e = parse_log(log_file.read_text(), "train.log")
+    assert e.status == "ok" and e.peak_allocated_mib == doc["peak_allocated_mib"]
+
+
+def test_callback_records_an_oom_and_reraises(tmp_path):
+    import io
+
+    import torch
+
+    from probe_kit.callback import VramLedgerCallback
+
+    out = io.StringIO()
+    cb = VramLedgerCallback(stream=out)
+    with pytest.raises(torch.OutOfMemoryError):
+        with cb.watch():
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 72.00 MiB. GPU 0 has a total "
+                                         "capacity of 7.65 GiB of which 58.00 MiB is free.")
+    e = parse_log(out.getvalue(), "x")
+    assert e.status == "oom" and e.oom.tried_mib == 72 and e.oom.free_mib == 58
