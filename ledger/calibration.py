@@ -1,0 +1,611 @@
+"""Calibration: from probes to real-run predictions and rank ceilings. Pure functions: no I/O, no torch.
+
+Rules (each explicit, none tuned to a held-out row):
+
+- **Recipe key**: card, model, quant, rank, dropout on/off, DoRA, memory fixes. Sequence length is
+  the probe's; a real run's longest example is often unknown, so it is not part of the key.
+- **Pairs**: each ok probe is paired with the ok real runs of its recipe key measured on or after
+  it and before the key's next ok probe (the runs that trained on the corpus it measured); the
+  pair's real peak is the highest of them. Over-estimate = (probe - real) / probe.
+- **Anchors**: the latest pair of each recipe key. The over-estimate used to predict is the median
+  of the anchors; the interval is the range of every pair.
+- **Peak of a configuration** (for verdicts and ceilings): the ok probes of its group (card, model,
+  quant, sequence length, dropout on/off, DoRA, fixes), linear in rank (slope from the group, else
+  the card's, else every card's); a group measured only on other cards borrows their rows
+  (allocated bytes do not depend on the card). No rows: unknown.
+- **Limits**: an OOM is a censored observation. A card's effective limit for peak allocated lies
+  between the largest peak that fit and the smallest predicted (or lower-bound) peak that did not,
+  never above the card. Real runs get their own interval (a long run fragments the allocator).
+- **Verdict**: a predicted peak fits when it is at most the middle of the limit interval.
+- **Ceiling**: the largest rank (in steps) whose peak fits at most the low end of the limit minus a
+  margin, observed outcomes overriding predictions; never above the ceiling of a shorter sequence,
+  of no dropout or of no DoRA (a longer sequence, dropout or DoRA never uses less memory).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import statistics
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Iterable, Optional
+
+from .models import Ledger, Measurement
+
+# -- keys ------------------------------------------------------------------------------------
+
+
+def fixes_of(m) -> str:
+    f = m.memory_fixes
+    if f is None:
+        return "?"
+    return f if isinstance(f, str) else ",".join(sorted(f)) or "none"
+
+
+def seq_of(m) -> Optional[int]:
+    return m.seq_len or (m.dataset.longest_example_tokens if m.dataset else None)
+
+
+def recipe_key(m) -> tuple:
+    lora = m.lora
+    return (m.gpu, m.model, m.quant, lora.rank if lora else None, bool(lora and lora.dropout),
+            bool(lora and lora.dora), fixes_of(m))
+
+
+def group_key(m) -> tuple:
+    """Everything but rank and card: rows of one group differ only in rank."""
+    lora = m.lora
+    return (m.model, m.quant, seq_of(m), bool(lora and lora.dropout), bool(lora and lora.dora), fixes_of(m))
+
+
+def ok_peak(m: Measurement) -> Optional[float]:
+    o = m.outcome
+    return o.peak_allocated_mib if o.status == "ok" and o.peak_allocated_mib is not None else None
+
+
+def _probes(ms: Iterable[Measurement]) -> list[Measurement]:
+    return [m for m in ms if m.kind == "probe" and m.lora is not None and m.gpu]
+
+
+def _date(m) -> dt.date:
+    return m.provenance.measured_on or dt.date.min
+
+
+# -- probe -> real -----------------------------------------------------------------------------
+
+
+@dataclass
+class Pair:
+    probe: str
+    reals: list[str]
+    probe_mib: float
+    real_mib: float
+    overestimate_pct: float
+    key: list
+    probe_seq_len: Optional[int]
+    on: Optional[str]
+
+
+def pairs(ms: list[Measurement]) -> list[Pair]:
+    """Every probe/real pair of the same recipe key (see the module's rules)."""
+    probes: dict[tuple, list[Measurement]] = defaultdict(list)
+    reals: dict[tuple, list[Measurement]] = defaultdict(list)
+    for m in ms:
+        if m.lora is None or not m.gpu or ok_peak(m) is None:
+            continue
+        if m.kind == "probe":
+            probes[recipe_key(m)].append(m)
+        elif m.kind == "real":
+            reals[recipe_key(m)].append(m)
+    out: list[Pair] = []
+    for key, ps in probes.items():
+        rs = reals.get(key)
+        if not rs:
+            continue
+        ps = sorted(ps, key=lambda m: (_date(m), m.id))
+        for i, p in enumerate(ps):
+            end = _date(ps[i + 1]) if i + 1 < len(ps) else dt.date.max
+            seg = [r for r in rs if _date(p) <= _date(r) < end or (_date(r) == _date(p) == end)]
+            if not seg:
+                continue
+            top = max(seg, key=lambda r: (ok_peak(r), r.id))
+            pp, rp = ok_peak(p), ok_peak(top)
+            out.append(Pair(probe=p.id, reals=sorted(r.id for r in seg), probe_mib=pp, real_mib=rp,
+                            overestimate_pct=round((pp - rp) / pp * 100, 3), key=list(key),
+                            probe_seq_len=seq_of(p), on=p.provenance.measured_on.isoformat()
+                            if p.provenance.measured_on else None))
+    return sorted(out, key=lambda x: (x.on or "", x.probe))
+
+
+@dataclass
+class Overestimate:
+    pct: Optional[float]
+    low_pct: Optional[float]
+    high_pct: Optional[float]
+    anchors: list[Pair]
+    pairs: list[Pair]
+
+
+def overestimate(ms: list[Measurement]) -> Overestimate:
+    ps = pairs(ms)
+    latest: dict[tuple, Pair] = {}
+    for p in ps:  # sorted by date: the last one per key wins
+        latest[tuple(p.key)] = p
+    anchors = sorted(latest.values(), key=lambda p: (p.on or "", p.probe))
+    if not anchors:
+        return Overestimate(None, None, None, [], ps)
+    pct = statistics.median(a.overestimate_pct for a in anchors)
+    return Overestimate(round(pct, 3), min(p.overestimate_pct for p in ps), max(p.overestimate_pct for p in ps),
+                        anchors, ps)
+
+
+def predict_real(probe_mib: float, over: Overestimate) -> dict:
+    """A real-run peak from a probe peak: point and interval."""
+    if over.pct is None:
+        return {"predicted_mib": None, "low_mib": None, "high_mib": None}
+    return {"predicted_mib": round(probe_mib * (1 - over.pct / 100), 1),
+            "low_mib": round(probe_mib * (1 - over.high_pct / 100), 1),
+            "high_mib": round(probe_mib * (1 - over.low_pct / 100), 1)}
+
+
+def before(ms: list[Measurement], as_of: Optional[dt.date], exclude: Iterable[str] = ()) -> list[Measurement]:
+    """The ledger as it stood on a date, less some rows (prospective or held-out fits)."""
+    drop = set(exclude)
+    return [m for m in ms if m.id not in drop and (as_of is None or m.provenance.measured_on is None
+                                                    or m.provenance.measured_on <= as_of)]
+
+
+# -- peaks of configurations --------------------------------------------------------------------
+
+
+def _slope(points: list[tuple[float, float]]) -> Optional[float]:
+    xs = {x for x, _ in points}
+    if len(xs) < 2:
+        return None
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    return sum((x - mx) * (y - my) for x, y in points) / sxx
+
+
+def rank_slope(ms: list[Measurement], gpu: Optional[str] = None, quant: Optional[str] = None) -> Optional[float]:
+    """MiB per rank unit: the pooled within-group slope of ok probes (each group centred)."""
+    groups: dict[tuple, list[tuple[float, float]]] = defaultdict(list)
+    for m in _probes(ms):
+        if (gpu is None or m.gpu == gpu) and (quant is None or m.quant == quant) and ok_peak(m) is not None:
+            groups[(m.gpu, *group_key(m))].append((float(m.lora.rank), ok_peak(m)))
+    sxy = sxx = 0.0
+    for pts in groups.values():
+        if len({x for x, _ in pts}) < 2:
+            continue
+        mx = sum(x for x, _ in pts) / len(pts)
+        my = sum(y for _, y in pts) / len(pts)
+        sxy += sum((x - mx) * (y - my) for x, y in pts)
+        sxx += sum((x - mx) ** 2 for x, _ in pts)
+    return sxy / sxx if sxx else None
+
+
+@dataclass
+class PeakModel:
+    """Predicts a probe's peak allocated for (card, group, rank) from ok probes."""
+
+    ms: list[Measurement]
+
+    def __post_init__(self) -> None:
+        self.by_group: dict[tuple, dict[str, list[tuple[float, float, str]]]] = defaultdict(lambda: defaultdict(list))
+        for m in _probes(self.ms):
+            peak = ok_peak(m)
+            if peak is not None:
+                self.by_group[group_key(m)][m.gpu].append((float(m.lora.rank), peak, m.id))
+        self._slopes: dict = {}
+
+    def offset(self, gpu: str, other: str) -> float:
+        """Median difference of this card's peaks over another's at the same group and rank
+        (allocator and library versions differ a little); 0 when they share no row."""
+        diffs = []
+        for rows in self.by_group.values():
+            mine = {x: y for x, y, _ in rows.get(gpu, [])}
+            for x, y, _ in rows.get(other, []):
+                if x in mine:
+                    diffs.append(mine[x] - y)
+        return statistics.median(diffs) if diffs else 0.0
+
+    def slope(self, gpu: str, quant: Optional[str]) -> Optional[float]:
+        if (gpu, quant) not in self._slopes:
+            self._slopes[(gpu, quant)] = (rank_slope(self.ms, gpu, quant) or rank_slope(self.ms, None, quant)
+                                          or rank_slope(self.ms))
+        return self._slopes[(gpu, quant)]
+
+    def predict(self, gpu: str, group: tuple, rank: int) -> tuple[Optional[float], list[str]]:
+        """(predicted peak, ids of the rows it rests on); (None, []) when unknown."""
+        rows_by_gpu = self.by_group.get(group)
+        if not rows_by_gpu:
+            return None, []
+        rows = rows_by_gpu.get(gpu)
+        if not rows:  # borrow other cards' rows, shifted by how this card differs from them
+            rows = []
+            for other in sorted(rows_by_gpu):
+                shift = self.offset(gpu, other)
+                rows += [(x, round(y + shift, 1), i) for x, y, i in rows_by_gpu[other]]
+        pts = [(x, y) for x, y, _ in rows]
+        slope = _slope(pts) if len({x for x, _ in pts}) >= 2 else self.slope(gpu, group[1])
+        if slope is None:
+            return None, []
+        near = min(rows, key=lambda r: (abs(r[0] - rank), -r[1]))
+        if len({x for x, _ in pts}) >= 2:
+            lo = [r for r in rows if r[0] <= rank]
+            hi = [r for r in rows if r[0] >= rank]
+            if lo and hi:  # interpolate between the measured neighbours
+                a = max(lo, key=lambda r: (r[0], r[1]))
+                b = min(hi, key=lambda r: (r[0], -r[1]))
+                if a[0] == b[0]:
+                    return max(r[1] for r in rows if r[0] == rank), [r[2] for r in rows if r[0] == rank]
+                y = a[1] + (b[1] - a[1]) * (rank - a[0]) / (b[0] - a[0])
+                return round(y, 1), [a[2], b[2]]
+        return round(near[1] + slope * (rank - near[0]), 1), [near[2]]
+
+
+# -- limits ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Limit:
+    gpu: str
+    kind: str
+    low_mib: Optional[float]
+    high_mib: Optional[float]
+    fit_id: Optional[str]
+    exceeded_id: Optional[str]
+    card_mib: Optional[float]
+    note: str = ""
+
+
+def card_mib(ledger: Ledger, gpu: str) -> Optional[float]:
+    g = ledger.gpus.get(gpu)
+    if g is None:
+        return None
+    return round(g.usable_gib_torch * 1024, 1) if g.usable_gib_torch else g.total_mib
+
+
+def _exceeded_peak(m: Measurement, model: PeakModel) -> Optional[float]:
+    """What a row that did not fit needed at least: predicted, or what it had allocated."""
+    o = m.outcome
+    if o.status == "spilled":
+        return o.peak_allocated_mib
+    if o.status != "oom":
+        return None
+    candidates = []
+    if m.kind == "probe" and m.lora is not None:
+        pred, _ = model.predict(m.gpu, group_key(m), m.lora.rank)
+        if pred is not None:
+            candidates.append(pred)
+    if o.oom is not None:  # lower bounds of what it needed
+        if o.oom.max_allocated_mib is not None:
+            candidates.append(o.oom.max_allocated_mib)
+        elif o.oom.allocated_mib is not None:
+            candidates.append(o.oom.allocated_mib + (o.oom.tried_mib or 0.0))
+    return min(candidates) if candidates else None
+
+
+def limits(ledger: Ledger, ms: list[Measurement], model: Optional[PeakModel] = None) -> list[Limit]:
+    """Each card's interval for the peak allocated that fits, from probes and from real runs."""
+    model = model or PeakModel(ms)
+    out: list[Limit] = []
+    for gpu in ledger.gpus:
+        for kind in ("probe", "real"):
+            # Training steps only (LoRA set): a forward-only or load row says little about a step's limit.
+            rows = [m for m in ms if m.gpu == gpu and m.kind == kind and m.lora is not None]
+            fits = [m for m in rows if ok_peak(m) is not None]
+            over = [(p, m) for m in rows if (p := _exceeded_peak(m, model)) is not None]
+            if not fits and not over:
+                continue
+            card = card_mib(ledger, gpu)
+            fit = max(fits, key=lambda m: (ok_peak(m), m.id)) if fits else None
+            exc = min(over, key=lambda pm: (pm[0], pm[1].id)) if over else None
+            low = ok_peak(fit) if fit else None
+            high = exc[0] if exc else None
+            if card is not None and (high is None or high > card):
+                high = card
+            note = ""
+            if low is not None and high is not None and high < low:
+                note = "an OOM below a peak that fit: other processes or fragmentation varied between rows"
+                high = low
+            out.append(Limit(gpu=gpu, kind=kind, low_mib=low, high_mib=high, fit_id=fit.id if fit else None,
+                             exceeded_id=exc[1].id if exc else None, card_mib=card, note=note))
+    return out
+
+
+def limit_for(lims: list[Limit], gpu: str, kind: str = "probe") -> Optional[Limit]:
+    return next((lim for lim in lims if lim.gpu == gpu and lim.kind == kind), None)
+
+
+# -- marginal costs ------------------------------------------------------------------------------
+
+
+def _paired_diffs(ms: list[Measurement], flag: str) -> list[dict]:
+    """Probes identical but for dropout (or DoRA) off vs on: the cost, per pair."""
+    base: dict[tuple, Measurement] = {}
+    for m in _probes(ms):
+        if ok_peak(m) is None:
+            continue
+        k = list(group_key(m))
+        on = bool(getattr(m.lora, flag))
+        idx = 3 if flag == "dropout" else 4
+        k[idx] = None
+        base.setdefault((m.gpu, m.lora.rank, tuple(k), on), m)
+    out = []
+    for (gpu, rank, k, on), m in sorted(base.items(), key=lambda kv: str(kv[0])):
+        if on:
+            off = base.get((gpu, rank, k, False))
+            if off is not None:
+                out.append({"gpu": gpu, "rank": rank, "seq_len": k[2], "quant": k[1], "cost_mib":
+                            round(ok_peak(m) - ok_peak(off), 1), "rows": [off.id, m.id]})
+    return out
+
+
+def _summary(values: list[float]) -> dict:
+    if not values:
+        return {"median_mib": None, "min_mib": None, "max_mib": None}
+    return {"median_mib": round(statistics.median(values), 1), "min_mib": min(values), "max_mib": max(values)}
+
+
+def costs(ms: list[Measurement]) -> dict:
+    """Marginal costs from the data, each with the rows it rests on."""
+    per_rank = []
+    groups: dict[tuple, list[Measurement]] = defaultdict(list)
+    for m in _probes(ms):
+        if ok_peak(m) is not None:
+            groups[(m.gpu, *group_key(m))].append(m)
+    for key in sorted(groups, key=str):
+        rows = groups[key]
+        pts = [(float(m.lora.rank), ok_peak(m)) for m in rows]
+        s = _slope(pts)
+        if s is not None:
+            per_rank.append({"gpu": key[0], "quant": key[2], "seq_len": key[3], "dropout": key[4], "dora": key[5],
+                             "fixes": key[6], "mib_per_rank": round(s, 2),
+                             "rows": [m.id for m in sorted(rows, key=lambda m: m.lora.rank)]})
+    dropout = _paired_diffs(ms, "dropout")
+    dora = _paired_diffs(ms, "dora")
+    # Sequence length: per card/group/rank with >= 3 lengths; not linear, so a quadratic and the
+    # piecewise slopes.
+    seq = []
+    sgroups: dict[tuple, list[Measurement]] = defaultdict(list)
+    for m in _probes(ms):
+        if ok_peak(m) is not None and seq_of(m):
+            k = group_key(m)
+            sgroups[(m.gpu, m.model, m.quant, m.lora.rank, k[3], k[4], k[5])].append(m)
+    for key in sorted(sgroups, key=str):
+        rows = sorted(sgroups[key], key=seq_of)
+        xs = sorted({seq_of(m) for m in rows})
+        if len(xs) < 4:  # a curve needs more lengths than parameters
+            continue
+        pts = [(seq_of(m), ok_peak(m)) for m in rows]
+        steps = [{"from": a[0], "to": b[0], "mib_per_token": round((b[1] - a[1]) / (b[0] - a[0]), 4)}
+                 for a, b in zip(pts, pts[1:]) if b[0] != a[0]]
+        import numpy as np
+
+        c2, c1, c0 = np.polyfit([p[0] for p in pts], [p[1] for p in pts], 2)
+        resid = max(abs(y - (c0 + c1 * x + c2 * x * x)) for x, y in pts)
+        seq.append({"gpu": key[0], "quant": key[2], "rank": key[3], "fit": "quadratic",
+                    "coefficients": {"c0_mib": round(float(c0), 2), "c1_mib_per_token": round(float(c1), 5),
+                                     "c2_mib_per_token2": float(f"{c2:.4g}")},
+                    "max_residual_mib": round(float(resid), 1), "piecewise": steps, "rows": [m.id for m in rows]})
+    # Real runs between ranks (mean peak per rank; same card, quant, dropout, DoRA, fixes).
+    real = []
+    rgroups: dict[tuple, dict[int, list[Measurement]]] = defaultdict(lambda: defaultdict(list))
+    for m in ms:
+        if m.kind == "real" and m.lora is not None and ok_peak(m) is not None and m.gpu:
+            k = recipe_key(m)
+            rgroups[(k[0], k[1], k[2], k[4], k[5], k[6])][m.lora.rank].append(m)
+    for key in sorted(rgroups, key=str):
+        ranks = sorted(rgroups[key])
+        for a, b in zip(ranks, ranks[1:]):
+            ma = statistics.mean(ok_peak(m) for m in rgroups[key][a])
+            mb = statistics.mean(ok_peak(m) for m in rgroups[key][b])
+            real.append({"gpu": key[0], "dropout": key[3], "from_rank": a, "to_rank": b,
+                         "cost_mib": round(mb - ma, 1), "mib_per_rank": round((mb - ma) / (b - a), 2),
+                         "rows": sorted(m.id for m in rgroups[key][a] + rgroups[key][b])})
+    return {
+        "rank": per_rank,
+        "dropout": {**_summary([d["cost_mib"] for d in dropout]), "pairs": dropout},
+        "dora": {**_summary([d["cost_mib"] for d in dora]), "pairs": dora},
+        "seq_len": seq,
+        "real_rank": real,
+    }
+
+
+# -- verdicts and ceilings ---------------------------------------------------------------------
+
+
+def verdict(pred: Optional[float], lim: Optional[Limit]) -> Optional[bool]:
+    """Fits (True), does not (False), or unknown (None): at most the middle of the interval."""
+    if pred is None or lim is None:
+        return None
+    lo, hi = lim.low_mib, lim.high_mib
+    if lo is None and hi is None:
+        return None
+    if lo is None:
+        return pred <= hi
+    if hi is None:
+        return pred <= lo
+    return pred <= (lo + hi) / 2
+
+
+@dataclass
+class Ceiling:
+    rank: Optional[int]
+    status: str  # "ok" | "unknown" | "none-fits"
+    limit: Optional[dict]
+    margin_mib: float
+    seq_len: int
+    evidence: list[dict] = field(default_factory=list)
+    note: str = ""
+    possible_rank: Optional[int] = None
+
+
+def ceiling(ledger: Ledger, ms: list[Measurement], *, gpu: str, seq_len: int, model: Optional[str] = None,
+            quant: str = "4bit", dropout: bool = False, dora: bool = False, fixes: str = "all",
+            budget_mib: Optional[float] = None, real: bool = False, step: int = 8, max_rank: int = 512,
+            margin_mib: float = 0.0, _depth: int = 0) -> Ceiling:
+    """The largest rank (multiple of step) that fits; see the module's rules."""
+    peaks = PeakModel(ms)
+    lims = limits(ledger, ms, peaks)
+    lim = limit_for(lims, gpu, "real" if real else "probe")
+    if budget_mib is not None:
+        lim = Limit(gpu=gpu, kind="budget", low_mib=budget_mib, high_mib=budget_mib, fit_id=None, exceeded_id=None,
+                    card_mib=budget_mib, note="--budget-mib")
+    if model is None:
+        models = sorted({m.model for m in _probes(ms) if m.gpu == gpu and m.model} or
+                        {m.model for m in _probes(ms) if m.model})
+        model = models[0] if len(models) == 1 else model
+    over = overestimate(ms) if real else None
+    group = (model, quant, seq_len, dropout, dora, fixes)
+    observed = {m.lora.rank: m for m in _probes(ms)
+                if m.gpu == gpu and group_key(m) == group and m.outcome.status in ("ok", "oom", "spilled")}
+    result = Ceiling(rank=None, status="unknown", limit=asdict(lim) if lim else None, margin_mib=margin_mib,
+                     seq_len=seq_len)
+    if lim is None or lim.low_mib is None:
+        result.note = f"no limit known for {gpu}: give --budget-mib"
+        return result
+    threshold = lim.low_mib - margin_mib
+    best = possible = None
+    known_any = False
+    for rank in range(step, max_rank + 1, step):
+        obs = observed.get(rank)
+        if obs is not None and not real:
+            fits = obs.outcome.status == "ok"
+            result.evidence.append({"rank": rank, "observed": obs.outcome.status, "id": obs.id})
+            known_any = True
+            if fits:
+                best = possible = rank
+                continue
+            break
+        pred, rows = peaks.predict(gpu, group, rank)
+        if pred is None:
+            continue
+        known_any = True
+        if real:
+            pr = predict_real(pred, over)
+            if pr["predicted_mib"] is None:
+                known_any = False
+                break
+            pred = pr["predicted_mib"]
+        entry = {"rank": rank, "predicted_mib": pred, "rows": rows}
+        if pred <= threshold:
+            best = rank
+            possible = rank
+            result.evidence.append(entry)
+        elif lim.high_mib is not None and pred <= lim.high_mib - margin_mib:
+            possible = rank
+            result.evidence.append({**entry, "uncertain": True})
+        else:
+            result.evidence.append(entry)
+            break
+    if not known_any:
+        result.note = "no probes near this configuration in the ledger"
+        return result
+    result.rank, result.possible_rank = best, possible
+    result.status = "ok" if best is not None else "none-fits"
+    if best is not None and best + step > max_rank:
+        result.note = f"at least {best}: the search stops at rank {max_rank}"
+    # Never above an easier configuration's ceiling: shorter sequences, no dropout, no DoRA.
+    if _depth == 0:
+        easier = []
+        shorter = sorted({seq_of(m) for m in _probes(ms) if m.gpu == gpu and seq_of(m) and seq_of(m) < seq_len
+                          and group_key(m)[:2] == group[:2] and group_key(m)[3:] == group[3:]})
+        for s in shorter:
+            easier.append(dict(seq_len=s, dropout=dropout, dora=dora))
+        if dropout:
+            easier.append(dict(seq_len=seq_len, dropout=False, dora=dora))
+        if dora:
+            easier.append(dict(seq_len=seq_len, dropout=dropout, dora=False))
+        for e in easier:
+            c = ceiling(ledger, ms, gpu=gpu, model=model, quant=quant, fixes=fixes, budget_mib=budget_mib, real=real,
+                        step=step, max_rank=max_rank, margin_mib=margin_mib, _depth=1, **e)
+            if c.status == "ok" and result.rank is not None and c.rank < result.rank:
+                result.note = f"capped by the ceiling at {e}: {c.rank}"
+                result.rank = c.rank
+            elif c.status == "none-fits" and result.rank is not None:
+                result.note = f"capped: nothing fits at {e}"
+                result.rank, result.status = None, "none-fits"
+    return result
+
+
+# -- leave-one-out --------------------------------------------------------------------------------
+
+
+def loo(ledger: Ledger, ms: list[Measurement]) -> dict:
+    """Held-out scores: each probe's fit/no-fit verdict and each real run's peak, refit without it."""
+    rows = []
+    correct = total = unaddressed = 0
+    for m in _probes(ms):
+        if m.outcome.status not in ("ok", "oom"):
+            continue
+        rest = [x for x in ms if x.id != m.id]
+        peaks = PeakModel(rest)
+        pred, _ = peaks.predict(m.gpu, group_key(m), m.lora.rank)
+        lim = limit_for(limits(ledger, rest, peaks), m.gpu, "probe")
+        v = verdict(pred, lim)
+        if v is None:
+            unaddressed += 1
+            continue
+        actual = m.outcome.status == "ok"
+        total += 1
+        correct += int(v == actual)
+        rows.append({"id": m.id, "predicted_mib": pred, "fits_predicted": v, "fits_actual": actual,
+                     "limit": [lim.low_mib, lim.high_mib]})
+    errors = []
+    real_rows = []
+    for r in ms:
+        if r.kind != "real" or ok_peak(r) is None or r.lora is None:
+            continue
+        same = [p for p in _probes(ms) if recipe_key(p) == recipe_key(r) and ok_peak(p) is not None]
+        if not same:
+            continue
+        prior = [p for p in same if _date(p) <= _date(r)]
+        probe = max(prior, key=lambda p: (_date(p), p.id)) if prior else min(same, key=lambda p: (_date(p), p.id))
+        over = overestimate([x for x in ms if x.id != r.id])
+        pr = predict_real(ok_peak(probe), over)
+        if pr["predicted_mib"] is None:
+            continue
+        err = (pr["predicted_mib"] - ok_peak(r)) / ok_peak(r) * 100
+        errors.append(abs(err))
+        real_rows.append({"id": r.id, "probe": probe.id, "predicted_mib": pr["predicted_mib"],
+                          "actual_mib": ok_peak(r), "error_pct": round(err, 2)})
+    return {
+        "verdict_correct": correct, "verdict_total": total, "verdict_unaddressed": unaddressed,
+        "verdict_pct": round(correct / total * 100, 1) if total else None,
+        "real_median_abs_err_pct": round(statistics.median(errors), 2) if errors else None,
+        "real_n": len(errors), "verdicts": rows, "reals": real_rows,
+    }
+
+
+# -- the whole calibration ----------------------------------------------------------------------
+
+
+def calibration_hash(ms: list[Measurement]) -> str:
+    """Identifies the data a calibration was fitted on (the rows' ids and figures)."""
+    doc = sorted((m.id, m.outcome.model_dump_json(exclude_none=True)) for m in ms)
+    return hashlib.sha256(json.dumps(doc).encode()).hexdigest()[:16]
+
+
+def calibrate(ledger: Ledger, *, as_of: Optional[dt.date] = None, exclude: Iterable[str] = (),
+              with_loo: bool = True) -> dict:
+    """Everything ``vram calibrate --json`` prints."""
+    ms = before(ledger.measurements, as_of, exclude)
+    over = overestimate(ms)
+    peaks = PeakModel(ms)
+    return {
+        "as_of": as_of.isoformat() if as_of else None,
+        "excluded": sorted(exclude),
+        "calibration_hash": calibration_hash(ms),
+        "anchors": [asdict(a) for a in over.anchors],
+        "pairs": [asdict(p) for p in over.pairs],
+        "overestimate_pct": {"median": over.pct, "low": over.low_pct, "high": over.high_pct},
+        "costs": costs(ms),
+        "limits": [asdict(lim) for lim in limits(ledger, ms, peaks)],
+        "loo": loo(ledger, ms) if with_loo else None,
+    }
