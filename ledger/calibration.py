@@ -511,26 +511,27 @@ def ceiling(ledger: Ledger, ms: list[Measurement], *, gpu: str, seq_len: int, mo
     result.status = "ok" if best is not None else "none-fits"
     if best is not None and best + step > max_rank:
         result.note = f"at least {best}: the search stops at rank {max_rank}"
-    # Never above an easier configuration's ceiling: shorter sequences, no dropout, no DoRA.
+    # Never above an easier configuration's ceiling: any shorter (or equal) sequence measured on
+    # any card, without dropout, without DoRA, and every combination of those.
     if _depth == 0:
-        easier = []
-        shorter = sorted({seq_of(m) for m in _probes(ms) if m.gpu == gpu and seq_of(m) and seq_of(m) < seq_len
-                          and group_key(m)[:2] == group[:2] and group_key(m)[3:] == group[3:]})
-        for s in shorter:
-            easier.append(dict(seq_len=s, dropout=dropout, dora=dora))
-        if dropout:
-            easier.append(dict(seq_len=seq_len, dropout=False, dora=dora))
-        if dora:
-            easier.append(dict(seq_len=seq_len, dropout=dropout, dora=False))
-        for e in easier:
-            c = ceiling(ledger, ms, gpu=gpu, model=model, quant=quant, fixes=fixes, budget_mib=budget_mib, real=real,
-                        step=step, max_rank=max_rank, margin_mib=margin_mib, _depth=1, **e)
-            if c.status == "ok" and result.rank is not None and c.rank < result.rank:
-                result.note = f"capped by the ceiling at {e}: {c.rank}"
-                result.rank = c.rank
-            elif c.status == "none-fits" and result.rank is not None:
-                result.note = f"capped: nothing fits at {e}"
-                result.rank, result.status = None, "none-fits"
+        seqs = sorted({seq_of(m) for m in _probes(ms) if seq_of(m) and seq_of(m) <= seq_len
+                       and (m.model, m.quant) == (model, quant) and fixes_of(m) == fixes} | {seq_len})
+        for s in seqs:
+            for d in sorted({False, dropout}):
+                for k in sorted({False, dora}):
+                    if (s, d, k) == (seq_len, dropout, dora):
+                        continue
+                    e = dict(seq_len=s, dropout=d, dora=k)
+                    c = ceiling(ledger, ms, gpu=gpu, model=model, quant=quant, fixes=fixes, budget_mib=budget_mib,
+                                real=real, step=step, max_rank=max_rank, margin_mib=margin_mib, _depth=1, **e)
+                    if result.rank is None:
+                        break
+                    if c.status == "ok" and c.rank < result.rank:
+                        result.note = f"capped by the ceiling at {e}: {c.rank}"
+                        result.rank = c.rank
+                    elif c.status == "none-fits":
+                        result.note = f"capped: nothing fits at {e}"
+                        result.rank, result.status = None, "none-fits"
     return result
 
 

@@ -163,7 +163,7 @@ def _load_plugins() -> None:
 
 
 #: Modules that add commands with ``register``.
-PLUGINS: list[str] = ["ledger.site_cli", "ledger.probe_cli", "ledger.ingest"]
+PLUGINS: list[str] = ["ledger.site_cli", "ledger.probe_cli", "ledger.ingest", "ledger.calibrate_cli"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

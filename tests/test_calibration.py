@@ -1,0 +1,159 @@
+"""Calibration on the bundled ledger and on synthetic data."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import BUNDLED
+from ledger import cli, store
+from ledger.calibration import (before, calibrate, ceiling, loo, overestimate, predict_real, rank_slope)
+from ledger.models import SCHEMA_VERSION, Gpu, Ledger, Lora, Measurement, Outcome, Provenance
+
+
+@pytest.fixture(scope="module")
+def ledger():
+    return store.load(BUNDLED)
+
+
+def test_the_program_case_is_reproduced(ledger):
+    # As the program stood when it predicted v15: data up to 2026-09-23, v15 itself not yet run.
+    ms = before(ledger.measurements, dt.date(2026, 9, 23), exclude=["real-v15"])
+    over = overestimate(ms)
+    (anchor,) = over.anchors
+    assert anchor.probe == "probe-0919f-r112" and anchor.probe_mib == 6980.0 and anchor.real_mib == 6653.0
+    assert round(over.pct, 1) == 4.7
+    pred = predict_real(7127.6, over)["predicted_mib"]
+    assert pred == pytest.approx(6793, abs=1)
+    assert round((pred - 6629) / 6629 * 100, 1) == 2.5
+
+
+def test_rank_ceiling_of_the_training_card(ledger, capsys):
+    c = ceiling(ledger, ledger.measurements, gpu="rtx-3070-ti", seq_len=7177, dropout=True)
+    assert c.rank == 96
+    observed = {e["rank"]: e.get("observed") for e in c.evidence if "observed" in e}
+    assert observed[96] == "ok" and observed[104] == "oom"
+    assert cli.main(["ceiling", "--ledger", str(BUNDLED), "--gpu", "RTX 3070 Ti", "--seq-len", "7177",
+                     "--dropout", "0.1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rank"] == 96
+
+
+def test_unknown_rather_than_a_guess(ledger, capsys):
+    c = ceiling(ledger, ledger.measurements, gpu="rtx-3070-ti", seq_len=30000)
+    assert c.rank is None and c.status == "unknown"
+    assert cli.main(["ceiling", "--ledger", str(BUNDLED), "--gpu", "rtx-3070-ti", "--seq-len", "30000", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rank"] is None
+
+
+SEQS = [2048, 4096, 6931, 7037, 7068, 7177, 7288, 8192, 12288, 16384]
+
+
+@pytest.mark.parametrize("gpu", ["rtx-3070-ti", "rx-7900-xtx", "rtx-3060-ti"])
+def test_ceiling_never_rises_with_seq_len_dropout_or_dora(ledger, gpu):
+    def rank(**kw):
+        c = ceiling(ledger, ledger.measurements, gpu=gpu, **kw)
+        return c.rank if c.status == "ok" else (0 if c.status == "none-fits" else None)
+
+    for dropout in (False, True):
+        for dora in (False, True):
+            ranks = [r for r in (rank(seq_len=s, dropout=dropout, dora=dora) for s in SEQS) if r is not None]
+            assert ranks == sorted(ranks, reverse=True), (dropout, dora, ranks)
+    for s in SEQS:
+        base, drop, dora = rank(seq_len=s), rank(seq_len=s, dropout=True), rank(seq_len=s, dora=True)
+        if base is not None and drop is not None:
+            assert drop <= base
+        if base is not None and dora is not None:
+            assert dora <= base
+
+
+def test_calibrate_json_has_the_promised_keys(capsys):
+    assert cli.main(["calibrate", "--ledger", str(BUNDLED), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {"anchors", "overestimate_pct", "costs", "limits", "loo"} <= set(doc)
+    loo_doc = doc["loo"]
+    assert loo_doc["verdict_total"] > 20 and loo_doc["real_n"] == 10
+    assert {"verdict_correct", "verdict_total", "real_median_abs_err_pct", "real_n"} <= set(loo_doc)
+
+
+def test_marginal_costs_from_the_data(ledger):
+    c = calibrate(ledger, with_loo=False)["costs"]
+    assert 166 <= c["dropout"]["min_mib"] <= c["dropout"]["max_mib"] <= 176  # the program's 167-175
+    assert 1800 <= c["dora"]["median_mib"] <= 1850  # ~1.8 GiB
+    sweep = next(r for r in c["rank"] if r["gpu"] == "rtx-3070-ti" and r["dropout"])
+    assert sweep["mib_per_rank"] == pytest.approx(14.8, abs=0.1) and sweep["rows"] == [
+        "sweep-r80-drop", "sweep-r88-drop", "sweep-r96-drop"]
+    seq = next(s for s in c["seq_len"] if s["gpu"] == "rx-7900-xtx")
+    steps = [p["mib_per_token"] for p in seq["piecewise"]]
+    assert max(steps) > 1.2 * min(steps)  # not linear over 2k-16k
+    real = {(r["from_rank"], r["to_rank"]): r for r in c["real_rank"] if not r["dropout"]}
+    assert 850 <= real[(64, 112)]["cost_mib"] <= 880
+
+
+def test_limits_are_intervals_between_fits_and_ooms(ledger):
+    lims = {(l["gpu"], l["kind"]): l for l in calibrate(ledger, with_loo=False)["limits"]}
+    probe = lims[("rtx-3070-ti", "probe")]
+    assert probe["low_mib"] == 7216.0 and probe["low_mib"] <= probe["high_mib"] <= 7.65 * 1024
+    real = lims[("rtx-3070-ti", "real")]
+    assert real["low_mib"] == 6658.0 and real["exceeded_id"] in ("real-v14-run2", "real-v14-run3")
+
+
+def _row(i, rank, peak, status="ok", kind="probe", gpu="card", seq=4096, day=1):
+    return Measurement(id=f"m{i}", kind=kind, gpu=gpu, model="m", quant="4bit", lora=Lora(rank=rank, dropout=0.0),
+                       seq_len=seq if kind == "probe" else None, memory_fixes="all",
+                       outcome=Outcome(status=status, peak_allocated_mib=peak if status == "ok" else None),
+                       provenance=Provenance(measured_on=dt.date(2026, 1, day)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.floats(5, 40), st.floats(1000, 8000), st.lists(st.floats(-3, 3), min_size=8, max_size=8))
+def test_slope_is_recovered_from_noisy_linear_data(slope, base, noise):
+    ranks = [8, 16, 32, 48, 64, 96, 128, 192]
+    ms = [_row(i, r, base + slope * r + e) for i, (r, e) in enumerate(zip(ranks, noise))]
+    assert rank_slope(ms) == pytest.approx(slope, abs=0.1)
+
+
+def _toy_ledger():
+    ms = [_row(i, r, 3000 + 15 * r) for i, r in enumerate([16, 32, 64, 96])]
+    ms += [_row(10, 128, None, status="oom"), _row(11, 112, None, status="oom")]
+    ms += [_row(20, 64, 3800.0, kind="real", day=2), _row(21, 96, 4300.0, kind="real", day=3)]
+    return Ledger(schema_version=SCHEMA_VERSION, gpus={"card": Gpu(name="Card", total_mib=5000.0)}, measurements=ms)
+
+
+def test_leave_one_out_never_sees_the_held_out_row():
+    lg = _toy_ledger()
+    first = {r["id"]: r for r in loo(lg, lg.measurements)["reals"]}
+    for mid in ("m20", "m21"):
+        changed = [m.model_copy(update={"outcome": m.outcome.model_copy(update={"peak_allocated_mib": 9999.0})})
+                   if m.id == mid else m for m in lg.measurements]
+        again = {r["id"]: r for r in loo(lg, changed)["reals"]}
+        assert again[mid]["predicted_mib"] == first[mid]["predicted_mib"]  # its own value cannot move it
+        assert again[mid]["actual_mib"] == 9999.0
+    verdicts = {v["id"]: v for v in loo(lg, lg.measurements)["verdicts"]}
+    changed = [m.model_copy(update={"outcome": Outcome(status="ok", peak_allocated_mib=1.0)}) if m.id == "m2" else m
+               for m in lg.measurements]
+    assert {v["id"]: v for v in loo(lg, changed)["verdicts"]}["m2"]["predicted_mib"] == verdicts["m2"]["predicted_mib"]
+
+
+def test_predict_stores_a_prediction_and_a_real_run_scores_it(tmp_path, capsys):
+    path = tmp_path / "l.json"
+    path.write_bytes(BUNDLED.read_bytes())
+    assert cli.main(["predict", "--ledger", str(path), "--gpu", "rtx-3070-ti", "--rank", "88", "--dropout", "0.1",
+                     "--seq-len", "7177", "--date", "2026-11-30", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["basis"] == ["sweep-r88-drop"] and doc["interval_low_mib"] <= doc["predicted_peak_mib"]
+    assert doc["predicted_peak_mib"] <= doc["interval_high_mib"] and len(doc["calibration_hash"]) == 16
+    lg = store.load(path)
+    assert lg.predictions[0].id == "pred-real-v15"  # the program's prediction stays first
+    pred = lg.predictions[-1]
+    assert pred.id == doc["id"] and pred.score is None
+    lg.measurements.append(Measurement(
+        id="real-r88", kind="real", gpu="rtx-3070-ti", quant="4bit", lora=Lora(rank=88, dropout=0.1),
+        outcome=Outcome(status="ok", peak_allocated_mib=6555.0), provenance=Provenance(measured_on="2026-12-01")))
+    from ledger.predictions import score_predictions
+
+    assert score_predictions(lg) == [pred.id]
+    assert lg.predictions[-1].score.measurement == "real-r88"
