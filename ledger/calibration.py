@@ -24,6 +24,7 @@ Rules (each explicit, none tuned to a held-out row):
 
 from __future__ import annotations
 
+import bisect
 import datetime as dt
 import hashlib
 import json
@@ -104,10 +105,22 @@ def pairs(ms: list[Measurement]) -> list[Pair]:
         rs = reals.get(key)
         if not rs:
             continue
-        ps = sorted(ps, key=lambda m: (_date(m), m.id))
-        for i, p in enumerate(ps):
-            end = _date(ps[i + 1]) if i + 1 < len(ps) else dt.date.max
-            seg = [r for r in rs if _date(p) <= _date(r) < end or (_date(r) == _date(p) == end)]
+        # One probe per day (the highest), and per day the real runs' highest peak and ids.
+        per_day: dict[dt.date, Measurement] = {}
+        for p in ps:
+            d = _date(p)
+            if d not in per_day or (ok_peak(p), p.id) > (ok_peak(per_day[d]), per_day[d].id):
+                per_day[d] = p
+        real_days: dict[dt.date, list[Measurement]] = defaultdict(list)
+        for r in rs:
+            real_days[_date(r)].append(r)
+        rdays = sorted(real_days)
+        pdays = sorted(per_day)
+        for i, day in enumerate(pdays):
+            p = per_day[day]
+            end = pdays[i + 1] if i + 1 < len(pdays) else dt.date.max
+            seg_days = rdays[bisect.bisect_left(rdays, day):bisect.bisect_left(rdays, end)]
+            seg = [r for d in seg_days for r in real_days[d]]
             if not seg:
                 continue
             top = max(seg, key=lambda r: (ok_peak(r), r.id))
@@ -195,23 +208,49 @@ class PeakModel:
     ms: list[Measurement]
 
     def __post_init__(self) -> None:
-        self.by_group: dict[tuple, dict[str, list[tuple[float, float, str]]]] = defaultdict(lambda: defaultdict(list))
-        for m in _probes(self.ms):
+        # Per group and card, the highest ok peak at each rank (repeats of a rank are one point).
+        best: dict[tuple, dict[float, tuple[float, str]]] = defaultdict(dict)
+        self.seqs: dict[tuple, set] = defaultdict(set)
+        self.probes = _probes(self.ms)
+        for m in self.probes:
+            if seq_of(m):
+                self.seqs[(m.gpu, m.model, m.quant, fixes_of(m))].add(seq_of(m))
             peak = ok_peak(m)
             if peak is not None:
-                self.by_group[group_key(m)][m.gpu].append((float(m.lora.rank), peak, m.id))
+                cell = best[(group_key(m), m.gpu)]
+                rank = float(m.lora.rank)
+                if rank not in cell or (peak, m.id) > cell[rank]:
+                    cell[rank] = (peak, m.id)
+        self.by_group: dict[tuple, dict[str, list[tuple[float, float, str]]]] = defaultdict(dict)
+        for (group, gpu), cell in best.items():
+            self.by_group[group][gpu] = [(x, y, i) for x, (y, i) in sorted(cell.items())]
         self._slopes: dict = {}
+        self._cache: dict = {}
+        self._observed: Optional[dict] = None
+        self._offsets: dict = {}
+
+    def observed(self, gpu: str, group: tuple) -> dict[int, Measurement]:
+        """Probes of this card and group that ran to an outcome (ok, oom or spilled), by rank."""
+        if self._observed is None:
+            self._observed = defaultdict(dict)
+            for m in self.probes:
+                if m.outcome.status in ("ok", "oom", "spilled"):
+                    self._observed[(m.gpu, group_key(m))][m.lora.rank] = m
+        return self._observed.get((gpu, group), {})
 
     def offset(self, gpu: str, other: str) -> float:
         """Median difference of this card's peaks over another's at the same group and rank
         (allocator and library versions differ a little); 0 when they share no row."""
+        if (gpu, other) in self._offsets:
+            return self._offsets[(gpu, other)]
         diffs = []
         for rows in self.by_group.values():
             mine = {x: y for x, y, _ in rows.get(gpu, [])}
             for x, y, _ in rows.get(other, []):
                 if x in mine:
                     diffs.append(mine[x] - y)
-        return statistics.median(diffs) if diffs else 0.0
+        self._offsets[(gpu, other)] = statistics.median(diffs) if diffs else 0.0
+        return self._offsets[(gpu, other)]
 
     def slope(self, gpu: str, quant: Optional[str]) -> Optional[float]:
         if (gpu, quant) not in self._slopes:
@@ -221,6 +260,12 @@ class PeakModel:
 
     def predict(self, gpu: str, group: tuple, rank: int) -> tuple[Optional[float], list[str]]:
         """(predicted peak, ids of the rows it rests on); (None, []) when unknown."""
+        key = (gpu, group, rank)
+        if key not in self._cache:
+            self._cache[key] = self._predict(gpu, group, rank)
+        return self._cache[key]
+
+    def _predict(self, gpu: str, group: tuple, rank: int) -> tuple[Optional[float], list[str]]:
         rows_by_gpu = self.by_group.get(group)
         if not rows_by_gpu:
             return None, []
@@ -294,10 +339,14 @@ def limits(ledger: Ledger, ms: list[Measurement], model: Optional[PeakModel] = N
     """Each card's interval for the peak allocated that fits, from probes and from real runs."""
     model = model or PeakModel(ms)
     out: list[Limit] = []
+    by_card: dict[tuple, list[Measurement]] = defaultdict(list)
+    for m in ms:
+        # Training steps only (LoRA set): a forward-only or load row says little about a step's limit.
+        if m.lora is not None and m.kind in ("probe", "real"):
+            by_card[(m.gpu, m.kind)].append(m)
     for gpu in ledger.gpus:
         for kind in ("probe", "real"):
-            # Training steps only (LoRA set): a forward-only or load row says little about a step's limit.
-            rows = [m for m in ms if m.gpu == gpu and m.kind == kind and m.lora is not None]
+            rows = by_card.get((gpu, kind), [])
             fits = [m for m in rows if ok_peak(m) is not None]
             over = [(p, m) for m in rows if (p := _exceeded_peak(m, model)) is not None]
             if not fits and not over:
@@ -325,24 +374,21 @@ def limit_for(lims: list[Limit], gpu: str, kind: str = "probe") -> Optional[Limi
 # -- marginal costs ------------------------------------------------------------------------------
 
 
-def _paired_diffs(ms: list[Measurement], flag: str) -> list[dict]:
-    """Probes identical but for dropout (or DoRA) off vs on: the cost, per pair."""
-    base: dict[tuple, Measurement] = {}
-    for m in _probes(ms):
-        if ok_peak(m) is None:
-            continue
-        k = list(group_key(m))
-        on = bool(getattr(m.lora, flag))
-        idx = 3 if flag == "dropout" else 4
-        k[idx] = None
-        base.setdefault((m.gpu, m.lora.rank, tuple(k), on), m)
+def _paired_diffs(peaks: "PeakModel", flag: str) -> list[dict]:
+    """Probes identical but for dropout (or DoRA) off vs on: the cost, per card and rank."""
+    idx = 3 if flag == "dropout" else 4
+    cells: dict[tuple, tuple[float, str]] = {}
+    for group, by_gpu in peaks.by_group.items():
+        other = tuple(None if i == idx else v for i, v in enumerate(group))
+        for gpu, rows in by_gpu.items():
+            for rank, peak, mid in rows:
+                cells[(gpu, rank, other, group[idx])] = (peak, mid)
     out = []
-    for (gpu, rank, k, on), m in sorted(base.items(), key=lambda kv: str(kv[0])):
-        if on:
-            off = base.get((gpu, rank, k, False))
-            if off is not None:
-                out.append({"gpu": gpu, "rank": rank, "seq_len": k[2], "quant": k[1], "cost_mib":
-                            round(ok_peak(m) - ok_peak(off), 1), "rows": [off.id, m.id]})
+    for (gpu, rank, other, on), (peak, mid) in sorted(cells.items(), key=lambda kv: str(kv[0])):
+        if on and (gpu, rank, other, False) in cells:
+            off_peak, off_id = cells[(gpu, rank, other, False)]
+            out.append({"gpu": gpu, "rank": int(rank), "seq_len": other[2], "quant": other[1],
+                        "cost_mib": round(peak - off_peak, 1), "rows": [off_id, mid]})
     return out
 
 
@@ -352,62 +398,58 @@ def _summary(values: list[float]) -> dict:
     return {"median_mib": round(statistics.median(values), 1), "min_mib": min(values), "max_mib": max(values)}
 
 
-def costs(ms: list[Measurement]) -> dict:
-    """Marginal costs from the data, each with the rows it rests on."""
+def costs(ms: list[Measurement], peaks: Optional["PeakModel"] = None) -> dict:
+    """Marginal costs from the data, each with the rows it rests on (ok probes: the highest peak
+    per card, group and rank)."""
+    peaks = peaks or PeakModel(ms)
     per_rank = []
-    groups: dict[tuple, list[Measurement]] = defaultdict(list)
-    for m in _probes(ms):
-        if ok_peak(m) is not None:
-            groups[(m.gpu, *group_key(m))].append(m)
-    for key in sorted(groups, key=str):
-        rows = groups[key]
-        pts = [(float(m.lora.rank), ok_peak(m)) for m in rows]
-        s = _slope(pts)
-        if s is not None:
-            per_rank.append({"gpu": key[0], "quant": key[2], "seq_len": key[3], "dropout": key[4], "dora": key[5],
-                             "fixes": key[6], "mib_per_rank": round(s, 2),
-                             "rows": [m.id for m in sorted(rows, key=lambda m: m.lora.rank)]})
-    dropout = _paired_diffs(ms, "dropout")
-    dora = _paired_diffs(ms, "dora")
-    # Sequence length: per card/group/rank with >= 3 lengths; not linear, so a quadratic and the
+    seq_points: dict[tuple, list[tuple[int, float, str]]] = defaultdict(list)
+    for group, by_gpu in sorted(peaks.by_group.items(), key=lambda kv: str(kv[0])):
+        model, quant, seq, dropout, dora, fixes = group
+        for gpu, rows in sorted(by_gpu.items()):
+            s = _slope([(x, y) for x, y, _ in rows])
+            if s is not None:
+                per_rank.append({"gpu": gpu, "quant": quant, "seq_len": seq, "dropout": dropout, "dora": dora,
+                                 "fixes": fixes, "mib_per_rank": round(s, 2), "rows": [i for _, _, i in rows]})
+            if seq:
+                for x, y, i in rows:
+                    seq_points[(gpu, model, quant, int(x), dropout, dora, fixes)].append((seq, y, i))
+    dropout = _paired_diffs(peaks, "dropout")
+    dora = _paired_diffs(peaks, "dora")
+    # Sequence length: where at least four lengths were probed; not linear, so a quadratic and the
     # piecewise slopes.
     seq = []
-    sgroups: dict[tuple, list[Measurement]] = defaultdict(list)
-    for m in _probes(ms):
-        if ok_peak(m) is not None and seq_of(m):
-            k = group_key(m)
-            sgroups[(m.gpu, m.model, m.quant, m.lora.rank, k[3], k[4], k[5])].append(m)
-    for key in sorted(sgroups, key=str):
-        rows = sorted(sgroups[key], key=seq_of)
-        xs = sorted({seq_of(m) for m in rows})
-        if len(xs) < 4:  # a curve needs more lengths than parameters
+    for key in sorted(seq_points, key=str):
+        pts = sorted(seq_points[key])
+        if len({x for x, _, _ in pts}) < 4:  # a curve needs more lengths than parameters
             continue
-        pts = [(seq_of(m), ok_peak(m)) for m in rows]
         steps = [{"from": a[0], "to": b[0], "mib_per_token": round((b[1] - a[1]) / (b[0] - a[0]), 4)}
                  for a, b in zip(pts, pts[1:]) if b[0] != a[0]]
         import numpy as np
 
         c2, c1, c0 = np.polyfit([p[0] for p in pts], [p[1] for p in pts], 2)
-        resid = max(abs(y - (c0 + c1 * x + c2 * x * x)) for x, y in pts)
+        resid = max(abs(y - (c0 + c1 * x + c2 * x * x)) for x, y, _ in pts)
         seq.append({"gpu": key[0], "quant": key[2], "rank": key[3], "fit": "quadratic",
                     "coefficients": {"c0_mib": round(float(c0), 2), "c1_mib_per_token": round(float(c1), 5),
                                      "c2_mib_per_token2": float(f"{c2:.4g}")},
-                    "max_residual_mib": round(float(resid), 1), "piecewise": steps, "rows": [m.id for m in rows]})
+                    "max_residual_mib": round(float(resid), 1), "piecewise": steps, "rows": [i for _, _, i in pts]})
     # Real runs between ranks (mean peak per rank; same card, quant, dropout, DoRA, fixes).
     real = []
-    rgroups: dict[tuple, dict[int, list[Measurement]]] = defaultdict(lambda: defaultdict(list))
+    rgroups: dict[tuple, dict[int, list[tuple[float, str]]]] = defaultdict(lambda: defaultdict(list))
     for m in ms:
-        if m.kind == "real" and m.lora is not None and ok_peak(m) is not None and m.gpu:
-            k = recipe_key(m)
-            rgroups[(k[0], k[1], k[2], k[4], k[5], k[6])][m.lora.rank].append(m)
+        if m.kind == "real" and m.lora is not None and m.gpu:
+            peak = ok_peak(m)
+            if peak is not None:
+                k = recipe_key(m)
+                rgroups[(k[0], k[1], k[2], k[4], k[5], k[6])][m.lora.rank].append((peak, m.id))
     for key in sorted(rgroups, key=str):
         ranks = sorted(rgroups[key])
         for a, b in zip(ranks, ranks[1:]):
-            ma = statistics.mean(ok_peak(m) for m in rgroups[key][a])
-            mb = statistics.mean(ok_peak(m) for m in rgroups[key][b])
+            ma = statistics.mean(p for p, _ in rgroups[key][a])
+            mb = statistics.mean(p for p, _ in rgroups[key][b])
             real.append({"gpu": key[0], "dropout": key[3], "from_rank": a, "to_rank": b,
                          "cost_mib": round(mb - ma, 1), "mib_per_rank": round((mb - ma) / (b - a), 2),
-                         "rows": sorted(m.id for m in rgroups[key][a] + rgroups[key][b])})
+                         "rows": sorted(i for _, i in rgroups[key][a] + rgroups[key][b])})
     return {
         "rank": per_rank,
         "dropout": {**_summary([d["cost_mib"] for d in dropout]), "pairs": dropout},
@@ -449,22 +491,24 @@ class Ceiling:
 def ceiling(ledger: Ledger, ms: list[Measurement], *, gpu: str, seq_len: int, model: Optional[str] = None,
             quant: str = "4bit", dropout: bool = False, dora: bool = False, fixes: str = "all",
             budget_mib: Optional[float] = None, real: bool = False, step: int = 8, max_rank: int = 512,
-            margin_mib: float = 0.0, _depth: int = 0) -> Ceiling:
-    """The largest rank (multiple of step) that fits; see the module's rules."""
-    peaks = PeakModel(ms)
-    lims = limits(ledger, ms, peaks)
+            margin_mib: float = 0.0, peaks: Optional[PeakModel] = None, lims: Optional[list[Limit]] = None,
+            over: Optional[Overestimate] = None, _depth: int = 0) -> Ceiling:
+    """The largest rank (multiple of step) that fits; see the module's rules. ``peaks``, ``lims``
+    and ``over`` may be passed in when many ceilings are asked of the same data."""
+    peaks = peaks or PeakModel(ms)
+    lims = lims if lims is not None else limits(ledger, ms, peaks)
     lim = limit_for(lims, gpu, "real" if real else "probe")
     if budget_mib is not None:
         lim = Limit(gpu=gpu, kind="budget", low_mib=budget_mib, high_mib=budget_mib, fit_id=None, exceeded_id=None,
                     card_mib=budget_mib, note="--budget-mib")
     if model is None:
-        models = sorted({m.model for m in _probes(ms) if m.gpu == gpu and m.model} or
-                        {m.model for m in _probes(ms) if m.model})
+        models = sorted({m.model for m in peaks.probes if m.gpu == gpu and m.model} or
+                        {m.model for m in peaks.probes if m.model})
         model = models[0] if len(models) == 1 else model
-    over = overestimate(ms) if real else None
+    if real and over is None:
+        over = overestimate(ms)
     group = (model, quant, seq_len, dropout, dora, fixes)
-    observed = {m.lora.rank: m for m in _probes(ms)
-                if m.gpu == gpu and group_key(m) == group and m.outcome.status in ("ok", "oom", "spilled")}
+    observed = peaks.observed(gpu, group)
     result = Ceiling(rank=None, status="unknown", limit=asdict(lim) if lim else None, margin_mib=margin_mib,
                      seq_len=seq_len)
     if lim is None or lim.low_mib is None:
@@ -511,11 +555,12 @@ def ceiling(ledger: Ledger, ms: list[Measurement], *, gpu: str, seq_len: int, mo
     result.status = "ok" if best is not None else "none-fits"
     if best is not None and best + step > max_rank:
         result.note = f"at least {best}: the search stops at rank {max_rank}"
-    # Never above an easier configuration's ceiling: any shorter (or equal) sequence measured on
-    # any card, without dropout, without DoRA, and every combination of those.
+    # Never above an easier configuration's ceiling: any shorter (or equal) sequence probed on this
+    # card, without dropout, without DoRA, and every combination of those; never below a rank this
+    # very configuration was seen to fit.
     if _depth == 0:
-        seqs = sorted({seq_of(m) for m in _probes(ms) if seq_of(m) and seq_of(m) <= seq_len
-                       and (m.model, m.quant) == (model, quant) and fixes_of(m) == fixes} | {seq_len})
+        seen_fit = max((r for r, m in observed.items() if m.outcome.status == "ok"), default=None)
+        seqs = sorted({s for s in peaks.seqs.get((gpu, model, quant, fixes), ()) if s <= seq_len} | {seq_len})
         for s in seqs:
             for d in sorted({False, dropout}):
                 for k in sorted({False, dora}):
@@ -523,16 +568,39 @@ def ceiling(ledger: Ledger, ms: list[Measurement], *, gpu: str, seq_len: int, mo
                         continue
                     e = dict(seq_len=s, dropout=d, dora=k)
                     c = ceiling(ledger, ms, gpu=gpu, model=model, quant=quant, fixes=fixes, budget_mib=budget_mib,
-                                real=real, step=step, max_rank=max_rank, margin_mib=margin_mib, _depth=1, **e)
+                                real=real, step=step, max_rank=max_rank, margin_mib=margin_mib, peaks=peaks,
+                                lims=lims, over=over, _depth=1, **e)
                     if result.rank is None:
                         break
-                    if c.status == "ok" and c.rank < result.rank:
+                    floor = seen_fit or 0
+                    if c.status == "ok" and c.rank < result.rank and c.rank >= floor:
                         result.note = f"capped by the ceiling at {e}: {c.rank}"
                         result.rank = c.rank
-                    elif c.status == "none-fits":
+                    elif c.status == "none-fits" and seen_fit is None:
                         result.note = f"capped: nothing fits at {e}"
                         result.rank, result.status = None, "none-fits"
     return result
+
+
+def ceiling_table(ledger: Ledger, ms: list[Measurement], step: int = 8, peaks: Optional[PeakModel] = None,
+                  lims: Optional[list[Limit]] = None) -> list[dict]:
+    """Rank ceilings per card x probed sequence length x (no dropout, dropout, DoRA), for the site."""
+    peaks = peaks or PeakModel(ms)
+    lims = lims if lims is not None else limits(ledger, ms, peaks)
+    rows = []
+    for gpu in ledger.gpus:
+        combos = sorted({(model, quant, fixes, seq) for (g, model, quant, fixes), seqs in peaks.seqs.items()
+                         if g == gpu for seq in seqs},
+                        key=lambda c: (str(c[0]), str(c[1]), str(c[2]), c[3]))
+        for model, quant, fixes, seq in combos:
+            cells = {}
+            for label, d, k in (("no dropout", False, False), ("dropout", True, False), ("DoRA", False, True)):
+                c = ceiling(ledger, ms, gpu=gpu, seq_len=seq, model=model, quant=quant, dropout=d, dora=k,
+                            fixes=fixes, step=step, peaks=peaks, lims=lims)
+                cells[label] = {"rank": c.rank, "status": c.status, "possible_rank": c.possible_rank,
+                                "at_least": c.rank is not None and c.rank + step > 512}
+            rows.append({"gpu": gpu, "model": model, "quant": quant, "fixes": fixes, "seq_len": seq, "ceilings": cells})
+    return rows
 
 
 # -- leave-one-out --------------------------------------------------------------------------------
@@ -588,25 +656,31 @@ def loo(ledger: Ledger, ms: list[Measurement]) -> dict:
 
 
 def calibration_hash(ms: list[Measurement]) -> str:
-    """Identifies the data a calibration was fitted on (the rows' ids and figures)."""
-    doc = sorted((m.id, m.outcome.model_dump_json(exclude_none=True)) for m in ms)
-    return hashlib.sha256(json.dumps(doc).encode()).hexdigest()[:16]
+    """Identifies the data a calibration was fitted on (the rows' ids, recipes and figures)."""
+    h = hashlib.sha256()
+    for m in sorted(ms, key=lambda m: m.id):
+        o = m.outcome
+        h.update(repr((m.id, recipe_key(m), seq_of(m), o.status, o.peak_allocated_mib, o.peak_reserved_mib,
+                       o.oom.max_allocated_mib if o.oom else None)).encode())
+    return h.hexdigest()[:16]
 
 
 def calibrate(ledger: Ledger, *, as_of: Optional[dt.date] = None, exclude: Iterable[str] = (),
-              with_loo: bool = True) -> dict:
-    """Everything ``vram calibrate --json`` prints."""
+              with_loo: bool = True, with_ceilings: bool = False) -> dict:
+    """Everything ``vram calibrate --json`` prints (and, for the site, the ceiling table)."""
     ms = before(ledger.measurements, as_of, exclude)
     over = overestimate(ms)
     peaks = PeakModel(ms)
-    return {
+    lims = limits(ledger, ms, peaks)
+    extra = {"ceilings": ceiling_table(ledger, ms, peaks=peaks, lims=lims)} if with_ceilings else {}
+    return {**extra, 
         "as_of": as_of.isoformat() if as_of else None,
         "excluded": sorted(exclude),
         "calibration_hash": calibration_hash(ms),
         "anchors": [asdict(a) for a in over.anchors],
         "pairs": [asdict(p) for p in over.pairs],
         "overestimate_pct": {"median": over.pct, "low": over.low_pct, "high": over.high_pct},
-        "costs": costs(ms),
-        "limits": [asdict(lim) for lim in limits(ledger, ms, peaks)],
+        "costs": costs(ms, peaks),
+        "limits": [asdict(lim) for lim in lims],
         "loo": loo(ledger, ms) if with_loo else None,
     }

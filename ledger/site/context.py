@@ -169,7 +169,7 @@ class SiteContext:
     predictions: list[PredictionRow]
     plots: list[Plot]
     ids: list[str]
-    extra_tables: list[Table] = field(default_factory=list)
+    fitted: Optional[dict] = None
 
 
 # -- helpers ------------------------------------------------------------------------------
@@ -573,7 +573,20 @@ def make_plots(ledger: Ledger) -> list[Plot]:
 # -- the context --------------------------------------------------------------------------
 
 #: Sections of the page with fixed anchors; a finding with one of these ids is shown inside it.
-BUILTIN_SECTIONS = ("gpu", "measurements", "cross-gpu", "plots", "predictions", "downloads")
+BUILTIN_SECTIONS = ("gpu", "measurements", "cross-gpu", "plots", "predictions", "downloads", "fitted")
+
+#: Leave-one-out refits the calibration once per row: above this many rows the site skips it
+#: (``vram calibrate`` still runs it).
+LOO_LIMIT = 1000
+
+
+def fitted(ledger: Ledger) -> dict:
+    """The calibration the page shows, computed from the ledger at build time."""
+    from ..calibration import calibrate
+
+    doc = calibrate(ledger, with_loo=len(ledger.measurements) <= LOO_LIMIT, with_ceilings=True)
+    doc["loo_skipped"] = doc["loo"] is None
+    return doc
 
 
 def build_context(
@@ -619,6 +632,7 @@ def build_context(
         predictions=[prediction_row(ledger, p) for p in ledger.predictions],
         plots=make_plots(ledger),
         ids=[m.id for m in ledger.measurements],
+        fitted=fitted(ledger),
     )
 
 

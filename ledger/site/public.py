@@ -5,7 +5,7 @@ Its JSON Schema (``vram.schema.json``, published beside it) is generated from th
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -25,6 +25,8 @@ class Derived(BaseModel):
     counts: dict[str, int] = Field(description="Row counts: measurements, gpus, findings, predictions, ok, oom.")
     training_gpu: Optional[str] = Field(None, description="Key of the card the real runs ran on.")
     plots: list[Plot] = Field(default_factory=list, description="Every plot on the page with the points it draws.")
+    calibration: Optional[dict[str, Any]] = Field(
+        None, description="`vram calibrate --json` of the ledger at build time, plus the ceiling table.")
 
 
 class PublicDocument(BaseModel):

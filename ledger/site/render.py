@@ -110,7 +110,8 @@ class BuildResult:
 
 def public_json(ledger_json: str, ctx: SiteContext, ledger: Ledger) -> str:
     """vram.json text, assembled around the ledger's canonical JSON (serialised only once)."""
-    derived = Derived(counts=ctx.counts, training_gpu=training_gpu_key(ledger), plots=ctx.plots)
+    derived = Derived(counts=ctx.counts, training_gpu=training_gpu_key(ledger), plots=ctx.plots,
+                      calibration=ctx.fitted)
     return (
         f'{{"schema_version":{PUBLIC_SCHEMA_VERSION},"ledger_sha256":{json.dumps(ctx.ledger_sha256)},'
         f'"build_date":{json.dumps(ctx.build_date)},"ledger":{ledger_json},'
