@@ -595,6 +595,8 @@ def build_context(
     build_date: Optional[str] = None,
     title: str = "VRAM measurements",
     ledger_sha256: Optional[str] = None,
+    plots: Optional[list[Plot]] = None,
+    fitted_doc=None,
 ) -> SiteContext:
     """Compute everything the outputs show. Pure: the same ledger gives the same context."""
     train_key = training_gpu_key(ledger)
@@ -630,9 +632,9 @@ def build_context(
         cross_gpu_intro=intro,
         findings=[v for v in views if v.id not in BUILTIN_SECTIONS],
         predictions=[prediction_row(ledger, p) for p in ledger.predictions],
-        plots=make_plots(ledger),
+        plots=plots if plots is not None else make_plots(ledger),
         ids=[m.id for m in ledger.measurements],
-        fitted=fitted(ledger),
+        fitted=fitted_doc.result() if fitted_doc is not None else fitted(ledger),
     )
 
 
