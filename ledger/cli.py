@@ -36,12 +36,24 @@ def command(name: str, help: str):
 
 def _add_validate(p: argparse.ArgumentParser) -> None:
     p.add_argument("ledger", nargs="?", default=shown(DEFAULT_LEDGER), help="ledger file (default: %(default)s)")
+    p.add_argument("--public", action="store_true",
+                   help="the file is a downloaded vram.json: check it against its schema and its content hash")
 
 
 @command("validate", "check a ledger file against the schema and its cross-references")
 def cmd_validate(args: argparse.Namespace) -> int:
     """Validate with both the JSON Schema (jsonschema) and the pydantic models, then the
-    cross-references (known gpus, known evidence ids, unique ids). Exit 0 when valid."""
+    cross-references (known gpus, known evidence ids, unique ids). Exit 0 when valid. With
+    --public: a published vram.json, checked against the public schema, the ledger inside it,
+    and its ledger_sha256; a newer schema_version than this version reads is refused."""
+    if args.public:
+        from .site.public import validate_public
+
+        issues = validate_public(args.ledger)
+        if issues:
+            raise UserError(issues)
+        print(f"{args.ledger}: valid")
+        return 0
     issues = store.validate_file(args.ledger)
     if issues:
         raise UserError(issues)
@@ -189,4 +201,8 @@ def dump_json(doc: object) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the importable module's main, not this __main__ copy: plugins register themselves on
+    # ledger.cli.
+    from ledger.cli import main as _main
+
+    sys.exit(_main())

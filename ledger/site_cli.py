@@ -15,7 +15,28 @@ def add_build_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ledger", default=shown(DEFAULT_LEDGER), help="ledger file (default: %(default)s)")
     p.add_argument("--out", default="site", help="output folder (default: %(default)s)")
     p.add_argument("--build-date", help="date to print on the page (default: SOURCE_DATE_EPOCH, else none)")
+    p.add_argument("--base-url", help="public address of the site: canonical and download links, $ids "
+                   "(default: [tool.vram-ledger] base_url in ./pyproject.toml; none = relative links)")
+    p.add_argument("--previous", help="the last published vram.json (path or URL) to list changes against "
+                   "(default: OUT/vram.json)")
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
+
+
+def configured_base_url() -> str | None:
+    """``[tool.vram-ledger] base_url`` from ./pyproject.toml, if set."""
+    path = Path("pyproject.toml")
+    if not path.is_file():
+        return None
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    value = data.get("tool", {}).get("vram-ledger", {}).get("base_url")
+    return value if isinstance(value, str) and value else None
 
 
 def build(args: argparse.Namespace) -> int:
@@ -26,7 +47,8 @@ def build(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     ledger = store.load(args.ledger)
-    result = render_site(ledger, Path(args.out), build_date=build_date_from_env(args.build_date))
+    result = render_site(ledger, Path(args.out), build_date=build_date_from_env(args.build_date),
+                         base_url=args.base_url or configured_base_url(), previous=args.previous)
     if not args.quiet:
         size = sum(result.files.values())
         print(

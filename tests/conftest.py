@@ -25,4 +25,5 @@ def small_ledger(tmp_path: Path) -> Path:
 BENCHMARKS = REPO / "benchmarks"
 GOLDEN = DATA / "golden-site"
 #: The one command that regenerates the golden site (run from the repository root).
-REGEN_GOLDEN = "vram build --ledger tests/data/small-ledger.json --out tests/data/golden-site -q"
+REGEN_GOLDEN = ("rm -rf tests/data/golden-site && vram build --ledger tests/data/small-ledger.json "
+                "--out tests/data/golden-site -q")

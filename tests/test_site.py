@@ -138,7 +138,7 @@ def test_plot_marks_ooms_as_exceeded_at_the_card_limit(bundled_site):
 
 def test_self_contained(bundled_site):
     html = (bundled_site / "index.html").read_text(encoding="utf-8")
-    assert "<link" not in html and "@import" not in html and "http://" not in html.replace("http://www.w3.org", "")
+    assert "stylesheet" not in html and "@import" not in html and "http://" not in html.replace("http://www.w3.org", "")
     assert re.search(r"<script[^>]+src=", html) is None
 
 

@@ -170,6 +170,9 @@ class SiteContext:
     plots: list[Plot]
     ids: list[str]
     fitted: Optional[dict] = None
+    base_url: Optional[str] = None
+    downloads: list[dict] = field(default_factory=list)
+    changes: Optional[dict] = None
 
 
 # -- helpers ------------------------------------------------------------------------------

@@ -39,15 +39,20 @@ class PublicDocument(BaseModel):
     )
 
     schema_version: int = Field(description="Version of this document's format.")
+    url: Optional[str] = Field(None, description="Public address of this file (when built with --base-url).")
+    schema_url: str = Field(description="Address of the JSON Schema this file validates against.")
     ledger_sha256: str = Field(description="sha256 of the ledger's canonical text: changes when its content does.")
     build_date: Optional[str] = Field(None, description="Build date when one was given (--build-date, SOURCE_DATE_EPOCH).")
     ledger: Ledger = Field(description="The ledger, as stored.")
     derived: Derived = Field(description="Figures derived from the ledger at build time.")
 
 
-def public_schema() -> dict:
-    """The JSON Schema of vram.json (draft 2020-12), generated from the models."""
+def public_schema(base_url: Optional[str] = None) -> dict:
+    """The JSON Schema of vram.json (draft 2020-12), generated from the models; its ``$id`` is
+    its public address when the site has one."""
     schema = PublicDocument.model_json_schema()
+    if base_url:
+        schema["$id"] = f"{base_url.rstrip('/')}/vram.schema.json"
     ledger_def = schema["$defs"]["Ledger"]
     for key in ("$id", "$schema"):  # an embedded $id would rebase the ledger's $refs
         ledger_def.pop(key, None)
@@ -55,3 +60,35 @@ def public_schema() -> dict:
     ordered = {"$schema": schema.pop("$schema"), "$id": schema.pop("$id"), "title": schema.pop("title")}
     ordered.update(schema)
     return ordered
+
+
+def validate_public(path) -> list:
+    """Every problem with a downloaded vram.json: JSON, version, schema, the ledger, its hash."""
+    import hashlib
+
+    from jsonschema import Draft202012Validator
+
+    from ..errors import Issue, format_loc
+    from ..store import parse_json, read_text, reference_issues
+
+    name = str(path)
+    data = parse_json(read_text(path), name)
+    if not isinstance(data, dict):
+        return [Issue(name, "", "top level must be a JSON object")]
+    version = data.get("schema_version")
+    if type(version) is not int:
+        return [Issue(name, "schema_version", "missing or not an integer")]
+    if version > PUBLIC_SCHEMA_VERSION:
+        return [Issue(name, "schema_version", f"version {version} is newer than this vram-ledger reads "
+                      f"({PUBLIC_SCHEMA_VERSION}): upgrade vram-ledger")]
+    validator = Draft202012Validator(public_schema())
+    issues = [Issue(name, format_loc(e.absolute_path), e.message)
+              for e in sorted(validator.iter_errors(data), key=lambda e: list(map(str, e.absolute_path)))]
+    if issues:
+        return issues
+    doc = PublicDocument.model_validate(data)
+    issues = [Issue(name, f"ledger.{i.location}", i.message) for i in reference_issues(doc.ledger, name)]
+    sha = hashlib.sha256(doc.ledger.model_dump_json(exclude_none=True).encode("utf-8")).hexdigest()
+    if sha != doc.ledger_sha256:
+        issues.append(Issue(name, "ledger_sha256", "does not match the ledger in the file: altered or damaged"))
+    return issues

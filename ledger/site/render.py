@@ -8,6 +8,7 @@ not write (it keeps a manifest); it never touches anything else.
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 import multiprocessing
 import os
@@ -25,6 +26,7 @@ from ..store import atomic_write_text, gc_paused
 from . import filters
 from .context import (SiteContext, all_tables, build_context, canonical_json, fitted, ledger_hash, make_plots,
                       training_gpu_key)
+from .changes import atom_feed, history_for, load_previous
 from .downloads import measurements_csv
 from .public import PUBLIC_SCHEMA_VERSION, Derived, public_schema
 
@@ -112,21 +114,41 @@ class BuildResult:
     removed: list[str]
 
 
-def public_json(ledger_json: str, ctx: SiteContext, ledger: Ledger) -> str:
+def public_json(ledger_json: str, ctx: SiteContext, ledger: Ledger, base_url: Optional[str] = None) -> str:
     """vram.json text, assembled around the ledger's canonical JSON (serialised only once)."""
     derived = Derived(counts=ctx.counts, training_gpu=training_gpu_key(ledger), plots=ctx.plots,
                       calibration=ctx.fitted)
+    url = f"{base_url}/vram.json" if base_url else None
+    schema = f"{base_url}/vram.schema.json" if base_url else "vram.schema.json"
     return (
-        f'{{"schema_version":{PUBLIC_SCHEMA_VERSION},"ledger_sha256":{json.dumps(ctx.ledger_sha256)},'
+        f'{{"schema_version":{PUBLIC_SCHEMA_VERSION},"url":{json.dumps(url)},"schema_url":{json.dumps(schema)},'
+        f'"ledger_sha256":{json.dumps(ctx.ledger_sha256)},'
         f'"build_date":{json.dumps(ctx.build_date)},"ledger":{ledger_json},'
         f'"derived":{derived.model_dump_json()}}}\n'
     )
 
 
-def render_site(ledger: Ledger, out: Path, *, build_date: Optional[str] = None) -> BuildResult:
-    """Compute the context once, then render and write every output."""
+def download(name: str, text: str, base_url: Optional[str]) -> dict:
+    data = text.encode("utf-8")
+    return {"name": name, "href": f"{base_url}/{name}" if base_url else name, "size_bytes": len(data),
+            "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def latest_date(ledger: Ledger) -> str:
+    """The feed's date when no build date is given: the newest measurement's (reproducible)."""
+    dates = [m.provenance.measured_on for m in ledger.measurements if m.provenance.measured_on]
+    return max(dates).isoformat() if dates else "1970-01-01"
+
+
+def render_site(ledger: Ledger, out: Path, *, build_date: Optional[str] = None, base_url: Optional[str] = None,
+                previous: Optional[str] = None) -> BuildResult:
+    """Compute the context once, then render and write every output. ``base_url`` makes links and
+    ``$id``s absolute; ``previous`` (a path or URL of the last published vram.json, default the
+    one in the output folder) is what changes.json and feed.xml compare with."""
+    if base_url is not None and not base_url.startswith(("http://", "https://")):
+        raise UserError(Issue("--base-url", "", f"must be an http(s) URL, got {base_url!r}"))
     with gc_paused():  # the build makes many short-lived objects and no cycles worth collecting
-        return _render_site(ledger, Path(out), build_date)
+        return _render_site(ledger, Path(out), build_date, base_url.rstrip("/") if base_url else None, previous)
 
 
 #: The ledger being built, for the worker process (inherited by fork, never pickled).
@@ -160,11 +182,13 @@ class _Inline:
         pass
 
 
-def _render_site(ledger: Ledger, out: Path, build_date: Optional[str]) -> BuildResult:
+def _render_site(ledger: Ledger, out: Path, build_date: Optional[str], base_url: Optional[str],
+                 previous: Optional[str]) -> BuildResult:
     # The calibration and the plots are computed in a second process while this one renders the
     # rest (two cores: a third of the build time at 100k rows). Fork (Linux only)
     # hands the worker the ledger without pickling it.
     global _LEDGER
+    prev_doc, prev_history = load_previous(previous, out.resolve())
     _LEDGER = ledger
     plot_list = make_plots(ledger)
     if sys.platform.startswith("linux"):
@@ -173,28 +197,47 @@ def _render_site(ledger: Ledger, out: Path, build_date: Optional[str]) -> BuildR
         pool = _Inline()
     try:
         jobs = {"fitted": pool.submit(_fitted), "svgs": pool.submit(_svgs, plot_list)}
-        return _render_rest(ledger, out, build_date, plot_list, jobs)
+        return _render_rest(ledger, out, build_date, plot_list, jobs, base_url, prev_doc, prev_history)
     finally:
         pool.shutdown(cancel_futures=True)
         _LEDGER = None
 
 
-def _render_rest(ledger: Ledger, out: Path, build_date: Optional[str], plot_list: list, jobs: dict) -> BuildResult:
+def _render_rest(ledger: Ledger, out: Path, build_date: Optional[str], plot_list: list, jobs: dict,
+                 base_url: Optional[str], prev_doc: Optional[dict], prev_history: Optional[dict]) -> BuildResult:
     ledger_json = canonical_json(ledger)
-    ctx = build_context(ledger, build_date=build_date, ledger_sha256=ledger_hash(ledger, ledger_json),
-                        plots=plot_list, fitted_doc=jobs["fitted"])
+    sha = ledger_hash(ledger, ledger_json)
+    ctx = build_context(ledger, build_date=build_date, ledger_sha256=sha, plots=plot_list, fitted_doc=jobs["fitted"])
     env = environment()
     css = (HERE / "static" / "style.css").read_text(encoding="utf-8")
     js = (HERE / "static" / "sort.js").read_text(encoding="utf-8")
     hrefs = {r.id: f"#m-{r.id}" for t in all_tables(ctx) for r in t.rows}
 
+    # Data files first: the pages list each download with its size and hash.
+    files: dict[str, str] = {}
+    files["vram.json"] = public_json(ledger_json, ctx, ledger, base_url)
+    files["vram.schema.json"] = json.dumps(public_schema(base_url), indent=2) + "\n"
+    files["vram.csv"] = measurements_csv(ledger)
+    unchanged = prev_doc is not None and prev_doc.get("ledger_sha256") == sha
+    ledger_doc = None if unchanged or prev_doc is None else json.loads(ledger_json)
+    history = history_for(prev_doc if not unchanged else None, prev_history, ledger_doc or {}, sha, build_date)
+    if unchanged and isinstance(prev_history, dict):
+        history = {**history, "history": prev_history.get("history", [])[:50]}
+    files["changes.json"] = json.dumps(history, indent=1, ensure_ascii=False) + "\n"
+    files["feed.xml"] = atom_feed(history, title=ctx.title, base_url=base_url,
+                                  updated=f"{build_date or latest_date(ledger)}T00:00:00Z")
+    ctx.base_url = base_url
+    ctx.changes = history["history"][0] if history["history"] else None
+    ctx.downloads = [download(name, files[name], base_url) for name in
+                     ("vram.json", "vram.csv", "vram.schema.json", "changes.json", "feed.xml")]
     writer = SiteWriter(Path(out))
     common = {"ctx": ctx, "css": css, "js": js, "hrefs": hrefs}
+    md = env.get_template("vram.md.j2").render(**common)
+    ctx.downloads.append(download("vram.md", md, base_url))
     writer.write("index.html", env.get_template("index.html.j2").render(**common))
-    writer.write("vram.md", env.get_template("vram.md.j2").render(**common))
-    writer.write("vram.json", public_json(ledger_json, ctx, ledger))
-    writer.write("vram.schema.json", json.dumps(public_schema(), indent=2) + "\n")
-    writer.write("vram.csv", measurements_csv(ledger))
+    writer.write("vram.md", md)
+    for name, text in files.items():
+        writer.write(name, text)
     for plot, svg in zip(ctx.plots, jobs["svgs"].result()):
         writer.write(plot.file, svg)
     removed = writer.finish()

@@ -1,0 +1,139 @@
+"""What changed since the previous published vram.json: changes.json and an Atom feed.
+
+A change set lists measurements added, removed and changed (with each changed figure's old and
+new value), and findings added, removed and changed. Each build that finds the ledger's content
+hash different from the previous publication's prepends one change set to the history kept in
+changes.json (the last ``HISTORY`` sets); a build of unchanged content adds nothing, so building
+twice gives the same files.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any, Optional
+
+from ..errors import Issue, UserError
+
+HISTORY = 50
+ATOM = "http://www.w3.org/2005/Atom"
+
+
+def load_previous(source: Optional[str], out: Path) -> tuple[Optional[dict], Optional[dict]]:
+    """(previous vram.json, previous changes.json) from --previous (a path or an http(s) URL) or,
+    failing that, from the output folder. An explicit --previous that cannot be read is an error."""
+    def read(src: str) -> Any:
+        if src.startswith(("http://", "https://")):
+            with urllib.request.urlopen(src, timeout=30) as resp:  # noqa: S310 (explicit user URL)
+                return json.loads(resp.read().decode("utf-8"))
+        return json.loads(Path(src).read_text(encoding="utf-8"))
+
+    previous = None
+    if source:
+        try:
+            previous = read(source)
+        except (OSError, ValueError) as exc:
+            raise UserError(Issue(source, "", f"cannot read the previous vram.json: {exc}")) from None
+    elif (out / "vram.json").is_file():
+        try:
+            previous = read(str(out / "vram.json"))
+        except (OSError, ValueError):
+            previous = None  # a damaged earlier build: start afresh
+    if previous is not None and not (isinstance(previous, dict) and isinstance(previous.get("ledger"), dict)):
+        if source:
+            raise UserError(Issue(source, "", "not a vram.json (no ledger in it)"))
+        previous = None
+    history = None
+    if (out / "changes.json").is_file():
+        try:
+            history = json.loads((out / "changes.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            history = None
+    return previous, history
+
+
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else k))
+        return out
+    return {prefix: node}
+
+
+def _by_id(items: list) -> dict[str, dict]:
+    return {x["id"]: x for x in items if isinstance(x, dict) and "id" in x}
+
+
+def _diff_items(old: list, new: list) -> tuple[list[str], list[str], list[dict]]:
+    a, b = _by_id(old), _by_id(new)
+    added = sorted(set(b) - set(a))
+    removed = sorted(set(a) - set(b))
+    changed = []
+    for key in sorted(set(a) & set(b)):
+        fa, fb = _flatten(a[key]), _flatten(b[key])
+        fields = {f: [fa.get(f), fb.get(f)] for f in sorted(set(fa) | set(fb)) if fa.get(f) != fb.get(f)}
+        if fields:
+            changed.append({"id": key, "fields": fields})
+    return added, removed, changed
+
+
+def change_set(previous: dict, ledger_doc: dict, sha: str, date: Optional[str]) -> dict:
+    """The differences between the previous publication's ledger and this one."""
+    prev = previous["ledger"]
+    m_add, m_rem, m_chg = _diff_items(prev.get("measurements", []), ledger_doc.get("measurements", []))
+    f_add, f_rem, f_chg = _diff_items(prev.get("findings", []), ledger_doc.get("findings", []))
+    return {
+        "from_sha256": previous.get("ledger_sha256"),
+        "to_sha256": sha,
+        "date": date,
+        "measurements": {"added": m_add, "removed": m_rem, "changed": m_chg},
+        "findings": {"added": f_add, "removed": f_rem, "changed": f_chg},
+    }
+
+
+def history_for(previous: Optional[dict], old_history: Optional[dict], ledger_doc: dict, sha: str,
+                date: Optional[str]) -> dict:
+    """changes.json: the change sets, newest first."""
+    sets = list((old_history or {}).get("history", [])) if isinstance(old_history, dict) else []
+    if previous is not None and previous.get("ledger_sha256") != sha:
+        if not sets or sets[0].get("to_sha256") != sha:
+            sets.insert(0, change_set(previous, ledger_doc, sha, date))
+    return {"schema_version": 1, "ledger_sha256": sha, "history": sets[:HISTORY]}
+
+
+def atom_feed(history: dict, *, title: str, base_url: Optional[str], updated: str) -> str:
+    """An Atom feed with one entry per changed row (newest change set first)."""
+    ET.register_namespace("", ATOM)
+    feed = ET.Element(f"{{{ATOM}}}feed")
+    ET.SubElement(feed, f"{{{ATOM}}}title").text = f"{title}: changes"
+    ET.SubElement(feed, f"{{{ATOM}}}id").text = (f"{base_url.rstrip('/')}/feed.xml" if base_url
+                                                  else "urn:vram-ledger:feed")
+    ET.SubElement(feed, f"{{{ATOM}}}updated").text = updated
+    author = ET.SubElement(feed, f"{{{ATOM}}}author")
+    ET.SubElement(author, f"{{{ATOM}}}name").text = "vram ledger"
+    if base_url:
+        ET.SubElement(feed, f"{{{ATOM}}}link", rel="alternate", href=base_url.rstrip("/") + "/")
+        ET.SubElement(feed, f"{{{ATOM}}}link", rel="self", href=base_url.rstrip("/") + "/feed.xml")
+    for cs in history.get("history", []):
+        when = f"{cs['date']}T00:00:00Z" if cs.get("date") else updated
+        for section in ("measurements", "findings"):
+            part = cs[section]
+            rows = ([("added", i, None) for i in part["added"]] + [("removed", i, None) for i in part["removed"]]
+                    + [("changed", c["id"], c["fields"]) for c in part["changed"]])
+            for what, rid, fields in rows:
+                entry = ET.SubElement(feed, f"{{{ATOM}}}entry")
+                noun = "measurement" if section == "measurements" else "finding"
+                ET.SubElement(entry, f"{{{ATOM}}}title").text = f"{noun} {rid} {what}"
+                ET.SubElement(entry, f"{{{ATOM}}}id").text = f"urn:vram-ledger:{cs['to_sha256']}:{section}:{what}:{rid}"
+                ET.SubElement(entry, f"{{{ATOM}}}updated").text = when
+                summary = f"{noun.capitalize()} {rid} {what}."
+                if fields:
+                    summary += " " + "; ".join(f"{k}: {json.dumps(v[0])} → {json.dumps(v[1])}" for k, v in fields.items())
+                ET.SubElement(entry, f"{{{ATOM}}}summary").text = summary
+                if base_url and section == "measurements" and what != "removed":
+                    ET.SubElement(entry, f"{{{ATOM}}}link", href=f"{base_url.rstrip('/')}/#m-{rid}")
+    ET.indent(feed)
+    return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(feed, encoding="unicode") + "\n"

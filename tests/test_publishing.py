@@ -1,0 +1,139 @@
+"""Publishing: base URLs, downloads with hashes, changes.json and the Atom feed, public validation."""
+
+from __future__ import annotations
+
+import json
+import re
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from conftest import REPO, SMALL
+from ledger import cli, store
+from ledger.site.context import ledger_hash
+from ledger.site.render import render_site
+
+ATOM = "{http://www.w3.org/2005/Atom}"
+
+
+def test_absolute_links_only_with_a_base_url(tmp_path):
+    plain, based = tmp_path / "plain", tmp_path / "based"
+    ledger = store.load(SMALL)
+    render_site(ledger, plain)
+    render_site(ledger, based, base_url="https://example.org/vram/")
+    for name in ("index.html", "vram.md", "vram.json", "vram.schema.json", "feed.xml"):
+        assert "https://example.org" not in (plain / name).read_text(encoding="utf-8")
+    html = (based / "index.html").read_text(encoding="utf-8")
+    assert '<link rel="canonical" href="https://example.org/vram/">' in html
+    assert 'href="https://example.org/vram/vram.json"' in html
+    assert json.loads((based / "vram.schema.json").read_text())["$id"] == "https://example.org/vram/vram.schema.json"
+    doc = json.loads((based / "vram.json").read_text())
+    assert doc["url"] == "https://example.org/vram/vram.json"
+    assert doc["schema_url"] == "https://example.org/vram/vram.schema.json"
+
+
+def test_bad_base_url_is_refused(tmp_path, capsys):
+    assert cli.main(["build", "--ledger", str(SMALL), "--out", str(tmp_path / "s"), "--base-url", "example.org"]) == 1
+    assert "--base-url: must be an http(s) URL" in capsys.readouterr().err
+
+
+def test_downloads_are_listed_with_size_and_hash(tmp_path):
+    import hashlib
+
+    render_site(store.load(SMALL), tmp_path)
+    html = (tmp_path / "index.html").read_text(encoding="utf-8")
+    for name in ("vram.json", "vram.csv", "vram.schema.json", "changes.json", "feed.xml", "vram.md"):
+        data = (tmp_path / name).read_bytes()
+        assert hashlib.sha256(data).hexdigest() in html, name
+        assert f"{len(data):,} bytes" in html, name
+
+
+def _edited(tmp_path):
+    d = json.loads(SMALL.read_text())
+    d["measurements"][1]["outcome"]["peak_allocated_mib"] = 1234.5  # changed
+    removed = d["measurements"].pop(2)["id"]
+    d["measurements"].append({"id": "new-probe", "kind": "probe", "outcome": {"status": "ok"}})
+    d["findings"].append({"id": "new-finding", "title": "New"})
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(d))
+    return path, d["measurements"][1]["id"], removed
+
+
+def test_feed_lists_exactly_the_rows_that_changed(tmp_path):
+    out = tmp_path / "site"
+    render_site(store.load(SMALL), out)
+    edited, changed_id, removed_id = _edited(tmp_path)
+    render_site(store.load(edited), out, build_date="2026-11-30")
+    feed = ET.parse(out / "feed.xml").getroot()
+    assert feed.tag == f"{ATOM}feed"
+    for tag in ("title", "id", "updated"):
+        assert feed.find(f"{ATOM}{tag}").text
+    entries = feed.findall(f"{ATOM}entry")
+    titles = sorted(e.find(f"{ATOM}title").text for e in entries)
+    assert titles == sorted([f"measurement new-probe added", f"measurement {removed_id} removed",
+                             f"measurement {changed_id} changed", "finding new-finding added"])
+    for e in entries:
+        assert e.find(f"{ATOM}id").text and re.match(r"\d{4}-\d{2}-\d{2}T", e.find(f"{ATOM}updated").text)
+    changed = next(e for e in entries if "changed" in e.find(f"{ATOM}title").text)
+    assert "outcome.peak_allocated_mib" in changed.find(f"{ATOM}summary").text
+    doc = json.loads((out / "changes.json").read_text())
+    (cs,) = doc["history"]
+    assert cs["measurements"]["changed"][0]["fields"]["outcome.peak_allocated_mib"][1] == 1234.5
+    # The page shows the latest changes; rebuilding the same ledger adds nothing.
+    assert "1 measurements added, 1 changed, 1 removed" in (out / "index.html").read_text(encoding="utf-8")
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    render_site(store.load(edited), out, build_date="2026-11-30")
+    assert before == {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+
+
+def test_previous_from_a_path(tmp_path):
+    first = tmp_path / "first"
+    render_site(store.load(SMALL), first)
+    edited, _, _ = _edited(tmp_path)
+    assert cli.main(["build", "--ledger", str(edited), "--out", str(tmp_path / "second"), "--previous",
+                     str(first / "vram.json"), "-q"]) == 0
+    assert len(json.loads((tmp_path / "second" / "changes.json").read_text())["history"]) == 1
+    assert cli.main(["build", "--ledger", str(edited), "--out", str(tmp_path / "third"), "--previous",
+                     str(tmp_path / "nope.json"), "-q"]) == 1
+
+
+def test_content_hash_changes_when_and_only_when_content_does(tmp_path):
+    ledger = store.load(SMALL)
+    h = ledger_hash(ledger)
+    # The same content, written differently (other key order, no indentation): the same hash.
+    data = json.loads(SMALL.read_text())
+    shuffled = json.dumps({k: data[k] for k in reversed(list(data))}, separators=(",", ":"))
+    assert ledger_hash(store.parse_ledger(shuffled, "x")) == h
+    changed = ledger.model_copy(deep=True)
+    changed.measurements[0].provenance.notes.append("a new note")
+    assert ledger_hash(changed) != h
+
+
+def test_validate_public(tmp_path, capsys):
+    render_site(store.load(SMALL), tmp_path)
+    assert cli.main(["validate", "--public", str(tmp_path / "vram.json")]) == 0
+    doc = json.loads((tmp_path / "vram.json").read_text())
+    doc["ledger"]["measurements"][0]["outcome"]["peak_allocated_mib"] = 1.0
+    (tmp_path / "altered.json").write_text(json.dumps(doc))
+    assert cli.main(["validate", "--public", str(tmp_path / "altered.json")]) == 1
+    assert "ledger_sha256: does not match" in capsys.readouterr().err
+    doc["schema_version"] = 99
+    (tmp_path / "newer.json").write_text(json.dumps(doc))
+    assert cli.main(["validate", "--public", str(tmp_path / "newer.json")]) == 1
+    assert "version 99 is newer than this vram-ledger reads (1): upgrade vram-ledger" in capsys.readouterr().err
+
+
+def test_readme_snippet_runs_on_a_published_file(tmp_path, monkeypatch, capsys):
+    render_site(store.load(REPO / "ledger" / "vram.json"), tmp_path)
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    snippet = re.search(r"```python\n(import json, urllib.request\n.*?)```", readme, re.S).group(1)
+    assert len(snippet.strip().splitlines()) == 5
+    code = snippet.replace("urllib.request.urlopen(\"https://example.org/vram/vram.json\")",
+                           f"open({str(tmp_path / 'vram.json')!r})")
+    exec(compile(code, "README", "exec"), {})
+    assert capsys.readouterr().out.strip() == "7127.6"  # the r96 probe on the 3070 Ti (sweep-r96-drop)
+
+
+def test_example_workflow_builds_with_a_base_url():
+    text = (REPO / "examples" / "deploy" / "publish-site.yml").read_text()
+    assert "build.py --base-url" in text and "--previous" in text
