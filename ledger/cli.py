@@ -175,7 +175,7 @@ def _load_plugins() -> None:
 
 
 #: Modules that add commands with ``register``.
-PLUGINS: list[str] = ["ledger.site_cli", "ledger.probe_cli", "ledger.ingest", "ledger.calibrate_cli"]
+PLUGINS: list[str] = ["ledger.site_cli", "ledger.probe_cli", "ledger.ingest", "ledger.calibrate_cli", "ledger.estimate_cli"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

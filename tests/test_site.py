@@ -66,7 +66,8 @@ def test_build_twice_is_byte_identical(tmp_path, monkeypatch):
 
 
 def test_every_page_is_strict_html5(bundled_site):
-    parse_strict(bundled_site / "index.html")  # raises ParseError on any error
+    for page in ("index.html", "estimators.html"):
+        parse_strict(bundled_site / page)  # raises ParseError on any error
 
 
 def _ids_and_links(page: Path):
@@ -79,7 +80,7 @@ def _ids_and_links(page: Path):
 
 def check_links(site: Path) -> int:
     checked = 0
-    for page in [site / "index.html"]:
+    for page in [site / "index.html", site / "estimators.html"]:
         ids, links, srcs = _ids_and_links(page)
         for href in links + srcs:
             assert not re.match(r"^[a-z]+:", href), f"{page.name}: external or scripted link {href}"

@@ -151,6 +151,9 @@ class Plot:
     series: list[PlotSeries]
     limit_mib: Optional[float] = None
     limit_label: Optional[str] = None
+    diagonal: bool = False
+    log: bool = False
+    markers_only: bool = False
 
 
 @dataclass
@@ -170,6 +173,8 @@ class SiteContext:
     plots: list[Plot]
     ids: list[str]
     fitted: Optional[dict] = None
+    scoreboard: Optional[dict] = None
+    estimator_plot: Optional[Plot] = None
     base_url: Optional[str] = None
     downloads: list[dict] = field(default_factory=list)
     changes: Optional[dict] = None
@@ -583,6 +588,49 @@ BUILTIN_SECTIONS = ("gpu", "measurements", "cross-gpu", "plots", "predictions", 
 LOO_LIMIT = 1000
 
 
+def estimator_scoreboard(ledger: Ledger) -> dict:
+    """How every VRAM estimator fares against the ledger's measured peaks."""
+    from ..estimators import _sort_key, scoreboard
+
+    board = scoreboard(ledger, keep_rows=ROW_LIMIT)
+    # Views the pages show: each slice's values, and one row per measurement across estimators.
+    board["slice_values"] = {}
+    for est in board["estimators"]:
+        for key, groups in est.get("slices", {}).items():
+            board["slice_values"].setdefault(key, set()).update(groups)
+    board["slice_values"] = {k: sorted(v, key=_sort_key) for k, v in board["slice_values"].items()}
+    table: dict[str, dict] = {}
+    for i, est in enumerate(board["estimators"]):
+        for r in est.get("rows", []):
+            row = table.setdefault(r["id"], {"id": r["id"], "status": r["status"], "allocated_mib": r["allocated_mib"],
+                                             "reserved_mib": r["reserved_mib"],
+                                             "cells": [None] * len(board["estimators"])})
+            row["cells"][i] = {"estimate_mib": r["estimate_mib"], "error_pct": r["error_pct"]}
+    board["table"] = list(table.values())
+    return board
+
+
+def estimator_plot(board: dict) -> Optional[Plot]:
+    """Estimate vs measured, one series per estimator, with the y = x line."""
+    series = []
+    for est in board["estimators"]:
+        pts = [PlotPoint(x=r["measured_mib"], y=r["estimate_mib"], id=r["id"], status=r["status"])
+               for r in est.get("rows", []) if r["measured_mib"] is not None]
+        if pts:
+            series.append(PlotSeries(f"{est['name']} (predicts {est['predicts']})",
+                                     sorted(pts, key=lambda p: (p.x, p.y, p.id))))
+    if not series:
+        return None
+    return Plot(id="estimators", file="plots/estimators.svg", title="VRAM estimators: estimate vs measured peak",
+                caption=("Each point is one measured run or probe: the measured peak (the quantity the estimator "
+                         "claims to predict, where the ledger has it) against the estimator's figure. On the "
+                         "dashed line the estimate is exact; above it the estimator over-estimates."),
+                alt="Scatter chart of estimated against measured peak memory in MiB, one series per estimator, "
+                    "with the diagonal where estimate equals measurement.",
+                xlabel="measured peak (MiB)", ylabel="estimate (MiB)", series=series, diagonal=True, log=True,
+                markers_only=True)
+
+
 def fitted(ledger: Ledger) -> dict:
     """The calibration the page shows, computed from the ledger at build time."""
     from ..calibration import calibrate
@@ -600,6 +648,7 @@ def build_context(
     ledger_sha256: Optional[str] = None,
     plots: Optional[list[Plot]] = None,
     fitted_doc=None,
+    scoreboard_doc=None,
 ) -> SiteContext:
     """Compute everything the outputs show. Pure: the same ledger gives the same context."""
     train_key = training_gpu_key(ledger)
@@ -638,6 +687,7 @@ def build_context(
         plots=plots if plots is not None else make_plots(ledger),
         ids=[m.id for m in ledger.measurements],
         fitted=fitted_doc.result() if fitted_doc is not None else fitted(ledger),
+        scoreboard=scoreboard_doc.result() if scoreboard_doc is not None else estimator_scoreboard(ledger),
     )
 
 

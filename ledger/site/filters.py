@@ -63,7 +63,12 @@ def pct(value: Optional[float], digits: int = 1) -> str:
 
 
 def signed_pct(value: Optional[float], digits: int = 1) -> str:
-    return "" if value is None else f"{value:+.{digits}f}%"
+    """'+2.5%' / '-1.1%'; a value that rounds to zero is '0.0%' (never '-0.0%')."""
+    if value is None:
+        return ""
+    if round(value, digits) == 0:
+        return f"{0:.{digits}f}%"
+    return f"{value:+.{digits}f}%"
 
 
 def yesno(value: Optional[bool]) -> str:

@@ -34,10 +34,17 @@ def render_svg(plot: Plot) -> str:
                 over = [p for p in series.points if p.exceeded]
                 marker = _MARKERS[i % len(_MARKERS)]
                 line = ax.plot([p.x for p in fits], [p.y for p in fits], marker=marker, markersize=4,
-                               linewidth=1.2, label=series.label)[0]
+                               linewidth=0 if plot.markers_only else 1.2, label=series.label)[0]
                 if over:
                     ax.scatter([p.x for p in over], [p.y for p in over], marker="x", s=40,
                                color=line.get_color(), zorder=3)
+            if plot.log:
+                ax.set_xscale("log")
+                ax.set_yscale("log")
+            if plot.diagonal:
+                values = [v for s in plot.series for pt in s.points for v in (pt.x, pt.y)]
+                lo, hi = min(values) * 0.9, max(values) * 1.1
+                ax.plot([lo, hi], [lo, hi], linestyle="--", color="#555555", linewidth=1, label="estimate = measured")
             if plot.limit_mib:
                 ax.axhline(plot.limit_mib, color="#b00020", linestyle="--", linewidth=1)
                 ax.annotate(f"{plot.limit_label}: {plot.limit_mib:,.0f} MiB; × = OOM (exceeded)",

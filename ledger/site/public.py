@@ -25,6 +25,8 @@ class Derived(BaseModel):
     counts: dict[str, int] = Field(description="Row counts: measurements, gpus, findings, predictions, ok, oom.")
     training_gpu: Optional[str] = Field(None, description="Key of the card the real runs ran on.")
     plots: list[Plot] = Field(default_factory=list, description="Every plot on the page with the points it draws.")
+    estimators: Optional[dict[str, Any]] = Field(
+        None, description="How every VRAM estimator fares against the ledger's measured peaks (the scoreboard).")
     calibration: Optional[dict[str, Any]] = Field(
         None, description="`vram calibrate --json` of the ledger at build time, plus the ceiling table.")
 

@@ -24,8 +24,8 @@ from ..errors import Issue, UserError
 from ..models import Ledger
 from ..store import atomic_write_text, gc_paused
 from . import filters
-from .context import (SiteContext, all_tables, build_context, canonical_json, fitted, ledger_hash, make_plots,
-                      training_gpu_key)
+from .context import (SiteContext, all_tables, build_context, canonical_json, estimator_plot, estimator_scoreboard,
+                      fitted, ledger_hash, make_plots, training_gpu_key)
 from .changes import atom_feed, history_for, load_previous
 from .downloads import measurements_csv
 from .public import PUBLIC_SCHEMA_VERSION, Derived, public_schema
@@ -117,7 +117,7 @@ class BuildResult:
 def public_json(ledger_json: str, ctx: SiteContext, ledger: Ledger, base_url: Optional[str] = None) -> str:
     """vram.json text, assembled around the ledger's canonical JSON (serialised only once)."""
     derived = Derived(counts=ctx.counts, training_gpu=training_gpu_key(ledger), plots=ctx.plots,
-                      calibration=ctx.fitted)
+                      calibration=ctx.fitted, estimators=ctx.scoreboard)
     url = f"{base_url}/vram.json" if base_url else None
     schema = f"{base_url}/vram.schema.json" if base_url else "vram.schema.json"
     return (
@@ -165,6 +165,10 @@ def _fitted() -> Optional[dict]:
     return fitted(_LEDGER)
 
 
+def _scoreboard() -> dict:
+    return estimator_scoreboard(_LEDGER)
+
+
 class _Inline:
     """Runs the work in this process when forking is not available (same results)."""
 
@@ -192,11 +196,12 @@ def _render_site(ledger: Ledger, out: Path, build_date: Optional[str], base_url:
     _LEDGER = ledger
     plot_list = make_plots(ledger)
     if sys.platform.startswith("linux"):
-        pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("fork"))
+        pool = ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("fork"))
     else:
         pool = _Inline()
     try:
-        jobs = {"fitted": pool.submit(_fitted), "svgs": pool.submit(_svgs, plot_list)}
+        jobs = {"scoreboard": pool.submit(_scoreboard), "fitted": pool.submit(_fitted),
+                "svgs": pool.submit(_svgs, plot_list)}
         return _render_rest(ledger, out, build_date, plot_list, jobs, base_url, prev_doc, prev_history)
     finally:
         pool.shutdown(cancel_futures=True)
@@ -207,7 +212,11 @@ def _render_rest(ledger: Ledger, out: Path, build_date: Optional[str], plot_list
                  base_url: Optional[str], prev_doc: Optional[dict], prev_history: Optional[dict]) -> BuildResult:
     ledger_json = canonical_json(ledger)
     sha = ledger_hash(ledger, ledger_json)
-    ctx = build_context(ledger, build_date=build_date, ledger_sha256=sha, plots=plot_list, fitted_doc=jobs["fitted"])
+    ctx = build_context(ledger, build_date=build_date, ledger_sha256=sha, plots=plot_list, fitted_doc=jobs["fitted"],
+                        scoreboard_doc=jobs["scoreboard"])
+    board_plot = estimator_plot(ctx.scoreboard)
+    extra_svgs = [(board_plot.file, _svgs([board_plot])[0])] if board_plot else []
+    ctx.estimator_plot = board_plot
     env = environment()
     css = (HERE / "static" / "style.css").read_text(encoding="utf-8")
     js = (HERE / "static" / "sort.js").read_text(encoding="utf-8")
@@ -236,6 +245,10 @@ def _render_rest(ledger: Ledger, out: Path, build_date: Optional[str], plot_list
     ctx.downloads.append(download("vram.md", md, base_url))
     writer.write("index.html", env.get_template("index.html.j2").render(**common))
     writer.write("vram.md", md)
+    writer.write("estimators.html", env.get_template("estimators.html.j2").render(**common))
+    writer.write("estimators.md", env.get_template("estimators.md.j2").render(**common))
+    for name, svg in extra_svgs:
+        writer.write(name, svg)
     for name, text in files.items():
         writer.write(name, text)
     for plot, svg in zip(ctx.plots, jobs["svgs"].result()):

@@ -1,0 +1,92 @@
+"""``vram estimate``: every estimator's figure for one configuration, beside the ledger's nearest row."""
+
+from __future__ import annotations
+
+import argparse
+
+from . import store
+from .cli import dump_json, register
+from .errors import Issue, UserError
+from .estimators import Recipe, estimate_all, load_arch
+from .lookup import require_gpu
+from .paths import DEFAULT_LEDGER, shown
+
+
+def add_estimate_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="a config JSON, or a model whose config ships in probe_kit/configs")
+    p.add_argument("--rank", type=int, required=True, help="LoRA rank")
+    p.add_argument("--seq-len", type=int, required=True, help="tokens in the longest example")
+    p.add_argument("--quant", default="4bit", choices=["4bit", "bf16"], help="base weights (default 4bit)")
+    p.add_argument("--dropout", type=float, default=0.0, help="lora_dropout")
+    p.add_argument("--dora", action="store_true", help="DoRA")
+    p.add_argument("--batch-size", type=int, default=1, help="sequences per step (default 1)")
+    p.add_argument("--gpu", help="a card in the ledger (its capacity; the nearest measurement on it)")
+    p.add_argument("--ledger", default=shown(DEFAULT_LEDGER), help="ledger file (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+
+
+def nearest(ledger, model: str, recipe: Recipe, gpu):
+    """The ledger's closest measured row: same model family and quant, nearest rank and length."""
+    best = None
+    for m in ledger.measurements:
+        if m.lora is None or m.outcome.peak_allocated_mib is None or m.quant != recipe.quant:
+            continue
+        if m.model and model.split("/")[-1].replace(".json", "") not in m.model:
+            continue
+        seq = m.seq_len or (m.dataset.longest_example_tokens if m.dataset else None)
+        if seq is None:
+            continue
+        d = (abs(seq - recipe.seq_len) / recipe.seq_len + abs(m.lora.rank - recipe.rank) / recipe.rank
+             + (bool(m.lora.dropout) != bool(recipe.dropout)) + (bool(m.lora.dora) != recipe.dora)
+             + (0 if gpu is None or m.gpu == gpu else 0.5))
+        if best is None or d < best[0]:
+            best = (d, m)
+    return best[1] if best else None
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    """Print every estimator's figure (canifinetune, Unsloth Studio's formula, the FT01 rule of
+    thumb) with its breakdown and the quantity it claims to predict, and the ledger's nearest
+    measured row. How each estimator fares against the ledger is on the site's estimator page."""
+    arch = load_arch(args.model)
+    if arch is None:
+        raise UserError(Issue(args.model, "", "no such config (give a config JSON or a model whose config ships)"))
+    if args.rank <= 0 or args.seq_len <= 0 or args.batch_size <= 0:
+        raise UserError(Issue("--rank", "", "rank, seq-len and batch size must be > 0"))
+    ledger = store.load(args.ledger)
+    gpu = require_gpu(ledger, args.gpu) if args.gpu else None
+    card = None
+    if gpu:
+        g = ledger.gpus[gpu]
+        card = g.usable_gib_torch * 1024 if g.usable_gib_torch else g.total_mib
+    recipe = Recipe(quant=args.quant, rank=args.rank, seq_len=args.seq_len, dropout=args.dropout, dora=args.dora,
+                    batch=args.batch_size)
+    figures = estimate_all(arch, recipe, card)
+    near = nearest(ledger, args.model, recipe, gpu)
+    doc = {"model": arch.name, "params": arch.total_params, "recipe": recipe.__dict__, "gpu": gpu,
+           "card_mib": card, "estimates": figures,
+           "nearest_measurement": None if near is None else {
+               "id": near.id, "gpu": near.gpu, "kind": near.kind, "rank": near.lora.rank,
+               "seq_len": near.seq_len or (near.dataset.longest_example_tokens if near.dataset else None),
+               "peak_allocated_mib": near.outcome.peak_allocated_mib, "peak_reserved_mib": near.outcome.peak_reserved_mib}}
+    if args.json:
+        dump_json(doc)
+        return 0
+    print(f"{arch.name} ({arch.total_params / 1e9:.2f}B params), {args.quant}, r{args.rank}, {args.seq_len} tokens"
+          + (f", dropout {args.dropout:g}" if args.dropout else "") + (", DoRA" if args.dora else ""))
+    for f in figures:
+        if not f["available"]:
+            print(f"  {f['estimator']:>15}: not installed (pip install canifinetune)")
+            continue
+        rng = f" (range {f['low_mib']:,.0f}–{f['high_mib']:,.0f})" if f["low_mib"] else ""
+        print(f"  {f['estimator']:>15}: {f['estimate_mib']:>9,.1f} MiB {f['predicts']}{rng}")
+    if near is not None:
+        n = doc["nearest_measurement"]
+        print(f"  nearest measured: {n['id']} ({n['kind']}, {n['gpu']}, r{n['rank']}, {n['seq_len']} tokens): "
+              f"{n['peak_allocated_mib']:,.1f} MiB allocated"
+              + (f", {n['peak_reserved_mib']:,.1f} MiB reserved" if n["peak_reserved_mib"] else ""))
+    return 0
+
+
+register("estimate", "every VRAM estimator's figure for one configuration, beside the ledger's nearest row",
+         add_estimate_options)(cmd_estimate)

@@ -1,0 +1,417 @@
+"""The VRAM estimators people use, behind one interface, scored against the ledger's measured peaks.
+
+Each estimator takes an architecture and a recipe and returns bytes with a breakdown and the
+quantity it claims to predict ("allocated" = torch's peak allocated; "reserved" = the allocator's
+peak reserved, nearest to what a card must hold). No torch.
+
+- ``canifinetune``: the package from the package index (an optional dependency: ``pip install
+  canifinetune``), called offline through its Python API with the architecture passed explicitly
+  (``override``, ``use_network=False``). Its own target is "process torch peak reserved"; its
+  total includes a 5% safety margin that it says to leave out when comparing, so the figure here
+  is total minus margin.
+- ``unsloth-studio``: Unsloth Studio's published formula (VRAM_ESTIMATION.md), implemented here.
+- ``ft01``: the FT01 course's rule of thumb (QLoRA: 4-bit weights + 6–10 GB; LoRA: 2–3 x the
+  16-bit model), as a range and its midpoint.
+- ``vram-ledger``: this project's calibrated prediction from the ledger's own probes (held out:
+  a row never predicts itself).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from .models import Ledger, Measurement
+
+GIB = 2**30
+MIB = 2**20
+GB = 1e9
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "probe_kit" / "configs"
+
+
+@dataclass
+class Arch:
+    """What the formulas need to know about a decoder model."""
+
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    family: str
+
+    @property
+    def linear_params(self) -> int:
+        q = self.hidden * self.heads * self.head_dim
+        kv = 2 * self.hidden * self.kv_heads * self.head_dim
+        o = self.heads * self.head_dim * self.hidden
+        mlp = 3 * self.hidden * self.intermediate
+        return (q + kv + o + mlp) * self.layers
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden * (1 if self.tied else 2)
+
+    @property
+    def total_params(self) -> int:
+        norms = (4 * self.hidden + 2 * self.head_dim) * self.layers + self.hidden
+        return self.linear_params + self.embedding_params + norms
+
+
+def load_arch(model: str) -> Optional[Arch]:
+    """The architecture of a model: a config JSON path, or a model id / name whose config ships in
+    probe_kit/configs ('unsloth/gemma-3-4b-it' -> gemma-3-4b-it.json). None when unknown."""
+    path = Path(model)
+    if not (path.suffix == ".json" and path.is_file()):
+        path = CONFIG_DIR / f"{model.split('/')[-1]}.json"
+        if not path.is_file():
+            return None
+    data = json.loads(path.read_text(encoding="utf-8"))
+    text = data.get("text_config", data)
+    hidden = text["hidden_size"]
+    heads = text["num_attention_heads"]
+    model_type = str(text.get("model_type", data.get("model_type", "")))
+    family = "gemma" if "gemma" in model_type else ("qwen2" if "qwen" in model_type else
+                                                     ("mistral" if "mistral" in model_type else "llama"))
+    return Arch(
+        name=path.stem, hidden=hidden, layers=text["num_hidden_layers"], heads=heads,
+        kv_heads=text.get("num_key_value_heads", heads), head_dim=text.get("head_dim") or hidden // heads,
+        intermediate=text["intermediate_size"], vocab=text["vocab_size"],
+        tied=bool(text.get("tie_word_embeddings", data.get("tie_word_embeddings", True))), family=family,
+    )
+
+
+@dataclass
+class Recipe:
+    quant: str  # "4bit" | "bf16"
+    rank: int
+    seq_len: int
+    dropout: float = 0.0
+    dora: bool = False
+    batch: int = 1
+    fixes: str = "all"
+
+
+@dataclass
+class Estimate:
+    estimator: str
+    bytes: float
+    predicts: str  # "allocated" | "reserved"
+    breakdown: dict[str, float] = field(default_factory=dict)
+    low_bytes: Optional[float] = None
+    high_bytes: Optional[float] = None
+    note: str = ""
+
+    @property
+    def mib(self) -> float:
+        return round(self.bytes / MIB, 1)
+
+
+class Estimator:
+    name = ""
+    predicts = "reserved"
+    leaves_out = ""
+
+    def estimate(self, arch: Arch, recipe: Recipe, gpu_total_mib: Optional[float] = None) -> Optional[Estimate]:
+        raise NotImplementedError
+
+
+# -- Unsloth Studio ------------------------------------------------------------------------------
+
+
+class UnslothStudio(Estimator):
+    """Unsloth Studio's formula (studio/backend/utils/hardware/VRAM_ESTIMATION.md), with its defaults:
+    adamw_8bit, HF gradient checkpointing, double quant, the seven projections, SDPA attention."""
+
+    name = "unsloth-studio"
+    predicts = "reserved"
+    leaves_out = ("the logits chain (seq x vocab fp32 upcast and gradient), dropout masks, DoRA's weight-norm "
+                  "step, the recipe's memory fixes, and any multimodal tower; its 1.4 GB CUDA overhead is a "
+                  "constant calibrated on one card.")
+
+    def estimate(self, arch, recipe, gpu_total_mib=None):
+        H, L, V, M, r, B, S = arch.hidden, arch.layers, arch.vocab, arch.intermediate, recipe.rank, recipe.batch, \
+            recipe.seq_len
+        K = (H // arch.heads) * arch.kv_heads  # the write-up's K: (H / heads) x kv_heads
+        qkvo = (H + K + K + H) * H
+        mlp = H * M * 3
+        quantizable = (qkvo + mlp) * L
+        non_quantizable = 2 * H * L + V * H + (0 if arch.tied else V * H)
+        if recipe.quant == "4bit":
+            weights = quantizable * 2 / 3.6 + non_quantizable * 2  # double quant: the 3.6 factor
+        else:
+            weights = (quantizable + non_quantizable) * 2
+        lora_params = (H * r + r * H) + 2 * (H * r + r * K) + (H * r + r * H) + 2 * (H * r + r * M) + (M * r + r * H)
+        lora_params *= L
+        lora_b = lora_params * 2
+        optimizer = lora_params * 4  # adamw_8bit
+        per_layer = (S * B * (H + K + K) + S * B * 2 + S * B * (M + M)) * 2 * 1.25
+        activations = per_layer * 1.0  # gradient checkpointing (HF), LoRA: one layer
+        raw_grad = lora_params * 2
+        grad = max(raw_grad, min(weights * 0.15, max(activations, optimizer)))
+        cuda = 1.4 * GB
+        total = weights + lora_b + optimizer + grad + activations + cuda
+        return Estimate(self.name, total, self.predicts, breakdown={
+            "weights": weights, "lora": lora_b, "optimizer": optimizer, "gradients": grad,
+            "activations": activations, "cuda_overhead": cuda})
+
+
+# -- FT01 rule of thumb --------------------------------------------------------------------------
+
+
+class FT01(Estimator):
+    """FT01 — VRAM Math: QLoRA = 4-bit weights (0.5 B/param) + 6–10 GB overhead; LoRA (16-bit
+    base) = 2–3 x the FP16 model size. The midpoint of the range is the figure scored."""
+
+    name = "ft01"
+    predicts = "reserved"
+    leaves_out = ("everything that depends on the recipe beyond model size and method: sequence length, rank, "
+                  "dropout, DoRA, the logits chain and the memory fixes all fall inside one fixed range.")
+
+    def estimate(self, arch, recipe, gpu_total_mib=None):
+        params = arch.total_params
+        if recipe.quant == "4bit":
+            weights = params * 0.5
+            low, high = weights + 6 * GB, weights + 10 * GB
+        else:
+            fp16 = params * 2.0
+            low, high = 2 * fp16, 3 * fp16
+        return Estimate(self.name, (low + high) / 2, self.predicts, breakdown={"weights_4bit_or_fp16": params * (
+            0.5 if recipe.quant == "4bit" else 2.0)}, low_bytes=low, high_bytes=high)
+
+
+# -- canifinetune ----------------------------------------------------------------------------------
+
+
+class Canifinetune(Estimator):
+    """The canifinetune package's own estimate(), offline, with the architecture given explicitly."""
+
+    name = "canifinetune"
+    predicts = "reserved"
+    leaves_out = ("the recipe's memory fixes: it charges the full logits chain (seq x vocab x 14 B) and fp32 "
+                  "embeddings that logits_to_keep and the bf16 lm_head remove; dropout masks and DoRA are not "
+                  "modelled; 8% of the card is added as overhead.")
+
+    @staticmethod
+    def available() -> bool:
+        try:
+            import canifinetune.estimator.memory  # noqa: F401
+        except Exception:  # not installed, or broken: the scoreboard says so
+            return False
+        return True
+
+    def estimate(self, arch, recipe, gpu_total_mib=None):
+        if not self.available():
+            return None
+        from canifinetune.estimator.memory import EstimateRequest, estimate
+
+        override = dict(hidden_size=arch.hidden, num_hidden_layers=arch.layers, num_attention_heads=arch.heads,
+                        num_key_value_heads=arch.kv_heads, intermediate_size=arch.intermediate,
+                        vocab_size=arch.vocab, total_params=arch.total_params, family=arch.family,
+                        tie_word_embeddings=arch.tied)
+        req = EstimateRequest(
+            model_id=arch.name, seq_len=recipe.seq_len, micro_batch_size=recipe.batch,
+            method="qlora" if recipe.quant == "4bit" else "lora", lora_rank=recipe.rank,
+            lora_dropout=min(recipe.dropout, 0.99), lora_target_scope="all_linear", optimizer="adamw_torch",
+            gpu_vram_gb=(gpu_total_mib or 24 * 1024) / 1024, override=override, use_network=False,
+        )
+        e = estimate(req).memory
+        total = (e.total_estimated_gb - e.safety_margin_gb) * GIB
+        parts = {k: getattr(e, k) * GIB for k in ("static_model_gb", "quantization_overhead_gb", "gradients_gb",
+                                                   "optimizer_gb", "activations_gb", "logits_gb",
+                                                   "cuda_overhead_gb")}
+        return Estimate(self.name, total, self.predicts, breakdown=parts,
+                        note="total minus the 5% safety margin, as canifinetune says to compare")
+
+
+# -- this project --------------------------------------------------------------------------------
+
+
+class VramLedger(Estimator):
+    """This project's prediction: the ledger's probes (peak model, card offset) and, for a real run,
+    the calibrated probe-to-real over-estimate. Scored held out: a row never predicts itself."""
+
+    name = "vram-ledger"
+    predicts = "allocated"
+    leaves_out = ("configurations far from any probe (it says unknown instead), and what one forward+backward "
+                  "does not see in a long run: allocator fragmentation and optimizer state.")
+
+    def __init__(self, ledger: Optional[Ledger] = None):
+        self.ledger = ledger
+
+    def predict_row(self, m: Measurement, rest: list[Measurement]) -> Optional[float]:
+        from .calibration import PeakModel, group_key, ok_peak, overestimate, predict_real, recipe_key
+
+        if m.lora is None or not m.gpu:
+            return None
+        if m.kind == "probe":
+            pred, _ = PeakModel(rest).predict(m.gpu, group_key(m), m.lora.rank)
+            return pred
+        # A real run: the matching probe's peak, then the calibrated probe -> real over-estimate.
+        same = [p for p in rest if p.kind == "probe" and p.lora and recipe_key(p) == recipe_key(m)
+                and ok_peak(p) is not None]
+        if not same:
+            return None
+        probe = max(same, key=lambda p: (p.provenance.measured_on or dt.date.min, p.id))
+        return predict_real(ok_peak(probe), overestimate(rest))["predicted_mib"]
+
+    def estimate(self, arch, recipe, gpu_total_mib=None):
+        return None  # needs a ledger row's context: see predict_row and vram estimate
+
+
+ESTIMATORS: list[Estimator] = [Canifinetune(), UnslothStudio(), FT01()]
+
+#: The project's own held-out predictions refit once per row: above this size they are skipped.
+HELD_OUT_LIMIT = 1000
+
+
+# -- scoring ---------------------------------------------------------------------------------------
+
+
+def recipe_of(m: Measurement) -> Optional[Recipe]:
+    seq = m.seq_len or (m.dataset.longest_example_tokens if m.dataset else None)
+    if m.lora is None or seq is None or m.quant not in ("4bit", "bf16"):
+        return None
+    fixes = m.memory_fixes if isinstance(m.memory_fixes, str) else ("custom" if m.memory_fixes else "none")
+    return Recipe(quant=m.quant, rank=m.lora.rank, seq_len=seq, dropout=m.lora.dropout or 0.0,
+                  dora=bool(m.lora.dora), batch=m.batch_size or 1, fixes=fixes or "all")
+
+
+def _measured(m: Measurement, predicts: str) -> tuple[Optional[float], str]:
+    o = m.outcome
+    if predicts == "reserved" and o.peak_reserved_mib is not None:
+        return o.peak_reserved_mib, "reserved"
+    if o.peak_allocated_mib is not None:
+        return o.peak_allocated_mib, "allocated"
+    return None, ""
+
+
+def _card_mib(ledger: Ledger, gpu: Optional[str]) -> Optional[float]:
+    g = ledger.gpus.get(gpu) if gpu else None
+    if g is None:
+        return None
+    return g.usable_gib_torch * 1024 if g.usable_gib_torch else g.total_mib
+
+
+def _seq_bucket(seq: int) -> str:
+    for edge in (2048, 4096, 8192, 16384):
+        if seq <= edge:
+            return f"<= {edge}"
+    return "> 16384"
+
+
+def _slice_keys(m: Measurement, r: Recipe) -> dict[str, str]:
+    return {"seq_len": _seq_bucket(r.seq_len), "rank": str(r.rank), "dropout": "yes" if r.dropout else "no",
+            "dora": "yes" if r.dora else "no", "fixes": r.fixes, "kind": m.kind, "gpu": m.gpu or "", "quant": r.quant}
+
+
+def scoreboard(ledger: Ledger, estimators: Optional[list[Estimator]] = None, keep_rows: int = 2000) -> dict:
+    """Every addressable measurement scored by every estimator: medians overall and per slice, and
+    the fit / no-fit confusion at each card's capacity. Per-row detail is kept up to ``keep_rows``
+    rows (every row is in the ledger)."""
+    estimators = estimators if estimators is not None else [*ESTIMATORS, VramLedger(ledger)]
+    arch_cache: dict[Optional[str], Optional[Arch]] = {}
+    cards = {key: _card_mib(ledger, key) for key in ledger.gpus}
+    addressable = []
+    for m in ledger.measurements:
+        if m.kind not in ("probe", "real") or m.outcome.status not in ("ok", "oom", "spilled"):
+            continue
+        r = recipe_of(m)
+        if r is None:
+            continue
+        if m.model not in arch_cache:
+            arch_cache[m.model] = load_arch(m.model) if m.model else None
+        arch = arch_cache[m.model]
+        if arch is None:
+            continue
+        addressable.append((m, r, arch, cards.get(m.gpu), _slice_keys(m, r)))
+    out: dict = {"addressable": len(addressable), "estimators": [], "fit_rule": (
+        "an estimate fits when it is at most the card's capacity as torch reports it (its total where that is "
+        "unknown); the costly mistake is 'fits' for a row that ran out of memory")}
+    keep = len(addressable) <= keep_rows
+    for est in estimators:
+        entry = {"name": est.name, "predicts": est.predicts, "leaves_out": est.leaves_out,
+                 "available": not (isinstance(est, Canifinetune) and not est.available()), "skipped": None}
+        if isinstance(est, VramLedger) and len(ledger.measurements) > HELD_OUT_LIMIT:
+            entry.update(skipped=f"held-out scoring refits once per row; skipped above {HELD_OUT_LIMIT} rows",
+                         n=0, median_abs_err_pct=None, median_signed_err_pct=None, slices={}, confusion={}, rows=[])
+            out["estimators"].append(entry)
+            continue
+        cache: dict[tuple, Optional[Estimate]] = {}
+        rows, errors = [], []
+        by_slice: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+        confusion = {"fits_and_fit": 0, "fits_but_oom": 0, "oom_but_fit": 0, "oom_and_oom": 0}
+        for m, r, arch, card, slices in addressable:
+            if isinstance(est, VramLedger):
+                pred = est.predict_row(m, [x for x in ledger.measurements if x.id != m.id])
+                e = None if pred is None else Estimate(est.name, pred * MIB, est.predicts)
+            else:
+                key = (arch.name, r.quant, r.rank, r.seq_len, r.dropout, r.dora, r.batch, card)
+                if key not in cache:
+                    cache[key] = est.estimate(arch, r, card)
+                e = cache[key]
+            if e is None:
+                continue
+            ok = m.outcome.status == "ok"
+            measured, quantity = _measured(m, est.predicts) if ok else (None, None)
+            estimate_mib = e.mib
+            err = round((estimate_mib - measured) / measured * 100, 1) if measured else None
+            fits = (estimate_mib <= card) if card else None
+            if err is not None:
+                errors.append(err)
+                for k, v in slices.items():
+                    by_slice[k][v].append(abs(err))
+            if fits is not None:
+                key = ("fits_and_fit" if ok else "fits_but_oom") if fits else ("oom_but_fit" if ok else "oom_and_oom")
+                confusion[key] += 1
+            if keep:
+                rows.append({"id": m.id, "estimate_mib": estimate_mib,
+                             "low_mib": round(e.low_bytes / MIB, 1) if e.low_bytes else None,
+                             "high_mib": round(e.high_bytes / MIB, 1) if e.high_bytes else None,
+                             "measured_mib": measured, "measured_quantity": quantity,
+                             "allocated_mib": m.outcome.peak_allocated_mib, "reserved_mib": m.outcome.peak_reserved_mib,
+                             "status": m.outcome.status, "slices": slices, "error_pct": err,
+                             "fits_predicted": fits, "fits_actual": ok})
+        entry.update(
+            n=len(errors),
+            median_abs_err_pct=round(statistics.median(abs(x) for x in errors), 1) if errors else None,
+            median_signed_err_pct=round(statistics.median(errors), 1) if errors else None,
+            slices={k: {v: {"median_abs_err_pct": round(statistics.median(xs), 1), "n": len(xs)}
+                        for v, xs in sorted(groups.items(), key=lambda kv: _sort_key(kv[0]))}
+                    for k, groups in by_slice.items()},
+            confusion=confusion, rows=rows, rows_kept=keep,
+        )
+        out["estimators"].append(entry)
+    return out
+
+
+def _sort_key(text: str):
+    try:
+        return (0, float(text.split()[-1]))
+    except ValueError:
+        return (1, text)
+
+
+def estimate_all(arch: Arch, recipe: Recipe, gpu_total_mib: Optional[float] = None) -> list[dict]:
+    """Every estimator's figure for one configuration (``vram estimate``)."""
+    out = []
+    for est in ESTIMATORS:
+        e = est.estimate(arch, recipe, gpu_total_mib)
+        if e is None:
+            out.append({"estimator": est.name, "available": False})
+            continue
+        out.append({"estimator": est.name, "available": True, "estimate_mib": e.mib, "predicts": e.predicts,
+                    "low_mib": round(e.low_bytes / MIB, 1) if e.low_bytes else None,
+                    "high_mib": round(e.high_bytes / MIB, 1) if e.high_bytes else None,
+                    "breakdown_mib": {k: round(v / MIB, 1) for k, v in e.breakdown.items()}, "note": e.note})
+    return out
+

@@ -1,0 +1,109 @@
+"""VRAM estimators: hand-computed cases from their write-ups, and the scoreboard."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import BUNDLED
+from ledger import cli, store
+from ledger.estimators import FT01, GB, MIB, Arch, Canifinetune, Recipe, UnslothStudio, load_arch, scoreboard
+from ledger.models import SCHEMA_VERSION, Ledger, Measurement, Outcome
+
+# A small llama-shaped model whose arithmetic fits in a comment.
+TOY = Arch(name="toy", hidden=1024, layers=2, heads=8, kv_heads=2, head_dim=128, intermediate=4096, vocab=32000,
+           tied=False, family="llama")
+
+
+def test_unsloth_studio_by_hand():
+    # H=1024, L=2, V=32000, M=4096, r=8, S=512, B=1, K = (1024/8)*2 = 256.
+    # QKVO = (1024+256+256+1024)*1024 = 2,621,440; MLP = 1024*4096*3 = 12,582,912
+    # Quantizable = (2,621,440 + 12,582,912) * 2 = 30,408,704
+    # Non-quantizable = 2*1024*2 + 32000*1024*2 (untied) = 65,540,096
+    # weights (4-bit, double quant) = 30,408,704*2/3.6 + 65,540,096*2 = 16,893,724.4 + 131,080,192 = 147,973,916.4
+    # LoRA params per layer: q 8*(1024+1024) + k,v 2*8*(1024+256) + o 8*2048 + gate,up 2*8*(1024+4096)
+    #   + down 8*(4096+1024) = 16384 + 20480 + 16384 + 81920 + 40960 = 176,128; x2 layers = 352,256
+    # LoRA bytes = 704,512; optimizer (adamw_8bit, 4 B) = 1,409,024
+    # activations = (512*(1024+256+256) + 512*2 + 512*(4096+4096)) * 2 * 1.25 = 12,454,400
+    # gradients = max(704,512, min(0.15*weights = 22,196,087.5, max(12,454,400, 1,409,024))) = 12,454,400
+    # total = 147,973,916.4 + 704,512 + 1,409,024 + 12,454,400 + 12,454,400 + 1.4e9 = 1,574,996,252.4
+    e = UnslothStudio().estimate(TOY, Recipe(quant="4bit", rank=8, seq_len=512))
+    assert e.bytes == pytest.approx(1_574_996_252.4, rel=1e-9)
+    assert e.predicts == "reserved"
+
+
+def test_ft01_by_hand():
+    # params: linear per layer = q 1024*(8*128) + k,v 2*1024*(2*128) + o 1024*1024 + mlp 3*1024*4096
+    #   = 1,048,576 + 524,288 + 1,048,576 + 12,582,912 = 15,204,352; x2 layers = 30,408,704
+    # embeddings (untied) = 2*32000*1024 = 65,536,000; norms = (4*1024 + 2*128)*2 + 1024 = 9,728
+    # total = 95,954,432; 4-bit weights = 47,977,216 B; range +6 GB .. +10 GB (decimal GB), midpoint +8 GB
+    e = FT01().estimate(TOY, Recipe(quant="4bit", rank=8, seq_len=512))
+    assert TOY.total_params == 95_954_432
+    assert (e.low_bytes, e.high_bytes) == (47_977_216 + 6 * GB, 47_977_216 + 10 * GB)
+    assert e.bytes == 47_977_216 + 8 * GB
+    bf16 = FT01().estimate(TOY, Recipe(quant="bf16", rank=8, seq_len=512))
+    assert (bf16.low_bytes, bf16.high_bytes) == (2 * 95_954_432 * 2, 3 * 95_954_432 * 2)
+
+
+@pytest.mark.skipif(not Canifinetune.available(), reason="canifinetune is not installed")
+def test_canifinetune_logits_chain_by_hand():
+    # Its write-up: logits = s * b * vocab * (2 + 12) bytes; for the toy at s=512: 512*32000*14 = 229,376,000 B.
+    e = Canifinetune().estimate(TOY, Recipe(quant="4bit", rank=8, seq_len=512), gpu_total_mib=24 * 1024)
+    assert e.breakdown["logits_gb"] == pytest.approx(229_376_000, rel=1e-3)
+    # Its 8% CUDA overhead of the card: 0.08 * 24 GiB.
+    assert e.breakdown["cuda_overhead_gb"] == pytest.approx(0.08 * 24 * 2**30, rel=1e-3)
+    assert e.predicts == "reserved"
+
+
+def test_shipped_config_is_read():
+    a = load_arch("unsloth/gemma-3-4b-it")
+    assert (a.hidden, a.layers, a.vocab, a.tied) == (2560, 34, 262208, True)
+    assert a.total_params == pytest.approx(3.88e9, rel=0.01)
+
+
+@pytest.fixture(scope="module")
+def board():
+    return scoreboard(store.load(BUNDLED))
+
+
+def test_scoreboard_counts_match_the_ledger(board):
+    lg = store.load(BUNDLED)
+    addressable = [m for m in lg.measurements if m.kind in ("probe", "real") and m.lora and m.quant in ("4bit", "bf16")
+                   and (m.seq_len or (m.dataset and m.dataset.longest_example_tokens))
+                   and m.outcome.status in ("ok", "oom", "spilled") and m.model]
+    assert board["addressable"] == len(addressable) == 44
+    ok = [m for m in addressable if m.outcome.status == "ok"]
+    by = {e["name"]: e for e in board["estimators"]}
+    for name in ("unsloth-studio", "ft01") + (("canifinetune",) if Canifinetune.available() else ()):
+        assert by[name]["n"] == len(ok)
+        assert sum(by[name]["confusion"].values()) == len(addressable)
+        assert sum(v["n"] for v in by[name]["slices"]["kind"].values()) == len(ok)
+    assert 0 < by["vram-ledger"]["n"] <= len(ok)
+
+
+def test_vram_ledger_beats_the_formulas_here(board):
+    by = {e["name"]: e["median_abs_err_pct"] for e in board["estimators"]}
+    assert by["vram-ledger"] < by["unsloth-studio"] < by["ft01"]
+
+
+def test_no_addressable_rows_gives_an_empty_scoreboard():
+    lg = Ledger(schema_version=SCHEMA_VERSION, measurements=[Measurement(id="a", kind="load", outcome=Outcome())])
+    b = scoreboard(lg)
+    assert b["addressable"] == 0
+    assert all(e["n"] == 0 and e["median_abs_err_pct"] is None for e in b["estimators"])
+
+
+def test_estimate_cli(capsys):
+    assert cli.main(["estimate", "--model", "unsloth/gemma-3-4b-it", "--rank", "16", "--seq-len", "7177",
+                     "--gpu", "RX 7900 XTX", "--ledger", str(BUNDLED), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    names = [e["estimator"] for e in doc["estimates"]]
+    assert names == ["canifinetune", "unsloth-studio", "ft01"]
+    assert doc["nearest_measurement"]["id"] == "rx-7900-xtx-4bit-fixes-all-r16-seq7177"
+    assert cli.main(["estimate", "--model", "nope", "--rank", "16", "--seq-len", "7177"]) == 1
+    assert "nope: no such config" in capsys.readouterr().err
+
+
+def test_mib_constant():
+    assert MIB == 2**20
