@@ -5,8 +5,9 @@ two can never measure different recipes.
 
 Memory fixes (``--fixes all|none|LIST``):
 
-- ``chunked_mlp``: each decoder MLP runs over the sequence in chunks of ``mlp_chunk`` tokens,
-  each chunk checkpointed, so the seq × intermediate activations exist one chunk at a time;
+- ``chunked_mlp``: each decoder MLP runs over the sequence in chunks of ``mlp_chunk`` tokens, so
+  the seq × intermediate temporaries of a forward without grad (the checkpointed forward) exist one
+  chunk at a time; the recomputed layer in backward keeps what autograd saves, as in the trainer;
 - ``save_on_cpu``: tensors autograd saves for backward (with reentrant checkpointing: each
   layer's input) are moved to host RAM and brought back for backward;
 - ``bf16_lm_head``: the lm_head (tied to the embedding in Gemma) is cast back to bf16 after
@@ -224,18 +225,10 @@ def prepare(model: torch.nn.Module, cfg: ProbeConfig) -> torch.nn.Module:
 
 
 def _chunked(forward: Callable, chunk: int) -> Callable:
-    from torch.utils.checkpoint import checkpoint
-
     def run(x, *args, **kwargs):
         if x.dim() < 2 or x.shape[1] <= chunk:
             return forward(x, *args, **kwargs)
-        outs = []
-        for piece in x.split(chunk, dim=1):
-            if torch.is_grad_enabled():
-                outs.append(checkpoint(forward, piece, *args, use_reentrant=False, **kwargs))
-            else:
-                outs.append(forward(piece, *args, **kwargs))
-        return torch.cat(outs, dim=1)
+        return torch.cat([forward(piece, *args, **kwargs) for piece in x.split(chunk, dim=1)], dim=1)
 
     return run
 

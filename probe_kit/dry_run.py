@@ -1,0 +1,350 @@
+"""The GPU-free dry run: the real probe step under fake tensors, measured by the tracker meter.
+
+    python -m probe_kit.dry_run --model gemma-3-4b-it --rank 16 --seq-len 7177 --response-len 237 \
+        --gpu rx-7900-xtx --json
+
+The model class is built from its config under ``FakeTensorMode`` on device 'cpu' (fake 'cpu'
+picks the flash-style CPU attention kernel, as a GPU does; 'meta' would pick the math path), then
+the recipe is applied exactly as the probe applies it (``probe_kit.recipe``: LoRA, kbit
+preparation, memory fixes, checkpointing) and the probe step runs. No weights exist: a 4B model
+runs in seconds in a few hundred MiB.
+
+4-bit: bitsandbytes' ``Params4bit`` cannot wrap a fake tensor, so each quantised Linear is a
+stand-in with bnb's storage (packed nf4 uint8, the absmax, the double-quant state and code book)
+and bnb's compute: a dequantised bf16 copy of the weight in forward and again in backward.
+
+What fake tensors cannot see is modelled explicitly and shown in the breakdown: the cuBLAS
+workspace (PyTorch's default, through the caching allocator), the vision tower when the recipe
+loads a multimodal class (``--multimodal``), and reserved vs allocated (the ratio fitted from the
+card's ledger rows). Allocator rounding (512-byte blocks) is in the tracker.
+
+Three library behaviours are adjusted while the fake step runs, each because the real run decides
+them from tensor values a fake tensor does not have: transformers' packed-sequence detection (one
+sequence per batch, as in the probe), and ``Module._apply``'s tensor swap (the fake-tensor
+converter's memo holds a weak reference that blocks it; it is cleared first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import statistics
+import sys
+import time
+from typing import Iterator, Optional
+
+import torch
+
+from ledger import store
+from ledger.errors import UserError
+from ledger.models import Environment, Lora, Measurement, Outcome, Provenance
+
+from .meters import MIB, TrackerMeter
+from .probe_vram import add_recipe_options, config_from_args, probe_id, rss_bytes, versions
+from .recipe import ProbeConfig, RecipeError, fixes_label, load_config, prepare, resolve_config_path, step, \
+    synthetic_batch, checkpointing_active, offload
+
+#: PyTorch's default cuBLAS workspace (CUBLAS_WORKSPACE_CONFIG ":4096:8"), allocated through the
+#: caching allocator and so counted in allocated: 4096 KiB x 2 + 16 KiB x 8. Not fitted.
+CUBLAS_WORKSPACE_MIB = (4096 * 2 + 16 * 8) / 1024
+
+
+class _Dequant4bit(torch.autograd.Function):
+    """bnb's MatMul4Bit for a frozen weight: a dequantised copy in forward and in backward; the
+    input is not saved (no weight gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, module):
+        ctx.module = module
+        w = module.dequantize()
+        return torch.nn.functional.linear(x, w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        w = ctx.module.dequantize()
+        return grad @ w, None
+
+
+class Linear4bitStandIn(torch.nn.Linear):
+    """A Linear with bitsandbytes nf4 storage and compute (see the module docstring)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, double_quant: bool,
+                 compute_dtype=torch.bfloat16, device=None):
+        torch.nn.Module.__init__(self)
+        self.in_features, self.out_features = in_features, out_features
+        self.compute_dtype = compute_dtype
+        n = in_features * out_features
+        blocks = (n + 63) // 64
+        self.weight = torch.nn.Parameter(torch.empty(((n + 1) // 2, 1), dtype=torch.uint8, device=device),
+                                         requires_grad=False)
+        if double_quant:  # absmax quantised to 8 bits, per 256-block group an fp32 absmax, and code books
+            self.register_buffer("absmax", torch.empty(blocks, dtype=torch.uint8, device=device))
+            self.register_buffer("absmax2", torch.empty((blocks + 255) // 256, dtype=torch.float32, device=device))
+            self.register_buffer("code2", torch.empty(256, dtype=torch.float32, device=device))
+        else:
+            self.register_buffer("absmax", torch.empty(blocks, dtype=torch.float32, device=device))
+        self.register_buffer("code", torch.empty(16, dtype=torch.float32, device=device))
+        self.bias = (torch.nn.Parameter(torch.empty(out_features, dtype=compute_dtype, device=device),
+                                        requires_grad=False) if bias else None)
+
+    @property
+    def W_q(self) -> torch.Tensor:  # peft's DoRA dequantises a module that has W_q through dequantize()
+        return self.weight
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.zeros((self.out_features, self.in_features), dtype=self.compute_dtype, device=self.weight.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        out = _Dequant4bit.apply(x.to(self.compute_dtype), self)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.to(dtype)
+
+
+def stand_in_4bit(model: torch.nn.Module, double_quant: bool) -> None:
+    """Replace every nn.Linear but the lm_head by the 4-bit stand-in (weights are not needed)."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear and name != "lm_head":
+                setattr(parent, name, Linear4bitStandIn(child.in_features, child.out_features, child.bias is not None,
+                                                        double_quant, device=child.weight.device))
+    model.is_loaded_in_4bit = True
+
+
+@contextlib.contextmanager
+def fake_world() -> Iterator[object]:
+    """FakeTensorMode on 'cpu' with the adjustments described in the module docstring."""
+    import torch.utils
+    import transformers.masking_utils as masking
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    swap, packed = torch.utils.swap_tensors, masking.find_packed_sequence_indices
+
+    def swap_tensors(a, b):
+        mode.fake_tensor_converter.meta_converter.tensor_memo.clear()
+        return swap(a, b)
+
+    torch.utils.swap_tensors = swap_tensors
+    masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        with mode:
+            yield mode
+    finally:
+        torch.utils.swap_tensors = swap
+        masking.find_packed_sequence_indices = packed
+
+
+def vision_mib(model: str, quant: str) -> float:
+    """Memory of the vision tower a multimodal config declares (SigLIP-style encoder and projector):
+    its Linear layers in nf4 (with the double-quant absmax) under 4-bit, everything else in bf16."""
+    path = resolve_config_path(model)
+    if path is None:
+        return 0.0
+    data = json.loads(path.read_text(encoding="utf-8"))
+    v = data.get("vision_config")
+    if not v:
+        return 0.0
+    h, i, n = v["hidden_size"], v["intermediate_size"], v["num_hidden_layers"]
+    patches = (v["image_size"] // v["patch_size"]) ** 2
+    linear = n * (4 * h * h + 2 * h * i)
+    other = n * (4 * h + h + i + 4 * h) + 3 * v["patch_size"] ** 2 * h + h + patches * h + 2 * h
+    other += h * data.get("text_config", {}).get("hidden_size", h) + h  # the projector (not an nn.Linear)
+    if quant == "4bit":
+        return (linear * 0.5 + linear / 64 + other * 2) / MIB
+    return (linear + other) * 2 / MIB
+
+
+def reserved_ratio(ledger_path: Optional[str], gpu: Optional[str], exclude: str = "") -> tuple[Optional[float], int]:
+    """Median peak reserved / peak allocated of the card's ok probes (fitted, leaving out one id)."""
+    if not ledger_path or not gpu:
+        return None, 0
+    ratios = [m.outcome.peak_reserved_mib / m.outcome.peak_allocated_mib for m in store.load(ledger_path).measurements
+              if m.gpu == gpu and m.kind == "probe" and m.id != exclude and m.outcome.status == "ok"
+              and m.outcome.peak_reserved_mib and m.outcome.peak_allocated_mib]
+    return (statistics.median(ratios), len(ratios)) if ratios else (None, 0)
+
+
+def dry_run(cfg: ProbeConfig, *, multimodal: bool = False, budget_mib: Optional[float] = None) -> dict:
+    """One fake probe step. Returns the tracker's figures (MiB), the step's wall time and peak RSS."""
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(cfg.model)
+    t0 = time.perf_counter()
+    rss0 = rss_bytes()
+    with fake_world():
+        torch.manual_seed(cfg.seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        if cfg.quant == "4bit":
+            stand_in_4bit(model, cfg.double_quant)
+        meter = TrackerMeter(budget_mib)
+        meter.register_module(model)
+        after_load = meter.allocated_mib()
+        oom = None
+        with meter:
+            model = prepare(model, cfg)
+            if not checkpointing_active(model):
+                raise RecipeError("gradient checkpointing is not active in training mode")
+            ids = synthetic_batch(cfg, model.get_input_embeddings().num_embeddings, torch.device("cpu"))
+            pre_step = meter.allocated_mib()
+            meter.reset_peak()
+            try:
+                step(model, ids, cfg, offload(cfg, torch.device("cpu"), meter.exclude))
+            except torch.OutOfMemoryError as exc:
+                oom = str(exc)
+        peak = meter.peak_allocated_mib()
+    extra_vision = vision_mib(cfg.model, cfg.quant) if multimodal else 0.0
+    return {"after_load_mib": after_load, "pre_step_mib": pre_step, "peak_mib": peak, "vision_mib": extra_vision,
+            "seconds": time.perf_counter() - t0, "rss_growth_mib": (rss_bytes() - rss0) / MIB, "oom": oom}
+
+
+def predict(cfg: ProbeConfig, *, gpu: Optional[str] = None, ledger: Optional[str] = None, multimodal: bool = False,
+            budget_mib: Optional[float] = None, exclude: str = "") -> tuple[dict, dict]:
+    """The dry run plus the modelled terms: (outcome figures, breakdown)."""
+    raw = dry_run(cfg, multimodal=multimodal, budget_mib=budget_mib)
+    extra = CUBLAS_WORKSPACE_MIB + raw["vision_mib"]
+    ratio, n_ratio = reserved_ratio(ledger, gpu, exclude)
+    allocated = raw["peak_mib"] + extra
+    breakdown = {
+        "tracker_after_load_mib": round(raw["after_load_mib"], 1),
+        "tracker_pre_step_mib": round(raw["pre_step_mib"], 1),
+        "tracker_peak_mib": round(raw["peak_mib"], 1),
+        "allocator_rounding": "in the tracker: every storage rounded up to 512 bytes",
+        "cublas_workspace_mib": round(CUBLAS_WORKSPACE_MIB, 1),
+        "cublas_workspace_source": "PyTorch's default CUBLAS_WORKSPACE_CONFIG :4096:8 (not fitted)",
+        "vision_tower_mib": round(raw["vision_mib"], 1),
+        "vision_tower_source": ("the config's vision_config, nf4 linears under 4-bit, else bf16 (--multimodal)"
+                                if multimodal
+                                else "not loaded (text model class)"),
+        "reserved_over_allocated": round(ratio, 4) if ratio else None,
+        "reserved_source": (f"median of {n_ratio} ok probes on {gpu} in the ledger (fitted; excluding {exclude})"
+                            if ratio and exclude else f"median of {n_ratio} ok probes on {gpu} in the ledger (fitted)"
+                            if ratio else "no ledger rows with both figures for this card"),
+        "seconds": round(raw["seconds"], 2),
+        "rss_growth_mib": round(raw["rss_growth_mib"], 1),
+    }
+    outcome = {"status": "oom" if raw["oom"] else "ok",
+               "after_load_mib": round(raw["after_load_mib"] + raw["vision_mib"], 1),
+               "pre_step_mib": round(raw["pre_step_mib"] + raw["vision_mib"], 1),
+               "peak_allocated_mib": None if raw["oom"] else round(allocated, 1),
+               "peak_reserved_mib": round(allocated * ratio, 1) if ratio and not raw["oom"] else None,
+               "oom_message": raw["oom"]}
+    return outcome, breakdown
+
+
+def measurement(cfg: ProbeConfig, outcome: dict, breakdown: dict, gpu: Optional[str], mid: Optional[str]) -> Measurement:
+    from ledger.oom import parse_oom_message
+
+    v = versions()
+    return Measurement(
+        id=mid or probe_id(cfg, "dry", gpu).replace("probe-", "dry-", 1),
+        kind="dry_run", gpu=gpu, model=cfg.model, quant=cfg.quant,
+        lora=Lora(rank=cfg.rank, alpha=cfg.alpha if cfg.alpha is not None else float(cfg.rank), rslora=cfg.rslora,
+                  dropout=cfg.dropout, dora=cfg.dora, target_modules=list(cfg.target_modules)),
+        seq_len=cfg.seq_len, response_len=cfg.response_len, batch_size=1, memory_fixes=fixes_label(cfg.fixes),
+        logits_to_keep=cfg.keep if "logits_to_keep" in cfg.fixes else None,
+        config_text=json.dumps(cfg.key(), sort_keys=True),
+        outcome=Outcome(status=outcome["status"], after_load_mib=outcome["after_load_mib"],
+                        pre_step_mib=outcome["pre_step_mib"], peak_allocated_mib=outcome["peak_allocated_mib"],
+                        peak_reserved_mib=outcome["peak_reserved_mib"],
+                        oom=parse_oom_message(outcome["oom_message"]) if outcome["oom_message"] else None),
+        environment=Environment(python=v["python"], torch=v["torch"], transformers=v["transformers"], peft=v["peft"],
+                                bitsandbytes=v["bitsandbytes"], device="fake cpu", meter="tracker"),
+        provenance=Provenance(source="probe_kit.dry_run (fake tensors)", measured_on=dt.date.today(), inferred=True,
+                              notes=["Predicted under fake tensors, not measured. Breakdown: " + json.dumps(breakdown)]),
+    )
+
+
+def card_budget(ledger: Optional[str], gpu: Optional[str]) -> Optional[float]:
+    """The largest peak known to fit the card (the calibrated limit's low end), else its capacity."""
+    if not ledger or not gpu:
+        return None
+    from ledger.calibration import card_mib, limit_for, limits
+
+    lg = store.load(ledger)
+    lim = limit_for(limits(lg, lg.measurements), gpu)
+    return lim.low_mib if lim and lim.low_mib else card_mib(lg, gpu)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m probe_kit.dry_run", description=__doc__.split("\n\n")[0],
+                                epilog="Exit codes: 0 ok, 1 bad input, 2 bad usage.")
+    add_recipe_options(p)
+    p.add_argument("--gpu", help="a card in the ledger: its limit (for --find-ceiling) and reserved ratio")
+    p.add_argument("--multimodal", action="store_true", help="the recipe loads the multimodal class (vision tower)")
+    p.add_argument("--ledger", help="ledger to read the card from and to append the dry run to (kind dry_run)")
+    p.add_argument("--append", action="store_true", help="append the prediction to --ledger")
+    p.add_argument("--find-ceiling", metavar="AXIS", help="bisect AXIS (rank) for the largest that fits --budget-mib")
+    p.add_argument("--budget-mib", type=float, help="the memory to fit in (default: the card's limit from --ledger)")
+    p.add_argument("--id", help="measurement id")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    args = p.parse_args(argv)
+    args.random_weights = True
+    try:
+        cfg = config_from_args(args)
+        gpu = None
+        if args.gpu:
+            if not args.ledger:
+                raise RecipeError("--gpu needs --ledger (the card's figures come from it)")
+            from ledger.lookup import require_gpu
+
+            gpu = require_gpu(store.load(args.ledger), args.gpu)
+        with contextlib.redirect_stdout(sys.stderr):
+            if args.find_ceiling:
+                doc = find_ceiling(cfg, args, gpu)
+            else:
+                outcome, breakdown = predict(cfg, gpu=gpu, ledger=args.ledger, multimodal=args.multimodal)
+                m = measurement(cfg, outcome, breakdown, gpu, args.id)
+                doc = {"measurement": m.model_dump(mode="json", exclude_none=True), "breakdown": breakdown}
+                if args.append:
+                    if not args.ledger:
+                        raise RecipeError("--append needs --ledger")
+                    store.append(args.ledger, [m])
+    except RecipeError as exc:
+        print(f"dry_run: {exc}", file=sys.stderr)
+        return 1
+    except UserError as exc:
+        for issue in exc.issues:
+            print(str(issue), file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    elif "ceiling" in doc:
+        print(f"ceiling: rank {doc['ceiling']} within {doc['budget_mib']} MiB ({doc['probes']} dry runs)")
+    else:
+        o, b = doc["measurement"]["outcome"], doc["breakdown"]
+        print(f"predicted peak allocated {o.get('peak_allocated_mib')} MiB (tracker {b['tracker_peak_mib']} + cuBLAS "
+              f"{b['cublas_workspace_mib']} + vision {b['vision_tower_mib']}); after load {o.get('after_load_mib')}, "
+              f"pre-step {o.get('pre_step_mib')}" + (f"; reserved {o['peak_reserved_mib']}" if o.get(
+                  "peak_reserved_mib") else "") + f"; {b['seconds']} s")
+    return 0
+
+
+def find_ceiling(cfg: ProbeConfig, args, gpu: Optional[str]) -> dict:
+    """Bisect the rank (steps of 8 up to 512) for the largest whose dry-run peak fits the budget."""
+    from dataclasses import replace
+
+    from .run_sweep import find_ceiling as bisect
+
+    if args.find_ceiling != "rank":
+        raise RecipeError(f"--find-ceiling: only rank is searched, got {args.find_ceiling!r}")
+    budget = args.budget_mib if args.budget_mib is not None else card_budget(args.ledger, gpu)
+    if budget is None:
+        raise RecipeError("--find-ceiling needs --budget-mib (or --gpu with --ledger)")
+    ranks = list(range(8, 513, 8))
+    peaks: dict[int, Optional[float]] = {}
+
+    def fits(rank: int) -> bool:
+        outcome, _ = predict(replace(cfg, rank=rank), multimodal=args.multimodal)
+        peaks[rank] = outcome["peak_allocated_mib"]
+        return outcome["peak_allocated_mib"] is not None and outcome["peak_allocated_mib"] <= budget
+
+    best, probes = bisect(ranks, fits)
+    return {"ceiling": best, "budget_mib": budget, "probes": probes, "peaks_mib": peaks}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

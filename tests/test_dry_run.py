@@ -1,0 +1,99 @@
+"""The dry run: fake tensors against real CPU runs, the 4-bit stand-in against bitsandbytes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import probe_kit.recipe as recipe
+from conftest import DATA, SMALL
+from ledger import store
+from probe_kit.dry_run import dry_run, main as dry_main, predict, stand_in_4bit, vision_mib
+from probe_kit.probe_vram import run_probe
+from probe_kit.recipe import ProbeConfig, parse_fixes
+
+BASE = dict(model="tiny-llama", random_weights=True, seq_len=1024, response_len=237)
+
+
+def real(cfg):
+    m, _ = run_probe(cfg, device="cpu")
+    return m.outcome
+
+
+@pytest.mark.parametrize("quant", ["bf16", "4bit"])
+def test_fake_and_real_cpu_runs_agree_within_one_percent(quant):
+    cfg = ProbeConfig(**BASE, rank=16, quant=quant)
+    r, d = real(cfg), dry_run(cfg)
+    assert d["peak_mib"] == pytest.approx(r.peak_allocated_mib, rel=0.01)
+    assert d["pre_step_mib"] == pytest.approx(r.pre_step_mib, rel=0.01, abs=0.1)
+
+
+def test_stand_in_and_bitsandbytes_agree_on_activation_memory(monkeypatch):
+    cfg = ProbeConfig(**BASE, rank=16, quant="4bit", dropout=0.1)
+    bnb = real(cfg)
+    monkeypatch.setattr(recipe, "quantize_linear_layers", lambda model, device, dq: stand_in_4bit(model, dq))
+    stand_in = real(cfg)  # real CPU tensors, the stand-in in place of bnb
+    act_bnb = bnb.peak_allocated_mib - bnb.pre_step_mib
+    act_si = stand_in.peak_allocated_mib - stand_in.pre_step_mib
+    assert act_si == pytest.approx(act_bnb, rel=0.01)
+
+
+def peak(**kw):
+    return dry_run(ProbeConfig(**{**BASE, "rank": 16, **kw}))["peak_mib"]
+
+
+def test_rank_dropout_and_dora_raise_the_prediction():
+    base = peak()
+    assert peak(rank=64) > base and peak(dropout=0.1) > base and peak(dora=True) > base
+
+
+DEEP = str(DATA / "models" / "deep-llama.json")
+
+
+def test_logits_to_keep_and_offload_lower_it():
+    # logits_to_keep on a large-vocab model; offload on a deep one (per-layer activations dominate)
+    big_vocab = dict(model="tiny-gemma3", seq_len=512, response_len=32)
+    assert peak(**big_vocab) < peak(**big_vocab, fixes=parse_fixes("chunked_mlp,save_on_cpu,bf16_lm_head"))
+    deep = dict(model=DEEP, seq_len=2048, response_len=64)
+    assert peak(**deep) < peak(**deep, fixes=parse_fixes("chunked_mlp,bf16_lm_head,logits_to_keep"))
+
+
+def test_same_config_twice_gives_the_same_bytes():
+    a = dry_run(ProbeConfig(**BASE, rank=16))
+    b = dry_run(ProbeConfig(**BASE, rank=16))
+    for key in ("after_load_mib", "pre_step_mib", "peak_mib"):
+        assert a[key] == b[key]
+
+
+def test_vision_tower_is_modelled_for_multimodal_configs():
+    assert 200 < vision_mib("gemma-3-4b-it", "4bit") < 240  # ~220 MiB: the program's after-load gap
+    assert 780 < vision_mib("gemma-3-4b-it", "bf16") < 830
+    assert vision_mib("tiny-llama", "4bit") == 0
+
+
+def test_cli_appends_a_dry_run_kind(tmp_path, capsys):
+    ledger = tmp_path / "l.json"
+    ledger.write_bytes(SMALL.read_bytes())
+    assert dry_main(["--model", "tiny-llama", "--rank", "8", "--seq-len", "256", "--response-len", "32",
+                     "--ledger", str(ledger), "--gpu", "rx-7900-xtx", "--append", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    m = store.load(ledger).measurements[-1]
+    assert m.kind == "dry_run" and m.id == doc["measurement"]["id"] and m.provenance.inferred
+    b = doc["breakdown"]
+    assert b["cublas_workspace_mib"] > 0 and "fitted" in b["reserved_source"]
+    assert m.outcome.peak_reserved_mib > m.outcome.peak_allocated_mib
+
+
+def test_find_ceiling_without_measurements(capsys):
+    outcome, _ = predict(ProbeConfig(**{**BASE, "rank": 64}))
+    budget = outcome["peak_allocated_mib"]  # whatever rank 64 needs: the ceiling is 64
+    assert dry_main(["--model", "tiny-llama", "--rank", "8", "--seq-len", "1024", "--response-len", "237",
+                     "--find-ceiling", "rank", "--budget-mib", str(budget + 0.01), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ceiling"] == 64 and doc["probes"] <= 7
+
+
+def test_bad_input_is_one_line(capsys):
+    assert dry_main(["--model", "nope.json", "--rank", "8"]) == 1
+    assert capsys.readouterr().err.strip() == "dry_run: nope.json: no such config file"
