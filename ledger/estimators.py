@@ -268,6 +268,35 @@ class VramLedger(Estimator):
         return None  # needs a ledger row's context: see predict_row and vram estimate
 
 
+class DryRunRows(Estimator):
+    """The dry runs stored in the ledger (kind dry_run, ``python -m probe_kit.dry_run --append``):
+    a measured row is predicted by the dry run of the same model, quant, rank, dropout, DoRA,
+    sequence and response length and memory fixes, where one exists."""
+
+    name = "dry-run"
+    predicts = "allocated"
+    leaves_out = ("kernel workspaces beyond cuBLAS's, the CUDA context and allocator fragmentation (allocated, "
+                  "not reserved), and anything the model's code does not do on the device.")
+
+    def __init__(self, ledger: Ledger):
+        self.by_key: dict[tuple, float] = {}
+        for m in ledger.measurements:
+            if m.kind == "dry_run" and m.lora and m.outcome.peak_allocated_mib is not None:
+                self.by_key[self.key(m)] = m.outcome.peak_allocated_mib
+
+    @staticmethod
+    def key(m: Measurement) -> tuple:
+        name = (m.model or "").split("/")[-1]
+        return (name, m.quant, m.lora.rank, bool(m.lora.dropout), bool(m.lora.dora), m.seq_len, m.response_len,
+                m.memory_fixes if isinstance(m.memory_fixes, str) else str(m.memory_fixes))
+
+    def predict_row(self, m: Measurement) -> Optional[float]:
+        return self.by_key.get(self.key(m)) if m.lora else None
+
+    def estimate(self, arch, recipe, gpu_total_mib=None):
+        return None
+
+
 ESTIMATORS: list[Estimator] = [Canifinetune(), UnslothStudio(), FT01()]
 
 #: The project's own held-out predictions refit once per row: above this size they are skipped.
@@ -318,7 +347,11 @@ def scoreboard(ledger: Ledger, estimators: Optional[list[Estimator]] = None, kee
     """Every addressable measurement scored by every estimator: medians overall and per slice, and
     the fit / no-fit confusion at each card's capacity. Per-row detail is kept up to ``keep_rows``
     rows (every row is in the ledger)."""
-    estimators = estimators if estimators is not None else [*ESTIMATORS, VramLedger(ledger)]
+    if estimators is None:
+        estimators = [*ESTIMATORS, VramLedger(ledger)]
+        dry = DryRunRows(ledger)
+        if dry.by_key:
+            estimators.append(dry)
     arch_cache: dict[Optional[str], Optional[Arch]] = {}
     cards = {key: _card_mib(ledger, key) for key in ledger.gpus}
     addressable = []
@@ -351,8 +384,9 @@ def scoreboard(ledger: Ledger, estimators: Optional[list[Estimator]] = None, kee
         by_slice: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         confusion = {"fits_and_fit": 0, "fits_but_oom": 0, "oom_but_fit": 0, "oom_and_oom": 0}
         for m, r, arch, card, slices in addressable:
-            if isinstance(est, VramLedger):
-                pred = est.predict_row(m, [x for x in ledger.measurements if x.id != m.id])
+            if isinstance(est, (VramLedger, DryRunRows)):
+                pred = (est.predict_row(m, [x for x in ledger.measurements if x.id != m.id])
+                        if isinstance(est, VramLedger) else est.predict_row(m))
                 e = None if pred is None else Estimate(est.name, pred * MIB, est.predicts)
             else:
                 key = (arch.name, r.quant, r.rank, r.seq_len, r.dropout, r.dora, r.batch, card)

@@ -107,3 +107,19 @@ def test_estimate_cli(capsys):
 
 def test_mib_constant():
     assert MIB == 2**20
+
+
+def test_dry_run_rows_join_the_scoreboard():
+    from ledger.models import Lora, Provenance
+
+    lg = store.load(BUNDLED)
+    probe = next(m for m in lg.measurements if m.id == "rx-7900-xtx-4bit-fixes-all-r16-seq7177")
+    lg.measurements.append(Measurement(
+        id="dry-r16", kind="dry_run", model="gemma-3-4b-it", quant="4bit", lora=Lora(rank=16, dropout=0.0),
+        seq_len=7177, response_len=237, memory_fixes="all", outcome=Outcome(status="ok", peak_allocated_mib=5551.5),
+        provenance=Provenance(inferred=True)))
+    b = scoreboard(lg)
+    dry = next(e for e in b["estimators"] if e["name"] == "dry-run")
+    (row,) = [r for r in dry["rows"] if r["id"] == probe.id]
+    assert row["estimate_mib"] == 5551.5 and row["error_pct"] == pytest.approx(-3.0, abs=0.1)
+    assert b["addressable"] == 44  # the dry run itself is not a measured row
