@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import statistics
 import subprocess
 import sys

@@ -7,7 +7,7 @@ import datetime as dt
 from dataclasses import asdict
 
 from . import store
-from .calibration import (PeakModel, before, calibrate, calibration_hash, ceiling, group_key, ok_peak, overestimate,
+from .calibration import (PeakModel, before, calibrate, calibration_hash, ceiling, ok_peak, overestimate,
                           predict_real, recipe_key)
 from .cli import dump_json, register
 from .errors import Issue, UserError

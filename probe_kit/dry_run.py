@@ -38,11 +38,10 @@ from typing import Iterator, Optional
 import torch
 
 from ledger import store
-from ledger.errors import UserError
 from ledger.models import Environment, Lora, Measurement, Outcome, Provenance
 
 from .meters import MIB, TrackerMeter
-from .probe_vram import add_recipe_options, config_from_args, probe_id, rss_bytes, versions
+from .probe_vram import add_recipe_options, config_from_args, probe_id, rss_bytes, user_errors, versions
 from .recipe import ProbeConfig, RecipeError, fixes_label, load_config, prepare, resolve_config_path, step, \
     synthetic_batch, checkpointing_active, offload
 
@@ -283,7 +282,9 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON document")
     args = p.parse_args(argv)
     args.random_weights = True
-    try:
+    result: dict = {}
+
+    def work() -> None:
         cfg = config_from_args(args)
         gpu = None
         if args.gpu:
@@ -294,22 +295,19 @@ def main(argv=None) -> int:
             gpu = require_gpu(store.load(args.ledger), args.gpu)
         with contextlib.redirect_stdout(sys.stderr):
             if args.find_ceiling:
-                doc = find_ceiling(cfg, args, gpu)
-            else:
-                outcome, breakdown = predict(cfg, gpu=gpu, ledger=args.ledger, multimodal=args.multimodal)
-                m = measurement(cfg, outcome, breakdown, gpu, args.id)
-                doc = {"measurement": m.model_dump(mode="json", exclude_none=True), "breakdown": breakdown}
-                if args.append:
-                    if not args.ledger:
-                        raise RecipeError("--append needs --ledger")
-                    store.append(args.ledger, [m])
-    except RecipeError as exc:
-        print(f"dry_run: {exc}", file=sys.stderr)
+                result["doc"] = find_ceiling(cfg, args, gpu)
+                return
+            outcome, breakdown = predict(cfg, gpu=gpu, ledger=args.ledger, multimodal=args.multimodal)
+            m = measurement(cfg, outcome, breakdown, gpu, args.id)
+            result["doc"] = {"measurement": m.model_dump(mode="json", exclude_none=True), "breakdown": breakdown}
+            if args.append:
+                if not args.ledger:
+                    raise RecipeError("--append needs --ledger")
+                store.append(args.ledger, [m])
+
+    if not user_errors("dry_run", work):
         return 1
-    except UserError as exc:
-        for issue in exc.issues:
-            print(str(issue), file=sys.stderr)
-        return 1
+    doc = result["doc"]
     if args.json:
         print(json.dumps(doc, indent=2))
     elif "ceiling" in doc:

@@ -24,7 +24,6 @@ import platform
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Iterator, Optional
 
 from ledger import store
@@ -344,22 +343,34 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+def user_errors(prog: str, work) -> bool:
+    """Run ``work()``; a user mistake becomes one line per problem on stderr. True when it ran."""
     try:
-        cfg = config_from_args(args)
-        with contextlib.redirect_stdout(sys.stderr):  # libraries print banners on import; stdout is ours
-            measurement, gpu = run_probe(cfg, device=args.device, budget_mib=args.budget_mib,
-                                         host_cap_gib=args.host_ram_cap_gib or None, gpu_key=args.gpu, mid=args.id)
-        if args.ledger:
-            store.append(args.ledger, [measurement], gpus=dict([gpu]) if gpu else None, create=True)
+        work()
+        return True
     except RecipeError as exc:
-        print(f"probe_vram: {exc}", file=sys.stderr)
-        return 1
+        print(f"{prog}: {exc}", file=sys.stderr)
     except UserError as exc:
         for issue in exc.issues:
             print(str(issue), file=sys.stderr)
+    return False
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    done: dict = {}
+
+    def work() -> None:
+        cfg = config_from_args(args)
+        with contextlib.redirect_stdout(sys.stderr):  # libraries print banners on import; stdout is ours
+            done["m"], gpu = run_probe(cfg, device=args.device, budget_mib=args.budget_mib,
+                                       host_cap_gib=args.host_ram_cap_gib or None, gpu_key=args.gpu, mid=args.id)
+        if args.ledger:
+            store.append(args.ledger, [done["m"]], gpus=dict([gpu]) if gpu else None, create=True)
+
+    if not user_errors("probe_vram", work):
         return 1
+    measurement = done["m"]
     if args.json:
         print(measurement.model_dump_json(exclude_none=True))
     else:

@@ -6,7 +6,6 @@ import json
 import re
 import xml.etree.ElementTree as ET
 
-import pytest
 
 from conftest import REPO, SMALL
 from ledger import cli, store
@@ -70,7 +69,7 @@ def test_feed_lists_exactly_the_rows_that_changed(tmp_path):
         assert feed.find(f"{ATOM}{tag}").text
     entries = feed.findall(f"{ATOM}entry")
     titles = sorted(e.find(f"{ATOM}title").text for e in entries)
-    assert titles == sorted([f"measurement new-probe added", f"measurement {removed_id} removed",
+    assert titles == sorted(["measurement new-probe added", f"measurement {removed_id} removed",
                              f"measurement {changed_id} changed", "finding new-finding added"])
     for e in entries:
         assert e.find(f"{ATOM}id").text and re.match(r"\d{4}-\d{2}-\d{2}T", e.find(f"{ATOM}updated").text)
