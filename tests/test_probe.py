@@ -109,3 +109,25 @@ def test_json_stdout_is_one_document():
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["outcome"]["status"] == "ok"
+
+
+def test_host_ram_cap_is_a_host_oom_record():
+    out = subprocess.run([sys.executable, "-m", "probe_kit.probe_vram", "--model", "tiny-llama", "--random-weights",
+                          "--rank", "8", "--seq-len", "128", "--response-len", "16", "--device", "cpu",
+                          "--host-ram-cap-gib", "0.01", "--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["outcome"]["status"] == "host_oom" and "host RAM passed the cap" in doc["outcome"]["result_text"]
+    assert "peak_allocated_mib" not in doc["outcome"]
+
+
+def test_doctor_says_plainly_there_is_no_gpu():
+    import torch
+
+    out = subprocess.run([sys.executable, "-m", "ledger.cli", "doctor", "--json"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["libraries"]["torch"]["imports"] and doc["libraries"]["peft"]["version"]
+    if not torch.cuda.is_available():
+        assert doc["gpus"] == [] and any("no CUDA or ROCm GPU" in w for w in doc["warnings"])
