@@ -38,8 +38,6 @@ class Row:
 
     id: str
     kind: str
-    gpu: str
-    gpu_key: Optional[str]
     model: str
     quant: str
     rank: Optional[int]
@@ -288,8 +286,6 @@ def make_row(ledger: Ledger, m: Measurement) -> Row:
     return Row(
         id=m.id,
         kind=m.kind,
-        gpu=_gpu_label(ledger, m.gpu),
-        gpu_key=m.gpu,
         model=m.model or "",
         quant=m.quant or "",
         rank=lora.rank if lora else None,
