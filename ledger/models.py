@@ -302,22 +302,48 @@ class Ledger(_Model):
     predictions: list[Prediction] = Field(default_factory=list, description="Prospective predictions and their scores.")
 
 
-def _close_pattern_properties(node: object) -> None:
-    # pydantic puts a key pattern in patternProperties; keys that do not match must be refused too.
-    if isinstance(node, dict):
-        if "patternProperties" in node and "additionalProperties" not in node:
-            node["additionalProperties"] = False
-        for value in node.values():
-            _close_pattern_properties(value)
-    elif isinstance(node, list):
-        for value in node:
-            _close_pattern_properties(value)
+#: Key order of a canonical schema node; other keys follow in alphabetical order.
+_SCHEMA_KEY_ORDER = (
+    "$schema", "$id", "$ref", "title", "description", "type", "const", "enum", "format", "pattern",
+    "minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum", "minLength", "maxLength", "items",
+    "prefixItems", "minItems", "maxItems", "uniqueItems", "properties", "patternProperties",
+    "additionalProperties", "propertyNames", "required", "anyOf", "oneOf", "allOf", "not", "default",
+    "examples", "$defs",
+)
+_SCHEMA_DATA_KEYS = ("default", "examples", "const", "enum")
+
+
+def canonical_schema(node: object) -> object:
+    """One canonical form of a generated JSON Schema, whatever pydantic version produced it.
+
+    Every object schema with named or patterned properties is closed
+    (``additionalProperties: false``): every document this project writes is closed at every
+    level, and pydantic versions differ in where they say so (2.14 added it to dataclass fields
+    that 2.13 left open). Keys are put in one fixed order, ``$defs`` sorted by name, and
+    ``properties`` keep the models' field order. Values that are data (defaults, enums) are kept
+    as they are."""
+    if isinstance(node, list):
+        return [canonical_schema(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    if ("properties" in node or "patternProperties" in node) and "additionalProperties" not in node:
+        node = {**node, "additionalProperties": False}
+    rank = {k: i for i, k in enumerate(_SCHEMA_KEY_ORDER)}
+    out: dict = {}
+    for key in sorted(node, key=lambda k: (rank.get(k, len(rank)), k)):
+        value = node[key]
+        if key in ("properties", "patternProperties") and isinstance(value, dict):
+            out[key] = {name: canonical_schema(sub) for name, sub in value.items()}
+        elif key == "$defs" and isinstance(value, dict):
+            out[key] = {name: canonical_schema(value[name]) for name in sorted(value)}
+        elif key in _SCHEMA_DATA_KEYS:
+            out[key] = value
+        else:
+            out[key] = canonical_schema(value)
+    return out
 
 
 def json_schema() -> dict:
-    """The JSON Schema (draft 2020-12) of a ledger file, generated from the models."""
-    schema = Ledger.model_json_schema(mode="validation")
-    _close_pattern_properties(schema)
-    ordered = {"$schema": schema.pop("$schema"), "$id": schema.pop("$id"), "title": schema.pop("title")}
-    ordered.update(schema)
-    return ordered
+    """The JSON Schema (draft 2020-12) of a ledger file, generated from the models, in its
+    canonical form."""
+    return canonical_schema(Ledger.model_json_schema(mode="validation"))  # type: ignore[return-value]

@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import platform
+import signal
 import sys
 import threading
 import time
@@ -61,8 +62,25 @@ def default_host_cap_gib() -> float:
     return round(total * 0.75 / 2**30, 1)
 
 
+class HostRamExceeded(Exception):
+    """Raised in the main thread when the probe's RSS passes the host-RAM cap."""
+
+
+#: The signal the watchdog raises in the main thread. It is never sent to the process: the
+#: watchdog simulates it with ``_thread.interrupt_main(signum)``, which runs our handler in the
+#: main thread. SIGINT is not used because a background job (CI, nohup, ``cmd &``) ignores it,
+#: and then the simulated SIGINT does nothing.
+_WATCHDOG_SIGNAL = signal.SIGUSR1
+
+
+def _raise_host_ram_exceeded(signum, frame) -> None:
+    raise HostRamExceeded()
+
+
 class HostWatchdog:
-    """Interrupts the main thread when RSS passes the cap; the probe records host_oom."""
+    """Stops the main thread with HostRamExceeded when RSS passes the cap; the probe records
+    host_oom. The interruption lands between Python bytecodes, so a long native call finishes
+    first (as with Ctrl-C)."""
 
     def __init__(self, cap_gib: Optional[float], interval_s: float = 0.05):
         self.cap = None if not cap_gib else int(cap_gib * 2**30)
@@ -71,6 +89,7 @@ class HostWatchdog:
         self.peak_rss = 0
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._previous_handler = None
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -78,9 +97,13 @@ class HostWatchdog:
             self.peak_rss = max(self.peak_rss, rss)
             if self.cap is not None and rss > self.cap and not self.fired:
                 self.fired = True
-                _thread.interrupt_main()
+                _thread.interrupt_main(_WATCHDOG_SIGNAL)
 
     def __enter__(self) -> "HostWatchdog":
+        if self.cap is not None:
+            if threading.current_thread() is not threading.main_thread():
+                raise RecipeError("the host-RAM cap needs the probe in the main thread (or pass a cap of 0)")
+            self._previous_handler = signal.signal(_WATCHDOG_SIGNAL, _raise_host_ram_exceeded)
         self._thread = threading.Thread(target=self._run, name="host-ram-watchdog", daemon=True)
         self._thread.start()
         return self
@@ -89,6 +112,8 @@ class HostWatchdog:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        if self._previous_handler is not None:
+            signal.signal(_WATCHDOG_SIGNAL, self._previous_handler)
 
 
 # -- the probe ----------------------------------------------------------------------------
@@ -215,47 +240,48 @@ def run_probe(
     oom: Optional[Oom] = None
     status = "ok"
     torch.manual_seed(cfg.seed)
-    with HostWatchdog(host_cap_gib) as dog:
-        try:
-            if dev.type == "cuda":
-                meter.reset_peak()
-            model = build_model(cfg, dev)
-            if isinstance(meter, TrackerMeter):
-                meter.register_module(model)
-            out["after_load_mib"] = round_mib(meter.allocated_mib())
-            with _maybe(mode):
-                model = prepare(model, cfg)
-                if not checkpointing_active(model):
-                    raise RecipeError("gradient checkpointing is not active in training mode: refusing to probe "
-                                      "(every activation would be stored, and offloaded to host RAM)")
-                ids = synthetic_batch(cfg, model.get_input_embeddings().num_embeddings, dev)
-                out["pre_step_mib"] = round_mib(meter.allocated_mib())
-                meter.reset_peak()
-                t0 = time.perf_counter()
-                step(model, ids, cfg, offload(cfg, dev, meter.exclude if isinstance(meter, TrackerMeter) else None))
+    dog = HostWatchdog(host_cap_gib)
+    try:  # the watchdog may fire between the step and leaving the block: still host_oom
+        with dog:
+            try:
                 if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)
-                out["step_s"] = round(time.perf_counter() - t0, 3)
-            out["peak_allocated_mib"] = round_mib(meter.peak_allocated_mib())
-            reserved = meter.peak_reserved_mib()
-            if reserved is not None:
-                out["peak_reserved_mib"] = round_mib(reserved)
-                if gpu_entry and gpu_entry[1].total_mib and reserved > gpu_entry[1].total_mib:
-                    status = "spilled"  # finished only because the driver spilled past the card
-        except KeyboardInterrupt:
-            if not dog.fired:
+                    meter.reset_peak()
+                model = build_model(cfg, dev)
+                if isinstance(meter, TrackerMeter):
+                    meter.register_module(model)
+                out["after_load_mib"] = round_mib(meter.allocated_mib())
+                with _maybe(mode):
+                    model = prepare(model, cfg)
+                    if not checkpointing_active(model):
+                        raise RecipeError("gradient checkpointing is not active in training mode: refusing to probe "
+                                          "(every activation would be stored, and offloaded to host RAM)")
+                    ids = synthetic_batch(cfg, model.get_input_embeddings().num_embeddings, dev)
+                    out["pre_step_mib"] = round_mib(meter.allocated_mib())
+                    meter.reset_peak()
+                    t0 = time.perf_counter()
+                    step(model, ids, cfg, offload(cfg, dev, meter.exclude if isinstance(meter, TrackerMeter) else None))
+                    if dev.type == "cuda":
+                        torch.cuda.synchronize(dev)
+                    out["step_s"] = round(time.perf_counter() - t0, 3)
+                out["peak_allocated_mib"] = round_mib(meter.peak_allocated_mib())
+                reserved = meter.peak_reserved_mib()
+                if reserved is not None:
+                    out["peak_reserved_mib"] = round_mib(reserved)
+                    if gpu_entry and gpu_entry[1].total_mib and reserved > gpu_entry[1].total_mib:
+                        status = "spilled"  # finished only because the driver spilled past the card
+            except RecipeError:
                 raise
-            status = "host_oom"
-            out["result_text"] = f"host RAM passed the cap of {host_cap_gib} GiB (RSS {dog.peak_rss / 2**30:.2f} GiB)"
-        except RecipeError:
-            raise
-        except BaseException as exc:  # an OOM is data; anything else propagates
-            if not _is_oom(exc):
-                raise
-            status = "oom"
-            oom = parse_oom_message(str(exc)) or Oom(message=str(exc))
-            oom.max_allocated_mib = round_mib(meter.peak_allocated_mib())
-            out.pop("step_s", None)
+            except BaseException as exc:  # an OOM is data; anything else propagates
+                if not _is_oom(exc):
+                    raise
+                status = "oom"
+                oom = parse_oom_message(str(exc)) or Oom(message=str(exc))
+                oom.max_allocated_mib = round_mib(meter.peak_allocated_mib())
+                out.pop("step_s", None)
+    except HostRamExceeded:
+        status, oom = "host_oom", None
+        out = {k: v for k, v in out.items() if k in ("after_load_mib", "pre_step_mib")}
+        out["result_text"] = f"host RAM passed the cap of {host_cap_gib} GiB (RSS {dog.peak_rss / 2**30:.2f} GiB)"
     if dev.type == "cuda":
         with contextlib.suppress(Exception):
             torch.cuda.empty_cache()
@@ -368,8 +394,12 @@ def main(argv=None) -> int:
         if args.ledger:
             store.append(args.ledger, [done["m"]], gpus=dict([gpu]) if gpu else None, create=True)
 
-    if not user_errors("probe_vram", work):
-        return 1
+    try:
+        if not user_errors("probe_vram", work):
+            return 1
+    except KeyboardInterrupt:
+        print("probe_vram: interrupted; nothing recorded", file=sys.stderr)
+        return 130
     measurement = done["m"]
     if args.json:
         print(measurement.model_dump_json(exclude_none=True))

@@ -11,7 +11,9 @@ Each point runs as ``python -m probe_kit.probe_vram ... --ledger L`` in its own 
 timeout: a child that dies (segfault, illegal memory access, killed, timed out) is recorded as
 status crashed with the tail of its stderr, and the sweep goes on. A point whose options are
 wrong is reported before anything runs. ``--resume`` skips points whose id (derived from the
-configuration) is already in the ledger; ``--shard K/N`` takes every N-th point from the K-th,
+configuration) is already in the ledger (without it, a sweep whose points are there already stops
+before probing anything); SIGINT or SIGTERM, foreground or background, ends the running probe
+unrecorded and exits 128 + the signal with one line naming ``--resume``; ``--shard K/N`` takes every N-th point from the K-th,
 so N machines split a sweep without overlap (then ``vram merge`` their ledgers).
 ``--find-ceiling rank`` bisects the rank axis (a larger rank never uses less memory) for each
 combination of the other axes, and finds the largest rank that fits in at most
@@ -21,6 +23,7 @@ ceil(log2(steps)) + 1 probes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import itertools
 import math
@@ -31,7 +34,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from ledger import store
 from ledger.errors import Issue, UserError
@@ -200,32 +203,60 @@ def crashed_measurement(point: Point, sweep: Sweep, why: str, stderr_tail: str) 
     )
 
 
+class SweepInterrupted(Exception):
+    """SIGINT or SIGTERM reached the sweep: stop after killing the running probe."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+def _raise_interrupted(signum, frame) -> None:
+    raise SweepInterrupted(signum)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """End a probe child and everything it started (it leads its own process group)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+    proc.wait()
+
+
 def run_point(point: Point, sweep: Sweep, ledger: str,
               command: Optional[Callable[[Point, Sweep, str], list[str]]] = None) -> Result:
     """Run one point in a fresh process (``command`` builds its command line; default
-    ``probe_command``); a dead child becomes a crashed record."""
+    ``probe_command``); a dead child becomes a crashed record. The child leads its own process
+    group, so a terminal's Ctrl-C reaches the sweep alone, and the sweep ends the child (and
+    anything it started) when it stops for any reason."""
     import json
 
     command = command or probe_command
     t0 = time.perf_counter()
+    proc = subprocess.Popen(command(point, sweep, ledger), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
     try:
-        proc = subprocess.run(command(point, sweep, ledger), capture_output=True, text=True, timeout=sweep.timeout_s,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    except subprocess.TimeoutExpired as exc:
-        tail = (exc.stderr.decode("utf-8", "replace") if isinstance(exc.stderr, bytes) else exc.stderr or "")[-2000:]
+        stdout, stderr = proc.communicate(timeout=sweep.timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        stderr = (proc.stderr.read() if proc.stderr else "") or ""
         why = f"timed out after {sweep.timeout_s:g} s"
-        store.append(ledger, [crashed_measurement(point, sweep, why, tail)], create=True)
+        store.append(ledger, [crashed_measurement(point, sweep, why, stderr[-2000:])], create=True)
         return Result(point, "crashed", time.perf_counter() - t0, message=why)
+    except BaseException:
+        _kill_group(proc)
+        raise
     seconds = time.perf_counter() - t0
     if proc.returncode == 0:
         try:
-            m = json.loads(proc.stdout.strip().splitlines()[-1])
+            m = json.loads(stdout.strip().splitlines()[-1])
             return Result(point, m["outcome"]["status"], seconds, m["outcome"].get("step_s"))
         except (ValueError, IndexError, KeyError):
             pass
         why = "the probe exited 0 without a result"
     elif proc.returncode == 1:  # the probe refused its input: not a crash, nothing recorded
-        line = (proc.stderr.strip().splitlines() or ["exit 1"])[-1]
+        line = (stderr.strip().splitlines() or ["exit 1"])[-1]
         return Result(point, "error", seconds, message=line)
     elif proc.returncode < 0:
         try:
@@ -235,7 +266,7 @@ def run_point(point: Point, sweep: Sweep, ledger: str,
         why = f"the probe process died of signal {name}"
     else:
         why = f"the probe process exited with status {proc.returncode}"
-    store.append(ledger, [crashed_measurement(point, sweep, why, proc.stderr[-2000:])], create=True)
+    store.append(ledger, [crashed_measurement(point, sweep, why, stderr[-2000:])], create=True)
     return Result(point, "crashed", seconds, message=why)
 
 
@@ -290,8 +321,16 @@ def main(argv=None) -> int:
             print(f"{len(points)} points", file=sys.stderr)
             return 0
         done: dict[str, str] = {}
-        if args.resume and Path(args.ledger).exists():
-            done = {m.id: m.outcome.status or "" for m in store.load(args.ledger).measurements}
+        if Path(args.ledger).exists():
+            recorded = {m.id: m.outcome.status or "" for m in store.load(args.ledger).measurements}
+            if args.resume:
+                done = recorded
+            else:
+                present = [p.id for p in points if p.id in recorded]
+                if present:
+                    raise UserError(Issue(args.ledger, "", f"{len(present)} of {len(points)} points are in this "
+                                          f"ledger already (first: {present[0]}): run again with --resume to skip "
+                                          "them"))
         return _run(sweep, points, args, done)
     except UserError as exc:
         for issue in exc.issues:
@@ -299,39 +338,69 @@ def main(argv=None) -> int:
         return 1
 
 
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[None]:
+    """SIGINT and SIGTERM raise SweepInterrupted in the main thread, whether or not the sweep
+    runs in the foreground (a background job starts with SIGINT ignored; an explicit
+    ``kill -INT`` must still stop it)."""
+    previous = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def _run(sweep: Sweep, points: list[Point], args, done: dict[str, str]) -> int:
     from tqdm import tqdm
 
     results: list[Result] = []
     bar = tqdm(total=len(points), unit="probe", disable=args.no_progress, file=sys.stderr, dynamic_ncols=True)
+    running: dict[str, Point] = {}
 
     def run(p: Point) -> Result:
         if p.id in done:
             r = Result(p, "skipped", 0.0, message=f"already in the ledger: {done[p.id]}")
         else:
             bar.set_postfix_str(f"r{p.config.rank} seq{p.config.seq_len}")
+            running["point"] = p
             r = run_point(p, sweep, args.ledger)
+            running.pop("point")
         results.append(r)
         bar.update(1)
         if r.status not in ("skipped",):
             bar.write(f"{p.id}: {r.status}" + (f" ({r.message})" if r.message else ""))
         return r
 
-    if args.find_ceiling:
-        for group in ceiling_groups(sweep, args.find_ceiling):
-            group = [p for p in group if p in points]
-            if not group:
-                continue
-            bar.total = None
-            best, probes = find_ceiling(
-                group, lambda p: run(p).status == "ok" or done.get(p.id) == "ok")
-            limit = math.ceil(math.log2(len(group))) + 1 if len(group) > 1 else 1
-            ranks = [p.config.rank for p in group]
-            print(f"ceiling: rank {best.config.rank if best else 'none'} of {ranks} "
-                  f"({probes} probes; at most {limit})")
-    else:
-        for p in points:
-            run(p)
+    try:
+        with _stop_on_signals():
+            if args.find_ceiling:
+                for group in ceiling_groups(sweep, args.find_ceiling):
+                    group = [p for p in group if p in points]
+                    if not group:
+                        continue
+                    bar.total = None
+                    best, probes = find_ceiling(
+                        group, lambda p: run(p).status == "ok" or done.get(p.id) == "ok")
+                    limit = math.ceil(math.log2(len(group))) + 1 if len(group) > 1 else 1
+                    ranks = [p.config.rank for p in group]
+                    print(f"ceiling: rank {best.config.rank if best else 'none'} of {ranks} "
+                          f"({probes} probes; at most {limit})")
+            else:
+                for p in points:
+                    run(p)
+    except SweepInterrupted as exc:
+        bar.close()
+        point = running.get("point")
+        recorded = sum(1 for r in results if r.status not in ("skipped", "error"))
+        where = ""
+        if point is not None:
+            kept = Path(args.ledger).exists() and any(m.id == point.id for m in store.load(args.ledger).measurements)
+            where = (f" during {point.id} (" + ("it had finished and is recorded" if kept else "stopped, not recorded")
+                     + ")")
+        print(f"run_sweep: stopped by {exc}{where}; {recorded} points recorded in {args.ledger} by this run. "
+              "Run the same command with --resume to continue.", file=sys.stderr)
+        return 128 + exc.signum
     bar.close()
     ran = [r for r in results if r.status != "skipped"]
     step_total = sum(r.step_s or 0 for r in ran)

@@ -101,3 +101,48 @@ def test_every_field_has_a_description():
     walk(schema["$defs"])
     walk({"Ledger": schema})
     assert missing == []
+
+
+def _loosen(node):
+    """What another pydantic version may emit: object schemas left open, keys in another order."""
+    if isinstance(node, list):
+        return [_loosen(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in reversed(list(node.items())):
+        if key == "additionalProperties" and value is False:
+            continue
+        # Field order comes from the models, not the generator: keep it.
+        out[key] = {n: _loosen(s) for n, s in value.items()} if key == "properties" else _loosen(value)
+    return out
+
+
+def test_schema_canonical_form_does_not_depend_on_the_generator():
+    from ledger.models import canonical_schema
+    from ledger.site.public import public_schema
+
+    for schema in (json_schema(), public_schema()):
+        assert canonical_schema(schema) == schema
+        loosened = _loosen(schema)
+        assert loosened != schema and json.dumps(canonical_schema(loosened)) == json.dumps(schema)
+
+
+def test_every_object_schema_is_closed():
+    from ledger.site.public import public_schema
+
+    open_nodes = []
+
+    def walk(node, where):
+        if isinstance(node, dict):
+            if "properties" in node and node.get("additionalProperties") is not False:
+                open_nodes.append(where)
+            for k, v in node.items():
+                walk(v, f"{where}/{k}")
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, f"{where}/{i}")
+
+    walk(json_schema(), "ledger")
+    walk(public_schema(), "public")
+    assert open_nodes == []

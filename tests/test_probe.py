@@ -111,10 +111,16 @@ def test_json_stdout_is_one_document():
     assert json.loads(out.stdout)["outcome"]["status"] == "ok"
 
 
-def test_host_ram_cap_is_a_host_oom_record():
+@pytest.mark.parametrize("background", [False, True], ids=["foreground", "sigint-ignored"])
+def test_host_ram_cap_is_a_host_oom_record(background):
+    # A background job (CI, nohup, `cmd &`) starts with SIGINT ignored: the cap must still stop the step.
+    import signal
+
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if background else None
     out = subprocess.run([sys.executable, "-m", "probe_kit.probe_vram", "--model", "tiny-llama", "--random-weights",
                           "--rank", "8", "--seq-len", "128", "--response-len", "16", "--device", "cpu",
-                          "--host-ram-cap-gib", "0.01", "--json"], capture_output=True, text=True, timeout=300)
+                          "--host-ram-cap-gib", "0.01", "--json"], capture_output=True, text=True, timeout=300,
+                         preexec_fn=ignore)
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["outcome"]["status"] == "host_oom" and "host RAM passed the cap" in doc["outcome"]["result_text"]

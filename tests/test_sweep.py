@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import math
+import signal
+import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -155,3 +158,61 @@ def test_find_ceiling_end_to_end_on_cpu(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "ceiling: rank 32 of [4, 8, 16, 32, 64, 128, 256, 512] (3 probes; at most 4)" in out
     assert len(store.load(tmp_path / "l.json").measurements) == 3
+
+
+def test_running_again_without_resume_stops_at_once(tmp_path, capsys):
+    ledger = tmp_path / "l.json"
+    path = write(tmp_path, SWEEP.split("[axes]")[0] + "[axes]\nrank = [8]\n")
+    assert run_sweep.main([path, "--ledger", str(ledger), "--no-progress"]) == 0
+    before = ledger.read_bytes()
+    capsys.readouterr()
+    t0 = time.perf_counter()
+    assert run_sweep.main([path, "--ledger", str(ledger), "--no-progress"]) == 1
+    assert time.perf_counter() - t0 < 5  # nothing was probed
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"{ledger}: 1 of 1 points are in this ledger already") and "--resume" in err
+    assert ledger.read_bytes() == before
+
+
+# A driver that runs the sweep with a slow child at one point, so a signal lands mid-point.
+_SLOW_DRIVER = """
+import sys, time
+from probe_kit import run_sweep
+real = run_sweep.probe_command
+def command(point, sweep, ledger):
+    if point.config.rank == SLOW_RANK:
+        return [sys.executable, "-c", "import pathlib, time; pathlib.Path(MARKER).touch(); time.sleep(600)"]
+    return real(point, sweep, ledger)
+run_sweep.probe_command = command
+sys.exit(run_sweep.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_a_signal_mid_point_stops_cleanly_and_resume_finishes(tmp_path, signame):
+    # The sweep runs as a background job would: SIGINT ignored when it starts.
+    ledger = tmp_path / "l.json"
+    marker = tmp_path / "slow-started"
+    path = write(tmp_path, SWEEP.split("[axes]")[0] + "[axes]\nrank = [8, 16, 24]\n")
+    driver = tmp_path / "driver.py"
+    driver.write_text(_SLOW_DRIVER.replace("SLOW_RANK", "16").replace("MARKER", repr(str(marker))))
+    proc = subprocess.Popen([sys.executable, str(driver), path, "--ledger", str(ledger), "--no-progress"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    deadline = time.monotonic() + 240
+    while not marker.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(getattr(signal, signame))
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + getattr(signal, signame), err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"run_sweep: stopped by {signame} during probe-cpu-4bit-r16-") and "--resume" in last
+    ids = [m.id for m in store.load(ledger).measurements]
+    assert len(ids) == 1 and "-r8-" in ids[0]  # the first point is kept; the stopped one is not recorded
+    # --resume picks up: every point present once.
+    assert run_sweep.main([path, "--ledger", str(ledger), "--resume", "--no-progress"]) == 0
+    ids = [m.id for m in store.load(ledger).measurements]
+    assert len(ids) == len(set(ids)) == 3
+    assert all(m.outcome.status == "ok" for m in store.load(ledger).measurements)

@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..models import Ledger, _close_pattern_properties
+from ..models import Ledger, canonical_schema
 from .context import Plot
 
 #: Version of the public document's format (not of the ledger inside it).
@@ -50,18 +50,15 @@ class PublicDocument(BaseModel):
 
 
 def public_schema(base_url: Optional[str] = None) -> dict:
-    """The JSON Schema of vram.json (draft 2020-12), generated from the models; its ``$id`` is
-    its public address when the site has one."""
+    """The JSON Schema of vram.json (draft 2020-12), generated from the models in its canonical
+    form; its ``$id`` is its public address when the site has one."""
     schema = PublicDocument.model_json_schema()
     if base_url:
         schema["$id"] = f"{base_url.rstrip('/')}/vram.schema.json"
     ledger_def = schema["$defs"]["Ledger"]
     for key in ("$id", "$schema"):  # an embedded $id would rebase the ledger's $refs
         ledger_def.pop(key, None)
-    _close_pattern_properties(schema)
-    ordered = {"$schema": schema.pop("$schema"), "$id": schema.pop("$id"), "title": schema.pop("title")}
-    ordered.update(schema)
-    return ordered
+    return canonical_schema(schema)  # type: ignore[return-value]
 
 
 def validate_public(path) -> list:
