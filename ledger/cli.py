@@ -88,16 +88,29 @@ def cmd_import_legacy(args: argparse.Namespace) -> int:
 
 def _add_merge(p: argparse.ArgumentParser) -> None:
     p.add_argument("inputs", nargs="+", help="shard ledgers to merge")
-    p.add_argument("-o", "--output", required=True, help="merged ledger to write (may be one of the inputs)")
+    p.add_argument("-o", "--output", required=True,
+                   help="ledger to write; when it exists, its own entries are kept and the inputs merged into it")
 
 
-@command("merge", "merge shard ledgers into one")
+@command("merge", "merge shard ledgers into one (into OUTPUT's entries when it exists)")
 def cmd_merge(args: argparse.Namespace) -> int:
-    """Entries are unioned by id and sorted by id. The same id with the same content is kept
-    once; with different content it is an error naming both files, and nothing is written."""
+    """Entries are unioned by id. The same id with the same content is kept once; with different
+    content it is an error naming both files, and nothing is written. A new OUTPUT is sorted by
+    id; an existing OUTPUT keeps its entries in their order and gets the new ones after them
+    (locked, atomic), so `vram merge shards/*.json -o ledger/vram.json` adds the shards to the
+    ledger and loses nothing."""
     ledgers = [(name, store.load(name)) for name in args.inputs]
     merged = store.merge(ledgers)
-    store.save(merged, args.output)
+    out = Path(args.output)
+    if out.exists():
+        before = len(store.load(out).measurements)
+        added = store.append(out, merged.measurements, findings=merged.findings, predictions=merged.predictions,
+                             gpus=merged.gpus)
+        total = len(store.load(out).measurements)
+        print(f"{args.output}: {total} measurements ({total - before} new; {added} entries added in all) "
+              f"after merging {len(ledgers)} files into its {before}")
+        return 0
+    store.save(merged, out)
     print(f"{args.output}: {len(merged.measurements)} measurements from {len(ledgers)} files")
     return 0
 
@@ -192,6 +205,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except OSError as exc:  # a file the library did not expect to fail (the library names its own)
+        where = exc.filename if exc.filename is not None else "vram"
+        print(f"{where}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
 
 
 def dump_json(doc: object) -> None:

@@ -428,11 +428,15 @@ def scoreboard(ledger: Ledger, estimators: Optional[list[Estimator]] = None, kee
     return out
 
 
-def _sort_key(text: str):
+def _sort_key(text: object):
+    """Numeric slice labels ('seq 4096') in numeric order, then the rest as text; a slice with no
+    value (a row without a gpu) has an empty or missing label."""
+    text = "" if text is None else str(text)
+    words = text.split()
     try:
-        return (0, float(text.split()[-1]))
-    except ValueError:
-        return (1, text)
+        return (0, float(words[-1]), text)
+    except (ValueError, IndexError):
+        return (1, 0.0, text)
 
 
 def estimate_all(arch: Arch, recipe: Recipe, gpu_total_mib: Optional[float] = None) -> list[dict]:

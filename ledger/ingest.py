@@ -12,6 +12,7 @@ import hashlib
 import os
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -20,7 +21,7 @@ from .cli import dump_json, register
 from .errors import Issue, UserError
 from .logs import LogError, RunEvidence, parse_log
 from .lookup import require_gpu
-from .models import Dataset, FIX_NAMES, Ledger, Lora, Measurement, Outcome, Provenance
+from .models import Dataset, Environment, FIX_NAMES, Ledger, Lora, Measurement, Outcome, Provenance
 from .paths import DEFAULT_LEDGER, shown
 
 
@@ -104,21 +105,83 @@ def measurement_from_log(path: Path, text: str, ev: RunEvidence, fields: dict, m
                         failed_at_step=ev.failed_at_step, xid=ev.xid, result_text=ev.crash_text),
         provenance=Provenance(source=f"{path}:{ev.evidence_line}" if ev.evidence_line else str(path),
                               measured_on=measured_on, inferred_fields=inferred, notes=notes),
+        environment=_environment(ev),
         **fields,
     )
 
 
-def ingest(paths: list[str], ledger_path: str, args: argparse.Namespace) -> tuple[list[Measurement], list[str]]:
-    """Parse every log and build its measurement. Returns (new measurements, ids already there).
-    Raises UserError (one line per bad log) before anything is written."""
+def _flat(doc: object, prefix: str = "") -> dict[str, object]:
+    if isinstance(doc, dict):
+        out: dict[str, object] = {}
+        for k, v in doc.items():
+            out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: doc}
+
+
+def differences(old: Measurement, new: Measurement) -> list[str]:
+    """'lora.rank: 112 there, 96 now' for each field two measurements disagree on."""
+    a, b = _flat(old.model_dump(mode="json", exclude_none=True)), _flat(new.model_dump(mode="json", exclude_none=True))
+    return [f"{k}: {a.get(k, 'unset')} there, {b.get(k, 'unset')} now" for k in sorted(set(a) | set(b))
+            if a.get(k) != b.get(k)]
+
+
+#: How far an OOM message's card capacity may be from the card's own figures (torch reports a
+#: little less than the vendor's total: 7.65 GiB of an 8 GiB RTX 3070 Ti is 4.4% less).
+CAPACITY_TOLERANCE = 0.10
+
+
+def _card_check(ev: RunEvidence, ledger: Ledger, gpu_key: Optional[str], where: str) -> Optional[Issue]:
+    """An Issue when what the log says about its device contradicts the card it is filed under."""
+    cb = ev.callback
+    if cb.get("device") == "cpu" or cb.get("meter") == "tracker":
+        if gpu_key is not None:
+            return Issue(where, "", f"the run was measured on the CPU (the callback's {cb.get('meter') or 'no'} meter), "
+                         f"not on {gpu_key}: ingest it without --gpu, into a ledger of its own")
+        return None
+    if gpu_key is None:
+        return Issue(where, "", "--gpu is required: a real run's figures mean nothing without the card they ran on "
+                     "(a key of the ledger's gpus, an alias or its name)")
+    gpu = ledger.gpus[gpu_key]
+    card = gpu.usable_gib_torch * 1024 if gpu.usable_gib_torch else gpu.total_mib
+    said = ev.oom.total_mib if ev.oom is not None else cb.get("total_mib")
+    if card and isinstance(said, (int, float)) and abs(said - card) > CAPACITY_TOLERANCE * card:
+        return Issue(where, "", f"the log says the card has {said / 1024:.2f} GiB but {gpu_key} has "
+                     f"{card / 1024:.2f} GiB: is --gpu right?")
+    return None
+
+
+def _environment(ev: RunEvidence) -> Optional[Environment]:
+    """The device and meter the callback line names (other logs do not say)."""
+    cb = ev.callback
+    if not cb.get("meter") and not cb.get("device"):
+        return None
+    cpu = cb.get("device") == "cpu"
+    total = cb.get("total_mib")
+    return Environment(device="cpu" if cpu else "cuda", device_name=None if cpu else str(cb.get("device")),
+                       device_total_mib=float(total) if isinstance(total, (int, float)) and total > 0 else None,
+                       meter=str(cb["meter"]) if cb.get("meter") else None)
+
+
+@dataclass
+class Ingested:
+    """What ``ingest`` found: rows to add, rows to replace (same id, other content), rows already there."""
+
+    new: list[Measurement]
+    replaced: list[Measurement]
+    already: list[str]
+
+
+def ingest(paths: list[str], ledger_path: str, args: argparse.Namespace) -> Ingested:
+    """Parse every log and build its measurement. Raises UserError (one line per bad log) before
+    anything is written."""
     ledger = store.load(ledger_path)
     fields = config_fields(args, ledger)
     if args.id and len(paths) > 1:
         raise UserError(Issue("--id", "", "names one measurement: give one log"))
-    existing = {m.id for m in ledger.measurements}
+    existing = {m.id: m for m in ledger.measurements}
     issues: list[Issue] = []
-    new: list[Measurement] = []
-    already: list[str] = []
+    result = Ingested([], [], [])
     for raw in paths:
         path = Path(raw)
         try:
@@ -133,18 +196,31 @@ def ingest(paths: list[str], ledger_path: str, args: argparse.Namespace) -> tupl
             continue
         for w in ev.warnings:
             print(f"warning: {w}", file=sys.stderr)
+        problem = _card_check(ev, ledger, fields.get("gpu"), f"{raw}:{ev.evidence_line}" if ev.evidence_line else raw)
+        if problem:
+            issues.append(problem)
+            continue
         try:
             m = measurement_from_log(path, text, ev, fields, args.id)
         except ValueError as exc:  # pydantic: a flag value out of range
             issues.append(Issue(raw, "", str(exc).splitlines()[-1].strip()))
             continue
-        if m.id in existing or any(n.id == m.id for n in new):
-            already.append(m.id)
+        old = existing.get(m.id)
+        if any(n.id == m.id for n in result.new + result.replaced) or old == m:
+            result.already.append(m.id)
+        elif old is not None:
+            if getattr(args, "replace", False):
+                result.replaced.append(m)
+            else:
+                diff = differences(old, m)
+                issues.append(Issue(raw, "", f"already in the ledger as {m.id} with other content ("
+                                    + "; ".join(diff[:4]) + ("; ..." if len(diff) > 4 else "")
+                                    + "): run again with --replace to replace that row"))
         else:
-            new.append(m)
+            result.new.append(m)
     if issues:
         raise UserError(issues)
-    return new, already
+    return result
 
 
 def add_ingest_options(p: argparse.ArgumentParser) -> None:
@@ -152,6 +228,8 @@ def add_ingest_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ledger", default=shown(DEFAULT_LEDGER), help="ledger to append to (default: %(default)s)")
     add_config_options(p)
     p.add_argument("--id", help="measurement id (one log only; default: from the log's name and content)")
+    p.add_argument("--replace", action="store_true",
+                   help="replace a row this log made before (same id) whose flags were wrong")
     p.add_argument("--dry-run", action="store_true", help="show what would be appended; write nothing")
     p.add_argument("--json", action="store_true", help="print one JSON document")
 
@@ -162,21 +240,29 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     describe the run. Source is the log's path and line; measured_on comes from the log's
     timestamps or, failing that, the file's date (flagged inferred). Ingesting a log twice adds
     nothing. A log with nothing to read is an error naming the file; nothing is written."""
-    new, already = ingest(args.logs, args.ledger, args)
+    found = ingest(args.logs, args.ledger, args)
+    new, already = found.new + found.replaced, found.already
     if not args.dry_run and new:
         from .predictions import score_predictions
 
         def change(ledger: Ledger) -> None:
-            ledger.measurements.extend(new)
+            replacing = {m.id: m for m in found.replaced}
+            ledger.measurements[:] = [replacing.pop(m.id, m) for m in ledger.measurements]
+            ledger.measurements.extend(found.new)
             score_predictions(ledger)
 
         store.update(args.ledger, change)
     if args.json:
         key = "would_append" if args.dry_run else "appended"
-        dump_json({key: [m.model_dump(mode="json", exclude_none=True) for m in new], "already_in_ledger": already})
+        dump_json({key: [m.model_dump(mode="json", exclude_none=True) for m in found.new],
+                   "replaced" if not args.dry_run else "would_replace":
+                       [m.model_dump(mode="json", exclude_none=True) for m in found.replaced],
+                   "already_in_ledger": already})
     else:
-        verb = "would append" if args.dry_run else "appended"
+        replaced = {m.id for m in found.replaced}
         for m in new:
+            verb = ("would replace" if args.dry_run else "replaced") if m.id in replaced else (
+                "would append" if args.dry_run else "appended")
             o = m.outcome
             figure = (f"peak allocated {o.peak_allocated_mib} MiB" if o.peak_allocated_mib is not None else
                       f"peak reserved {o.peak_reserved_mib} MiB" if o.peak_reserved_mib is not None else

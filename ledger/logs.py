@@ -33,6 +33,14 @@ CALLBACK_PREFIX = "vram-ledger:"
 
 _NUM = r"([-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)"
 _PROGRESS = re.compile(r"(?<![\d/.])(\d+)/(\d+)\s*\[")  # tqdm: " 236/1172 [12:01<..."
+# Progress without tqdm's bracket: "31/1000" standing alone at the start of a line, after a bar
+# or a "step" word, or before "it/s" / "steps" (plain loggers, other progress bars). Not a date
+# or a path ("2026/11/30", "a/b/31/1000"): no '/' or digit on either side.
+_PROGRESS_PLAIN = re.compile(
+    r"(?:^\s*|\|\s*|\bsteps?\s*[:=]?\s*|\bStep\s*)(?<![\d/.])(\d+)/(\d+)(?![\d/.])"
+    r"|(?<![\d/.])(\d+)/(\d+)(?![\d/.])(?=\s*(?:[\d.]+\s*)?(?:it/s|s/it|steps?\b|\|))",
+    re.I,
+)
 _STEP_WORD = re.compile(r"\b(?:global_)?step[\s=:]+(\d+)\b", re.I)
 _TIMESTAMP = re.compile(r"(\d{4}-\d{2}-\d{2})[T ]\d{2}:\d{2}(?::\d{2})?")
 _XID = re.compile(r"\bXid\s*(?:\([^)]*\))?:?\s*(\d+)", re.I)
@@ -44,6 +52,15 @@ _AXOLOTL = re.compile(r"['\"]?memory/(max_mem_allocated|max_mem_active|device_me
                       r"([^,}\s]+)", re.I)
 _UNSLOTH = re.compile(r"Peak reserved memory\s*=\s*([^\s]+)\s*GB", re.I)
 _UNSLOTH_TRAINING = re.compile(r"Peak reserved memory for training", re.I)
+_PEAK_SIZE = r"(\d+(?:\.\d+)?)\s*(GiB|GB|MiB|MB|KiB|KB|bytes|B)\b"
+# torch's own names printed by a script: "max_memory_allocated=6635.52 MB", "max_memory_reserved: 7.1 GiB"
+_TORCH_NAMES = re.compile(r"\b(?:torch\.cuda\.)?max_memory_(allocated|reserved)(?:\(\))?\s*[:=]?\s*" + _PEAK_SIZE,
+                          re.I)
+# Plain loggers: "Peak GPU memory: 6.48 GiB allocated", "peak memory reserved = 7.2 GB"
+_PEAK_PLAIN = re.compile(r"\bpeak\s+(?:gpu\s+|cuda\s+|vram\s+|device\s+)?mem(?:ory)?(?:\s+(allocated|reserved))?"
+                         r"\s*[:=]\s*" + _PEAK_SIZE + r"(?:\s+(allocated|reserved))?", re.I)
+# A line that reports a peak in some other form: warned about, never silently skipped.
+_PEAK_HINT = re.compile(r"\b(?:peak|max(?:imum)?)[_ ]?(?:gpu|cuda|vram|device|mem)", re.I)
 _DEEPSPEED = re.compile(r"\bMA\s+" + _NUM + r"\s*GB\s+Max_MA\s+" + _NUM + r"\s*GB\s+CA\s+" + _NUM + r"\s*GB\s+"
                         r"Max_CA\s+" + _NUM + r"\s*GB", re.I)
 
@@ -107,7 +124,8 @@ def parse_log(text: str, name: str = "log") -> RunEvidence:
         ev.status = "ok"
     else:
         raise LogError("no peak-memory line (vram-ledger callback, HF Trainer memory metrics, axolotl, Unsloth, "
-                       "DeepSpeed), OOM message or crash found")
+                       "DeepSpeed, torch.cuda.max_memory_*, 'Peak GPU memory: X GiB'), OOM message or crash found"
+                       + "".join(f"; {w}" for w in ev.warnings))
     return ev
 
 
@@ -118,10 +136,12 @@ def _read_line(ev: RunEvidence, line: str, lineno: int, name: str) -> None:
             ev.measured_on = dt.date.fromisoformat(ts[1])
         except ValueError:
             pass
-    progress = list(_PROGRESS.finditer(line))
+    progress = [(int(m[1]), int(m[2])) for m in _PROGRESS.finditer(line)]
+    if not progress:
+        progress = [(int(m[1] or m[3]), int(m[2] or m[4])) for m in _PROGRESS_PLAIN.finditer(line)]
     if progress:
-        step, total = int(progress[-1][1]), int(progress[-1][2])
-        if step <= total:
+        step, total = progress[-1]
+        if step <= total and total > 1:
             ev.last_step, ev.total_steps = step, total
     else:
         sw = _STEP_WORD.search(line)
@@ -175,10 +195,26 @@ def _read_line(ev: RunEvidence, line: str, lineno: int, name: str) -> None:
             ev._peak("peak_reserved_mib", _float(m[1]) * 1024, lineno, "unsloth")  # Unsloth's GB are GiB
         except ValueError:
             ev.warnings.append(f"{name}:{lineno}: skipped: cannot read Unsloth's peak {m[1]!r}")
+    read = bool(_HF.search(line) or _AXOLOTL.search(line) or (m and not _UNSLOTH_TRAINING.search(line)))
     m = _DEEPSPEED.search(line)
     if m:
         ev._peak("peak_allocated_mib", float(m[2]) * 1024, lineno, "deepspeed")  # Max_MA, GiB
         ev._peak("peak_reserved_mib", float(m[4]) * 1024, lineno, "deepspeed")  # Max_CA
+        return
+    for m in _TORCH_NAMES.finditer(line):  # torch divides by 2**20 and prints "MB": read as MiB
+        ev._peak(f"peak_{m[1].lower()}_mib", to_mib(m[2], m[3]), lineno, "torch.cuda.max_memory_*")
+        read = True
+    m = _PEAK_PLAIN.search(line)
+    if m and not read:
+        which = (m[1] or m[4] or "allocated").lower()
+        ev._peak(f"peak_{which}_mib", to_mib(m[2], m[3]), lineno, "peak memory line")
+        if not (m[1] or m[4]):
+            ev.warnings.append(f"{name}:{lineno}: read {m[0].strip()!r} as peak allocated (the line does not say "
+                               "allocated or reserved)")
+        read = True
+    if not read and _PEAK_HINT.search(line) and re.search(_PEAK_SIZE, line, re.I):
+        ev.warnings.append(f"{name}:{lineno}: skipped: a memory figure in a form this version does not read: "
+                           f"{line.strip()[:160]!r}")
 
 
 def _read_callback(ev: RunEvidence, line: str, lineno: int, name: str) -> None:

@@ -31,7 +31,13 @@ Id = Annotated[
         description="Stable identifier: letters, digits, '.', '_' and '-'.",
     ),
 ]
-MiB = Annotated[float, Field(ge=0, description="Mebibytes (2**20 bytes).")]
+#: Plausible bounds of physical quantities: beyond these a figure is a typo or a unit mistake
+#: (a peak of 1e300 MiB, a rank of 1e29), refused with a located message.
+MAX_MIB = float(2**24)  # 16 TiB: no device or host this ledger describes holds more
+MAX_RANK = 65536
+MAX_TOKENS = 10_000_000
+MAX_STEPS = 10**9
+MiB = Annotated[float, Field(ge=0, le=MAX_MIB, description="Mebibytes (2**20 bytes), at most 16 TiB.")]
 _ISO_DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 
 
@@ -53,7 +59,8 @@ FixName = Literal["chunked_mlp", "save_on_cpu", "bf16_lm_head", "logits_to_keep"
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=False)
+    # allow_inf_nan=False: JSON has no Infinity or NaN, and a figure is finite.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=False, allow_inf_nan=False)
 
 
 class Provenance(_Model):
@@ -82,9 +89,11 @@ class Gpu(_Model):
     name: str = Field(description="Marketing name as the driver reports it, e.g. 'NVIDIA GeForce RTX 3070 Ti'.")
     vendor: Optional[Literal["nvidia", "amd", "intel", "apple", "other"]] = Field(None, description="Vendor.")
     arch: Optional[str] = Field(None, description="Architecture or ISA name, e.g. 'gfx1100', 'sm_86'.")
-    total_mib: Optional[MiB] = Field(None, description="Card memory in MiB as the vendor tool reports it.")
+    total_mib: Optional[float] = Field(
+        None, gt=0, le=MAX_MIB, description="Card memory in MiB as the vendor tool reports it (more than 0)."
+    )
     usable_gib_torch: Optional[float] = Field(
-        None, ge=0, description="Total capacity in GiB as torch reports it (what OOM messages print)."
+        None, gt=0, le=MAX_MIB / 1024, description="Total capacity in GiB as torch reports it (what OOM messages print)."
     )
     os: Optional[str] = Field(None, description="Operating system of the box the card was measured in.")
     driver: Optional[str] = Field(None, description="Driver version.")
@@ -100,8 +109,8 @@ class Gpu(_Model):
 class Lora(_Model):
     """LoRA adapter settings."""
 
-    rank: int = Field(gt=0, description="LoRA rank r.")
-    alpha: Optional[float] = Field(None, gt=0, description="lora_alpha.")
+    rank: int = Field(gt=0, le=MAX_RANK, description="LoRA rank r (at most 65536).")
+    alpha: Optional[float] = Field(None, gt=0, le=1e6, description="lora_alpha.")
     rslora: Optional[bool] = Field(None, description="Rank-stabilised LoRA scaling (alpha / sqrt(r)).")
     dropout: Optional[float] = Field(
         None, ge=0, lt=1, description="lora_dropout; any value > 0 stores dropout masks for backward."
@@ -114,9 +123,18 @@ class Dataset(_Model):
     """The training data a run or probe used."""
 
     name: Optional[str] = Field(None, description="Name or date of the corpus.")
-    examples: Optional[int] = Field(None, ge=0, description="Number of training examples.")
-    longest_example_tokens: Optional[int] = Field(None, gt=0, description="Tokens in the longest example.")
-    epochs: Optional[float] = Field(None, gt=0, description="Training epochs.")
+    examples: Optional[int] = Field(None, ge=0, le=10**12, description="Number of training examples.")
+    longest_example_tokens: Optional[int] = Field(
+        None, gt=0, le=MAX_TOKENS, description="Tokens in the longest example."
+    )
+    epochs: Optional[float] = Field(None, gt=0, le=1e6, description="Training epochs.")
+
+
+class OomProcess(_Model):
+    """One process the OOM message listed on the card (torch >= 2.1 prints them)."""
+
+    pid: int = Field(ge=0, description="Process id as printed.")
+    in_use_mib: MiB = Field(description="Memory the message says that process had in use.")
 
 
 class Oom(_Model):
@@ -131,7 +149,16 @@ class Oom(_Model):
         None, description="Reserved by PyTorch but unallocated (allocator cache; fragmentation)."
     )
     reserved_mib: Optional[MiB] = Field(None, description="Reserved in total by PyTorch (legacy message form).")
-    other_processes_mib: Optional[MiB] = Field(None, description="Memory other processes held on the card.")
+    other_processes_mib: Optional[MiB] = Field(
+        None,
+        description=(
+            "Memory other processes held on the card: the listed processes less the one that is this process "
+            "(its figure equals 'this process has ... in use'); null when that cannot be told."
+        ),
+    )
+    processes: list[OomProcess] = Field(
+        default_factory=list, description="Every process the message listed, as printed (this one may be among them)."
+    )
     max_allocated_mib: Optional[MiB] = Field(
         None,
         description="torch.cuda.max_memory_allocated read after the OOM: a lower bound of what the step needed.",
@@ -161,13 +188,17 @@ class Outcome(_Model):
         None, description="torch.cuda.max_memory_reserved (allocator cache included; what decides an OOM)."
     )
     peak_delta_mib: Optional[float] = Field(
-        None, description="A peak reported as a delta over a baseline (e.g. HF Trainer's *_peaked_delta)."
+        None, ge=-MAX_MIB, le=MAX_MIB, description="A peak reported as a delta over a baseline (e.g. HF Trainer's *_peaked_delta)."
     )
     per_device_peak_mib: Optional[dict[str, MiB]] = Field(
         None, description="Peaks per device when a model was split across several."
     )
-    step_s: Optional[float] = Field(None, ge=0, description="Wall time of the measured step in seconds.")
-    failed_at_step: Optional[int] = Field(None, ge=0, description="Training step at which the run died.")
+    step_s: Optional[float] = Field(
+        None, ge=0, le=1e7, description="Wall time of the measured step in seconds."
+    )
+    failed_at_step: Optional[int] = Field(
+        None, ge=0, le=MAX_STEPS, description="Training step at which the run died."
+    )
     xid: Optional[int] = Field(None, description="NVIDIA Xid error code of a crash.")
     oom: Optional[Oom] = Field(None, description="Structured figures of the OOM message, when status is oom.")
     peak_as_reported: Optional[str] = Field(
@@ -200,14 +231,18 @@ class RecipeFields(_Model):
     model: Optional[str] = Field(None, description="Model id or config name, e.g. 'unsloth/gemma-3-4b-it'.")
     quant: Optional[Quant] = Field(None, description="Base weights: '4bit' = bitsandbytes nf4, 'bf16' = plain bf16.")
     lora: Optional[Lora] = Field(None, description="LoRA settings.")
-    seq_len: Optional[int] = Field(None, gt=0, description="Tokens in the measured sequence.")
-    response_len: Optional[int] = Field(None, gt=0, description="Tokens the loss is computed on (the response span).")
-    batch_size: Optional[int] = Field(None, gt=0, description="Sequences per step.")
+    seq_len: Optional[int] = Field(None, gt=0, le=MAX_TOKENS, description="Tokens in the measured sequence.")
+    response_len: Optional[int] = Field(
+        None, gt=0, le=MAX_TOKENS, description="Tokens the loss is computed on (the response span)."
+    )
+    batch_size: Optional[int] = Field(None, gt=0, le=MAX_RANK, description="Sequences per step.")
     memory_fixes: Optional[Union[Literal["all", "none"], list[FixName]]] = Field(
         None,
         description="Memory fixes on: 'all', 'none', or a list of chunked_mlp, save_on_cpu, bf16_lm_head, logits_to_keep.",
     )
-    logits_to_keep: Optional[int] = Field(None, gt=0, description="Positions the lm_head computes logits for.")
+    logits_to_keep: Optional[int] = Field(
+        None, gt=0, le=MAX_TOKENS, description="Positions the lm_head computes logits for."
+    )
     dataset: Optional[Dataset] = Field(None, description="Training data.")
 
 
@@ -266,7 +301,7 @@ class PredictionScore(_Model):
 
     measurement: str = Field(description="Id of the real-run measurement the prediction is scored against.")
     actual_peak_mib: MiB = Field(description="The real run's peak allocated.")
-    error_pct: float = Field(description="(predicted - actual) / actual x 100.")
+    error_pct: float = Field(ge=-1e6, le=1e6, description="(predicted - actual) / actual x 100.")
 
 
 class Prediction(RecipeFields):
@@ -290,6 +325,7 @@ class Ledger(_Model):
     model_config = ConfigDict(
         extra="forbid",
         strict=True,
+        allow_inf_nan=False,
         json_schema_extra={"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": SCHEMA_ID},
         title="vram ledger",
     )

@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from .models import Oom
+from .models import Oom, OomProcess
 from .units import SIZE, round_mib, to_mib
 
 _START = re.compile(r"(?:(?:torch\.(?:cuda\.)?)?OutOfMemoryError:\s*|RuntimeError:\s*)?(?:CUDA|HIP) out of memory\.?", re.I)
@@ -48,7 +48,7 @@ _LEGACY = {
     "reserved_mib": _size(r"{SIZE} reserved in total by PyTorch"),
 }
 _DEVICE = re.compile(r"\b(GPU\s*\d+)", re.I)
-_PROCESS = _size(r"Process \d+ has {SIZE} memory in use")
+_PROCESS = _size(r"Process (?P<pid>\d+) has {SIZE} memory in use")
 
 
 def find_oom(text: str) -> Optional[re.Match]:
@@ -72,14 +72,16 @@ def parse_oom_message(text: str) -> Optional[Oom]:
         m = _FIELDS["tried_mib"].search(message)
         if m:
             figures["tried_mib"] = round_mib(to_mib(m["num"], m["unit"]))
-    others = [to_mib(m["num"], m["unit"]) for m in _PROCESS.finditer(message)]
+    processes = [OomProcess(pid=int(m["pid"]), in_use_mib=round_mib(to_mib(m["num"], m["unit"])))
+                 for m in _PROCESS.finditer(message)]
     untrusted: list[str] = []
     total = figures.get("total_mib")
-    if others:
-        if total is not None and any(o > total for o in others):
-            untrusted.append("other_processes_mib")  # a per-process figure larger than the card
+    other = _other_processes_mib(processes, figures.get("in_use_mib"))
+    if other is not None:
+        if total is not None and other > total:
+            untrusted.append("other_processes_mib")  # more than the card: cannot be true
         else:
-            figures["other_processes_mib"] = round_mib(sum(others))
+            figures["other_processes_mib"] = other
     if total is not None:
         for name in ("free_mib", "in_use_mib", "allocated_mib", "reserved_mib", "reserved_unallocated_mib"):
             if figures.get(name, 0) > total:
@@ -87,4 +89,20 @@ def parse_oom_message(text: str) -> Optional[Oom]:
                 del figures[name]
     device = _DEVICE.search(message)
     return Oom(device=re.sub(r"\s+", " ", device[1]) if device else None, untrusted=untrusted, message=message,
-               **figures)
+               processes=processes, **figures)
+
+
+def _other_processes_mib(processes: list[OomProcess], this_process_mib: Optional[float]) -> Optional[float]:
+    """What the listed processes other than this one held. The list includes the failing process
+    itself when it is the one holding the card: the entry whose figure is this process's
+    in-use figure is taken to be it. Without that figure the two cannot be told apart: None."""
+    if not processes:
+        return None
+    if this_process_mib is None:
+        return None
+    rest = list(processes)
+    for i, p in enumerate(rest):
+        if abs(p.in_use_mib - this_process_mib) <= max(0.5, 0.001 * this_process_mib):
+            del rest[i]
+            break
+    return round_mib(sum(p.in_use_mib for p in rest))

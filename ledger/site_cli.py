@@ -48,7 +48,8 @@ def build(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     ledger = store.load(args.ledger)
     result = render_site(ledger, Path(args.out), build_date=build_date_from_env(args.build_date),
-                         base_url=args.base_url or configured_base_url(), previous=args.previous)
+                         base_url=args.base_url or configured_base_url(), previous=args.previous,
+                         protect=[Path(args.ledger)])
     if not args.quiet:
         size = sum(result.files.values())
         print(

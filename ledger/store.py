@@ -13,21 +13,27 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
+import glob
 import json
+import math
 import os
+import re
 import tempfile
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 from filelock import FileLock, Timeout
 from pydantic import ValidationError
 
 from .errors import Issue, LedgerError, format_loc
+from .paths import DEFAULT_LEDGER
 from .models import SCHEMA_VERSION, Finding, Gpu, Ledger, Measurement, Prediction, json_schema
 
-#: ``MIGRATIONS[n]`` turns a version n-1 ledger dict into version n. Each is
-#: tested on a frozen file of the older version under tests/data/.
+#: ``MIGRATIONS[n]`` turns a version n-1 ledger dict into version n. Version 1 is the first
+#: format, so there are none yet; each one added must come with a frozen file of the older
+#: version under tests/data/ and a test that migrates it.
 MIGRATIONS: dict[int, Callable[[dict], dict]] = {}
 
 LOCK_TIMEOUT_S = 60.0
@@ -46,12 +52,117 @@ def read_text(path: str | os.PathLike) -> str:
         raise LedgerError(Issue(str(path), "", f"cannot read: {exc}")) from None
 
 
+class _StrictJsonError(ValueError):
+    """A JSON text that json.loads would accept but that cannot be a ledger (kept or written)."""
+
+
+def _no_constant(token: str) -> float:
+    raise _StrictJsonError(f"{token} is not a number in JSON")
+
+
+def _finite_float(token: str) -> float:
+    value = float(token)
+    if math.isinf(value):
+        raise _StrictJsonError(f"{token} is too large for a number")
+    return value
+
+
+def _no_duplicate_keys(pairs: list) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set = set()
+        key = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise _StrictJsonError(f"duplicate key {key!r} in one object")
+    return out
+
+
+# A JSON token: a string (group 1), a bare word (group 2: true/false/null/NaN/Infinity), a number
+# (group 3), or one structural character (group 4).
+_TOKEN = re.compile(r'("(?:[^"\\]|\\.)*")|(-?[A-Za-z]+)|(-?\d[\d.eE+-]*)|([{}\[\]:,])')
+_LONE_SURROGATE = re.compile(
+    r"(?<!\\)\\u(d[89ab][0-9a-f]{2})(?!\\ud[c-f][0-9a-f]{2})"  # a high surrogate with no low one after it
+    r"|(?<!\\ud[89ab][0-9a-f]{2})(?<!\\)\\u(d[c-f][0-9a-f]{2})",  # a low one with no high one before it
+    re.I,
+)
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _line_col(text: str, pos: int) -> str:
+    line = text.count("\n", 0, pos) + 1
+    return f"{line}:{pos - text.rfind(chr(10), 0, pos)}"
+
+
+_SURROGATE_MESSAGE = "a lone UTF-16 surrogate (\\ud800-\\udfff) cannot be stored as UTF-8"
+
+
+def _locate_strict_error(text: str, default: str = "not valid for a ledger") -> tuple[int, str]:
+    """Where a text that parsed as JSON breaks the ledger's stricter rules, and why."""
+    stack: list[Optional[set]] = []
+    pending_key: Optional[str] = None
+    key_at = 0
+    for m in _TOKEN.finditer(text):
+        string, word, number, char = m.groups()
+        if string is not None:
+            if _LONE_SURROGATE.search(string):
+                return m.start(), _SURROGATE_MESSAGE
+            pending_key = string if stack and stack[-1] is not None else None
+            key_at = m.start()
+        elif word is not None and word.lstrip("-") in ("NaN", "Infinity"):
+            return m.start(), f"{word} is not a number in JSON"
+        elif number is not None and math.isinf(float(number)):
+            return m.start(), f"{number} is too large for a number"
+        elif char == ":" and pending_key is not None:
+            key = json.loads(pending_key)
+            if key in stack[-1]:  # type: ignore[operator]
+                return key_at, f"duplicate key {key!r} in one object"
+            stack[-1].add(key)  # type: ignore[union-attr]
+        elif char is None:
+            pass
+        elif char in "{[":
+            stack.append(set() if char == "{" else None)
+        elif char in "}]" and stack:
+            stack.pop()
+        if char != ":" and string is None:
+            pending_key = None
+    return 0, default
+
+
 def parse_json(text: str, name: str) -> object:
-    """``json.loads`` with a located error (``file:line:col: invalid JSON: ...``)."""
+    """``json.loads`` with located errors (``file:line:col: invalid JSON: ...``), stricter than
+    JSON itself where a ledger must be: no NaN or Infinity (nor numbers too large for a float),
+    no duplicate keys in an object (one would silently win), no lone UTF-16 surrogates (they
+    cannot be written back as UTF-8), and a bounded nesting depth."""
     try:
-        return json.loads(text)
+        data = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float,
+                          object_pairs_hook=_no_duplicate_keys)
     except json.JSONDecodeError as exc:
         raise LedgerError(Issue(name, f"{exc.lineno}:{exc.colno}", f"invalid JSON: {exc.msg}")) from None
+    except RecursionError:
+        raise LedgerError(Issue(name, "", "invalid JSON: nested too deeply")) from None
+    except _StrictJsonError:
+        pos, why = _locate_strict_error(text)
+        raise LedgerError(Issue(name, _line_col(text, pos), f"invalid JSON: {why}")) from None
+    if _SURROGATE_ESCAPE.search(text) and not _encodable(data):
+        pos, why = _locate_strict_error(text, _SURROGATE_MESSAGE)
+        raise LedgerError(Issue(name, _line_col(text, pos), f"invalid JSON: {why}"))
+    return data
+
+
+def _encodable(node: object) -> bool:
+    """True when every string in parsed JSON can be written as UTF-8 (no lone surrogates)."""
+    if isinstance(node, str):
+        try:
+            node.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+        return True
+    if isinstance(node, dict):
+        return all(_encodable(k) and _encodable(v) for k, v in node.items())
+    if isinstance(node, list):
+        return all(map(_encodable, node))
+    return True
 
 
 def check_version(data: object, name: str, *, allow_older: bool = False) -> int:
@@ -69,14 +180,13 @@ def check_version(data: object, name: str, *, allow_older: bool = False) -> int:
                 f"version {version} is newer than this vram-ledger reads ({SCHEMA_VERSION}): upgrade vram-ledger",
             )
         )
-    if version < SCHEMA_VERSION and not allow_older:
-        raise LedgerError(
-            Issue(
-                name,
-                "schema_version",
-                f"version {version} is older than {SCHEMA_VERSION}: run `vram migrate {name}`",
-            )
-        )
+    if version < SCHEMA_VERSION:
+        if not all(v in MIGRATIONS for v in range(version + 1, SCHEMA_VERSION + 1)):
+            raise LedgerError(Issue(name, "schema_version", f"version {version} is not a ledger format this "
+                                    f"vram-ledger reads or can migrate (it reads version {SCHEMA_VERSION})"))
+        if not allow_older:
+            raise LedgerError(Issue(name, "schema_version",
+                                    f"version {version} is older than {SCHEMA_VERSION}: run `vram migrate {name}`"))
     return version
 
 
@@ -171,12 +281,14 @@ def parse_ledger(text: str, name: str, *, allow_older: bool = False) -> Ledger:
     """Parse and fully validate ledger text; raise LedgerError with every located issue."""
     ledger = None
     with gc_paused():
-        try:  # fast path: one pass through the Rust parser for a current, valid file
+        try:  # fast path: one pass through the Rust parser for a current, valid file...
             ledger = Ledger.model_validate_json(text, strict=True)
-        except ValidationError:
+        except ValueError:  # ValidationError, or a recursion limit
             pass
-    if ledger is None or ledger.schema_version != SCHEMA_VERSION:
-        # Slow path for exact messages: JSON syntax, version, migrations, then the models.
+    # ...accepted only when the text is exactly what save() writes: that rules out what the Rust
+    # parser lets through (duplicate keys, the last one winning) and costs one dump.
+    if ledger is None or ledger.schema_version != SCHEMA_VERSION or dumps(ledger) != text:
+        # Slow path for exact messages: strict JSON, version, migrations, then the models.
         data = parse_json(text, name)
         version = check_version(data, name, allow_older=allow_older)
         if version < SCHEMA_VERSION:
@@ -226,12 +338,13 @@ def validate_file(path: str | os.PathLike) -> list[Issue]:
         by_models: list[Issue] = []
     except ValidationError as exc:
         ledger, by_models = None, _pydantic_issues(exc, name)
-    if bool(by_schema) != bool(by_models):
-        which = "the JSON Schema" if by_schema else "the models"
-        return (by_models or by_schema) + [
-            Issue(name, "", f"internal error: only {which} rejected this file; please report it")
-        ]
+    if by_schema and not by_models:
+        # The models are the source of truth, and the schema is generated from them: a file only
+        # the schema refuses means the two drifted apart.
+        return by_schema + [Issue(name, "", "internal error: only the JSON Schema rejected this file; please report it")]
     if by_models:
+        # The models can be stricter than JSON Schema can say (1.12e2 is an integer to JSON
+        # Schema, not to the models): their messages stand.
         return by_models
     return reference_issues(ledger, name)
 
@@ -253,21 +366,78 @@ def _file_mode(path: Path) -> int:
         return 0o666 & ~umask
 
 
+def real_path(path: str | os.PathLike) -> Path:
+    """The file a path names, through symlinks: writing replaces the target, not the link, and
+    writers that use the link and the target take the same lock."""
+    return Path(os.path.realpath(os.fspath(path)))
+
+
+def _os_error(path: str | os.PathLike, exc: OSError) -> LedgerError:
+    why = exc.strerror or str(exc)
+    if exc.errno == errno.ENOSPC:
+        why += " (the old file is left as it was)"
+    return LedgerError(Issue(str(path), "", f"cannot write: {why}"))
+
+
+def _temp_prefix(path: Path) -> str:
+    return f".{path.name}."
+
+
+def remove_stale_temp_files(path: str | os.PathLike) -> list[Path]:
+    """Remove temp files that writers of ``path`` left when they were killed mid-write (their
+    process is gone). Each temp file's name carries its writer's pid."""
+    path = real_path(path)
+    removed = []
+    with contextlib.suppress(OSError):
+        for tmp in path.parent.glob(f"{glob.escape(_temp_prefix(path))}*.tmp"):
+            pid = tmp.name[len(_temp_prefix(path)):].split(".", 1)[0]
+            if pid.isdigit() and not _alive(int(pid)):
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+                    removed.append(tmp)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write a file so that readers see either the old or the new content, never a mix."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    """Write a file so that readers see either the old or the new content, never a mix. A
+    symlink is followed (its target is replaced); an OS error (read-only folder, full disk, a
+    folder in the way) is one LedgerError line, and the old file is left as it was."""
+    shown_path = path
+    path = real_path(path)
+    try:
+        if path.is_dir():
+            raise LedgerError(Issue(str(shown_path), "", "is a directory, not a file"))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = text.encode("utf-8")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{_temp_prefix(path)}{os.getpid()}.", suffix=".tmp")
+    except OSError as exc:
+        raise _os_error(shown_path, exc) from None
+    except UnicodeEncodeError as exc:
+        raise LedgerError(Issue(str(shown_path), "", f"cannot write: {exc.reason} in the text")) from None
     try:
         os.fchmod(fd, _file_mode(path))  # mkstemp makes 0600; keep the file's mode, else the umask's
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as fh:
-            fh.write(text)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise _os_error(shown_path, exc) from None
         raise
     with contextlib.suppress(OSError):  # make the rename itself durable
         dir_fd = os.open(path.parent, os.O_RDONLY)
@@ -279,18 +449,48 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 @contextlib.contextmanager
 def locked(path: str | os.PathLike, timeout: float = LOCK_TIMEOUT_S) -> Iterator[None]:
-    """Hold the ledger's lock file (``PATH.lock``) for a read-modify-write cycle."""
-    lock = FileLock(f"{os.fspath(path)}.lock", timeout=timeout)
+    """Hold the ledger's lock file (``PATH.lock``, beside the symlink's target) for a
+    read-modify-write cycle; temp files of killed writers are cleared once it is held."""
+    target = real_path(path)
+    lock = FileLock(f"{target}.lock", timeout=timeout)
     try:
-        with lock:
-            yield
+        lock.acquire()
     except Timeout:
-        raise LedgerError(Issue(str(path), "", f"could not lock {path}.lock within {timeout:.0f} s")) from None
+        raise LedgerError(Issue(str(path), "", f"could not lock {target}.lock within {timeout:.0f} s")) from None
+    except OSError as exc:
+        raise LedgerError(Issue(str(path), "", f"cannot lock {target}.lock: {exc.strerror or exc}")) from None
+    try:
+        remove_stale_temp_files(target)
+        yield
+    finally:
+        lock.release()
+
+
+def measured_on_cpu(m: Measurement) -> bool:
+    """A probe or real run measured on the CPU (tracker meter) or with a simulated outcome: test
+    data, never a GPU figure."""
+    env = m.environment
+    return m.kind in ("probe", "real") and (
+        m.provenance.simulated
+        or (env is not None and ((env.device or "").startswith("cpu") or env.meter == "tracker"))
+    )
+
+
+def published_ledger_issues(ledger: Ledger, path: str | os.PathLike, old_ids: set[str] = frozenset()) -> list[Issue]:
+    """The bundled ledger (the one the site publishes) takes no CPU or simulated measurements:
+    a CPU sweep, a test run of the callback or a simulated OOM must go to a ledger of its own."""
+    if real_path(path) != real_path(DEFAULT_LEDGER):
+        return []
+    return [
+        Issue(str(path), f"measurements[{i}]", f"{m.id} was measured on the CPU or simulated: the published ledger "
+              "takes GPU measurements only; write it to another ledger (--ledger)")
+        for i, m in enumerate(ledger.measurements) if m.id not in old_ids and measured_on_cpu(m)
+    ]
 
 
 def save(ledger: Ledger, path: str | os.PathLike) -> None:
     """Validate cross-references, then write atomically under the lock."""
-    issues = reference_issues(ledger, str(path))
+    issues = reference_issues(ledger, str(path)) + published_ledger_issues(ledger, path)
     if issues:
         raise LedgerError(issues)
     with locked(path):
@@ -312,11 +512,16 @@ def update(path: str | os.PathLike, change: Callable[[Ledger], Ledger | None], *
             ledger = empty_ledger()
         else:
             raise LedgerError(Issue(str(path), "", "no such file"))
+        old_ids = {m.id for m in ledger.measurements}
         result = change(ledger)
         ledger = result if result is not None else ledger
         # Re-validate the whole document: the change may have built models without validation.
-        ledger = parse_ledger(ledger.model_dump_json(), str(path))
-        atomic_write_text(path, dumps(ledger))
+        text = dumps(ledger)
+        ledger = parse_ledger(text, str(path))
+        issues = published_ledger_issues(ledger, path, old_ids)
+        if issues:
+            raise LedgerError(issues)
+        atomic_write_text(path, text)
     return ledger
 
 

@@ -1,16 +1,20 @@
 """A transformers TrainerCallback that records a real run's peak memory.
 
-Three lines in a training script:
+In a training script:
 
     from probe_kit.callback import VramLedgerCallback
-    vram = VramLedgerCallback(ledger="ledger/vram.json", gpu="rtx-3070-ti", rank=96, dropout=0.1)
-    trainer = Trainer(..., callbacks=[vram]);  with vram.watch(): trainer.train()
+    vram = VramLedgerCallback(ledger="runs.json", gpu="rtx-3070-ti", rank=96, dropout=0.1)
+    trainer = Trainer(..., callbacks=[vram])
+    with vram.watch():
+        trainer.train()
 
 At train end (and on an OOM, which ``watch()`` catches, records and re-raises) it reads
 ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` (never resetting them: peak stats are
 process-global and the trainer or the user may rely on them), prints one ``vram-ledger: {...}``
 line that ``vram ingest-log`` reads, and, given a ledger, appends the real measurement itself.
-Without a GPU (a CPU test run) it measures with the tracker meter between train begin and end.
+Without a GPU (a CPU test run) it measures with the tracker meter between train begin and end, and
+records the run with its device and meter and without a card: a CPU run is never filed as a run on
+the card it was configured for (and the bundled ledger refuses CPU rows).
 """
 
 from __future__ import annotations
@@ -96,10 +100,10 @@ class VramLedgerCallback(TrainerCallback):
                 fh.write(line + "\n")
         self.written.append(doc)
         if self.ledger:
-            self._append(line)
+            self._append(line, doc)
         return doc
 
-    def _append(self, line: str) -> None:
+    def _append(self, line: str, doc: dict) -> None:
         import argparse
         import tempfile
 
@@ -111,9 +115,13 @@ class VramLedgerCallback(TrainerCallback):
             path.write_text(line + "\n", encoding="utf-8")
             flags = {k: None for k in ("gpu", "model", "quant", "rank", "alpha", "dropout", "seq_len", "fixes",
                                        "dataset", "examples", "epochs")}
-            flags.update(rslora=False, dora=False, id=None)
+            flags.update(rslora=False, dora=False, id=None, replace=False)
             flags.update(self.config)
-            new, _ = ingest([str(path)], self.ledger, argparse.Namespace(**flags))
+            if doc.get("meter") != "allocator" and flags.get("gpu"):
+                # A run measured on the CPU is never filed as a run on the card it was configured for.
+                log.warning("vram-ledger: measured on the CPU, so recorded without gpu=%r", flags["gpu"])
+                flags["gpu"] = None
+            new = ingest([str(path)], self.ledger, argparse.Namespace(**flags)).new
             for m in new:
                 m.provenance.source = "probe_kit.callback (VramLedgerCallback)"
             if new:

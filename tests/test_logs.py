@@ -22,7 +22,7 @@ def summary(path: Path) -> dict:
         return {"error": str(exc)}
     d = {k: v for k, v in asdict(e).items() if v not in (None, [], {}) and k != "callback"}
     if e.oom:
-        d["oom"] = e.oom.model_dump(mode="json", exclude_none=True, exclude={"message", "untrusted"})
+        d["oom"] = e.oom.model_dump(mode="json", exclude_defaults=True, exclude={"message", "untrusted"})
     if e.measured_on:
         d["measured_on"] = e.measured_on.isoformat()
     return {"parse": d}
@@ -37,7 +37,8 @@ def test_each_log_form_parses_as_expected(path):
 def test_the_corpus_covers_every_form():
     names = {p.stem for p in LOGS}
     assert {"oom-current", "oom-legacy", "oom-hip", "hf-trainer-metrics", "hf-trainer-log-metrics", "axolotl",
-            "unsloth", "deepspeed", "callback", "crash-xid", "garbled", "truncated-oom", "nothing"} <= names
+            "unsloth", "deepspeed", "callback", "crash-xid", "garbled", "truncated-oom", "nothing", "oom-processes", "progress-plain",
+            "peak-plain", "torch-names", "unread-peak"} <= names
 
 
 def test_garbled_lines_are_skipped_with_a_warning():
@@ -87,7 +88,7 @@ def test_ingest_round_trip_and_idempotence(ledger, capsys):
 def test_dry_run_json_writes_nothing(ledger, capsys):
     before = ledger.read_bytes()
     assert cli.main(["ingest-log", str(DATA / "logs" / "axolotl.log"), str(DATA / "logs" / "unsloth.log"),
-                     "--ledger", str(ledger), "--dry-run", "--json"]) == 0
+                     "--ledger", str(ledger), "--gpu", "rx-7900-xtx", "--dry-run", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert [m["outcome"]["status"] for m in doc["would_append"]] == ["ok", "ok"]
     unsloth = doc["would_append"][1]
@@ -99,10 +100,11 @@ def test_dry_run_json_writes_nothing(ledger, capsys):
 def test_unparseable_log_is_one_line_and_nothing_is_written(ledger, capsys):
     before = ledger.read_bytes()
     bad = DATA / "logs" / "nothing.log"
-    assert cli.main(["ingest-log", str(DATA / "logs" / "axolotl.log"), str(bad), "--ledger", str(ledger)]) == 1
+    assert cli.main(["ingest-log", str(DATA / "logs" / "axolotl.log"), str(bad), "--ledger", str(ledger),
+                     "--gpu", "rx-7900-xtx"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"{bad}: no peak-memory line (vram-ledger callback, HF Trainer memory metrics, axolotl, Unsloth, "
-                   "DeepSpeed), OOM message or crash found"]
+                   "DeepSpeed, torch.cuda.max_memory_*, 'Peak GPU memory: X GiB'), OOM message or crash found"]
     assert ledger.read_bytes() == before
 
 
@@ -112,7 +114,8 @@ def test_unknown_gpu_is_a_clear_error(ledger, capsys):
 
 
 def test_hf_deltas_are_recorded_as_deltas(ledger):
-    assert cli.main(["ingest-log", str(DATA / "logs" / "hf-trainer-metrics.log"), "--ledger", str(ledger)]) == 0
+    assert cli.main(["ingest-log", str(DATA / "logs" / "hf-trainer-metrics.log"), "--ledger", str(ledger),
+                     "--gpu", "rtx-3070-ti"]) == 0
     m = store.load(ledger).measurements[-1]
     assert m.outcome.peak_delta_mib == 3335.0 and m.outcome.peak_allocated_mib is None
     assert any("not an absolute peak" in n for n in m.provenance.notes)
@@ -159,6 +162,8 @@ def test_callback_in_a_tiny_cpu_trainer_writes_a_line_that_ingests(tmp_path, led
     assert doc["peak_allocated_mib"] > 1
     m = store.load(ledger).measurements[-1]  # appended by the callback itself
     assert m.kind == "real" and m.outcome.peak_allocated_mib == doc["peak_allocated_mib"] and m.lora.rank == 8
+    # measured on the CPU: recorded with its device and meter, never as a run on the configured card
+    assert m.gpu is None and m.environment.device == "cpu" and m.environment.meter == "tracker"
     # and the log line ingests on its own
     e = parse_log(log_file.read_text(), "train.log")
     assert e.status == "ok" and e.peak_allocated_mib == doc["peak_allocated_mib"]
@@ -179,3 +184,83 @@ def test_callback_records_an_oom_and_reraises(tmp_path):
                                          "capacity of 7.65 GiB of which 58.00 MiB is free.")
     e = parse_log(out.getvalue(), "x")
     assert e.status == "oom" and e.oom.tried_mib == 72 and e.oom.free_mib == 58
+
+
+def test_ingest_needs_the_card(ledger, capsys):
+    before = ledger.read_bytes()
+    assert cli.main(["ingest-log", str(DATA / "logs" / "oom-current.log"), "--ledger", str(ledger)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"{DATA / 'logs' / 'oom-current.log'}:6: --gpu is required")
+    assert ledger.read_bytes() == before
+
+
+def test_an_oom_on_another_card_is_refused(ledger, capsys):
+    before = ledger.read_bytes()
+    log = DATA / "logs" / "oom-processes.log"  # a 23.99 GiB card
+    assert cli.main(["ingest-log", str(log), "--ledger", str(ledger), "--gpu", "rtx-3070-ti", "--rank", "16"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == f"{log}:2: the log says the card has 23.99 GiB but rtx-3070-ti has 7.65 GiB: is --gpu right?"
+    assert ledger.read_bytes() == before
+    assert cli.main(["ingest-log", str(log), "--ledger", str(ledger), "--gpu", "rx-7900-xtx", "--rank", "16"]) == 0
+    oom = store.load(ledger).measurements[-1].outcome.oom
+    assert [(p.pid, p.in_use_mib) for p in oom.processes] == [(48213, 22988.8), (51002, 1126.4)]
+    assert oom.other_processes_mib == 1126.4  # the first listed process is this one (its in-use figure)
+
+
+def test_reingesting_with_other_flags_names_the_fields_and_replace_fixes_it(ledger, capsys):
+    log = DATA / "logs" / "oom-current.log"
+    base = ["ingest-log", str(log), "--ledger", str(ledger), "--gpu", "rtx-3070-ti", "--dropout", "0.1"]
+    assert cli.main(base + ["--rank", "112"]) == 0
+    before = ledger.read_bytes()
+    capsys.readouterr()
+    assert cli.main(base + ["--rank", "96"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "already in the ledger as real-oom-current-" in err and "lora.rank: 112 there, 96 now" in err
+    assert err.endswith("run again with --replace to replace that row") and ledger.read_bytes() == before
+    n = len(store.load(ledger).measurements)
+    assert cli.main(base + ["--rank", "96", "--replace"]) == 0
+    after = store.load(ledger).measurements
+    assert len(after) == n and after[-1].lora.rank == 96
+
+
+def test_a_cpu_callback_line_is_not_filed_under_a_card(ledger, tmp_path, capsys):
+    log = tmp_path / "cpu.log"
+    log.write_text('vram-ledger: {"date": "2026-11-01", "device": "cpu", "event": "train_end", "meter": "tracker", '
+                   '"peak_allocated_mib": 11.9, "step": 3}\n')
+    assert cli.main(["ingest-log", str(log), "--ledger", str(ledger), "--gpu", "rtx-3070-ti"]) == 1
+    assert "measured on the CPU" in capsys.readouterr().err
+    assert cli.main(["ingest-log", str(log), "--ledger", str(ledger)]) == 0
+    m = store.load(ledger).measurements[-1]
+    assert m.gpu is None and m.environment.device == "cpu" and m.environment.meter == "tracker"
+
+
+def test_the_bundled_ledger_refuses_cpu_rows(tmp_path, monkeypatch, capsys):
+    import shutil
+
+    from ledger import store as store_module
+
+    bundled = tmp_path / "vram.json"
+    shutil.copy(SMALL, bundled)
+    monkeypatch.setattr(store_module, "DEFAULT_LEDGER", bundled)
+    log = tmp_path / "cpu.log"
+    log.write_text('vram-ledger: {"date": "2026-11-01", "device": "cpu", "event": "train_end", "meter": "tracker", '
+                   '"peak_allocated_mib": 11.9, "step": 3}\n')
+    before = bundled.read_bytes()
+    assert cli.main(["ingest-log", str(log), "--ledger", str(bundled)]) == 1
+    assert "measured on the CPU or simulated: the published ledger takes GPU measurements only" in \
+        capsys.readouterr().err
+    assert bundled.read_bytes() == before
+
+
+def test_progress_without_a_bracket_gives_the_oom_step():
+    e = parse_log((DATA / "logs" / "progress-plain.log").read_text(), "p.log")
+    assert e.failed_at_step == 31 and e.total_steps == 1000
+    for line in ("2026/11/30 12:00 31/1000", "see a/b/31/1000 there"):
+        assert parse_log(line + "\nCUDA out of memory. Tried to allocate 2 MiB", "x").failed_at_step is None
+
+
+def test_unread_peak_forms_are_warned_about():
+    with pytest.raises(LogError, match="unread-peak.log:2: skipped: a memory figure in a form"):
+        parse_log((DATA / "logs" / "unread-peak.log").read_text(), "unread-peak.log")
+    e = parse_log((DATA / "logs" / "peak-plain.log").read_text(), "peak-plain.log")
+    assert e.peak_allocated_mib == 6635.5 and e.peak_reserved_mib == 7188.5

@@ -187,8 +187,9 @@ def anchor(text: str) -> str:
 
 
 def canonical_json(ledger: Ledger) -> str:
-    """The ledger's compact canonical JSON (model field order, nulls left out)."""
-    return ledger.model_dump_json(exclude_none=True)
+    """The ledger's compact canonical JSON (model field order, defaults and nulls left out, as
+    the ledger file stores it): a field added to the format with a default changes no hash."""
+    return ledger.model_dump_json(exclude_defaults=True)
 
 
 def ledger_hash(ledger: Ledger, text: Optional[str] = None) -> str:

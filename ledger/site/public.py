@@ -16,7 +16,6 @@ from .context import Plot
 PUBLIC_SCHEMA_VERSION = 1
 PUBLIC_SCHEMA_ID = "urn:vram-ledger:schema:public"
 
-
 class Derived(BaseModel):
     """Figures computed from the ledger at build time."""
 
@@ -29,7 +28,6 @@ class Derived(BaseModel):
         None, description="How every VRAM estimator fares against the ledger's measured peaks (the scoreboard).")
     calibration: Optional[dict[str, Any]] = Field(
         None, description="`vram calibrate --json` of the ledger at build time, plus the ceiling table.")
-
 
 class PublicDocument(BaseModel):
     """vram.json as published."""
@@ -48,7 +46,6 @@ class PublicDocument(BaseModel):
     ledger: Ledger = Field(description="The ledger, as stored.")
     derived: Derived = Field(description="Figures derived from the ledger at build time.")
 
-
 def public_schema(base_url: Optional[str] = None) -> dict:
     """The JSON Schema of vram.json (draft 2020-12), generated from the models in its canonical
     form; its ``$id`` is its public address when the site has one."""
@@ -60,10 +57,8 @@ def public_schema(base_url: Optional[str] = None) -> dict:
         ledger_def.pop(key, None)
     return canonical_schema(schema)  # type: ignore[return-value]
 
-
 def validate_public(path) -> list:
     """Every problem with a downloaded vram.json: JSON, version, schema, the ledger, its hash."""
-    import hashlib
 
     from jsonschema import Draft202012Validator
 
@@ -87,7 +82,9 @@ def validate_public(path) -> list:
         return issues
     doc = PublicDocument.model_validate(data)
     issues = [Issue(name, f"ledger.{i.location}", i.message) for i in reference_issues(doc.ledger, name)]
-    sha = hashlib.sha256(doc.ledger.model_dump_json(exclude_none=True).encode("utf-8")).hexdigest()
+    from .context import ledger_hash
+
+    sha = ledger_hash(doc.ledger)
     if sha != doc.ledger_sha256:
         issues.append(Issue(name, "ledger_sha256", "does not match the ledger in the file: altered or damaged"))
     return issues

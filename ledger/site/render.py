@@ -16,7 +16,7 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoescape
 
@@ -140,13 +140,33 @@ def latest_date(ledger: Ledger) -> str:
     return max(dates).isoformat() if dates else "1970-01-01"
 
 
+#: Names a build writes at the top of its output folder (plots go under plots/).
+OUTPUT_NAMES = ("index.html", "vram.md", "estimators.html", "estimators.md", "vram.json", "vram.schema.json",
+                "vram.csv", "changes.json", "feed.xml", MANIFEST)
+
+
+def check_output_folder(out: Path, protect: Sequence[Path] = ()) -> None:
+    """Refuse, before anything is written, an output folder that is a file or whose outputs
+    would overwrite or remove a protected file (the ledger being built)."""
+    if out.exists() and not out.is_dir():
+        raise UserError(Issue(str(out), "", "is a file, not a folder: --out needs a folder"))
+    root = Path(os.path.realpath(out))
+    for path in protect:
+        real = Path(os.path.realpath(path))
+        if (real.parent == root and real.name in OUTPUT_NAMES) or (root / "plots") in real.parents:
+            raise UserError(Issue(str(path), "", f"the build would overwrite this ledger with its output "
+                                  f"{real.relative_to(root)}: choose another --out"))
+
+
 def render_site(ledger: Ledger, out: Path, *, build_date: Optional[str] = None, base_url: Optional[str] = None,
-                previous: Optional[str] = None) -> BuildResult:
+                previous: Optional[str] = None, protect: Sequence[Path] = ()) -> BuildResult:
     """Compute the context once, then render and write every output. ``base_url`` makes links and
     ``$id``s absolute; ``previous`` (a path or URL of the last published vram.json, default the
-    one in the output folder) is what changes.json and feed.xml compare with."""
+    one in the output folder) is what changes.json and feed.xml compare with; ``protect`` lists
+    files the build must never overwrite (the ledger it reads)."""
     if base_url is not None and not base_url.startswith(("http://", "https://")):
         raise UserError(Issue("--base-url", "", f"must be an http(s) URL, got {base_url!r}"))
+    check_output_folder(Path(out), protect)
     with gc_paused():  # the build makes many short-lived objects and no cycles worth collecting
         return _render_site(ledger, Path(out), build_date, base_url.rstrip("/") if base_url else None, previous)
 
