@@ -39,6 +39,7 @@ from typing import Callable, Iterator, Optional
 from ledger import store
 from ledger.errors import Issue, UserError
 from ledger.models import Lora, Measurement, Outcome, Provenance
+from ledger.paths import DEFAULT_LEDGER, shown
 
 from .recipe import ProbeConfig, RecipeError, fixes_label, parse_fixes
 
@@ -300,7 +301,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m probe_kit.run_sweep", description=__doc__.split("\n\n")[0],
                                  epilog="Exit codes: 0 ok, 1 bad sweep file or a point refused, 2 bad usage.")
     ap.add_argument("sweep", help="sweep file (TOML)")
-    ap.add_argument("--ledger", default="ledger/vram.json", help="ledger to append to (default: %(default)s)")
+    ap.add_argument("--ledger", help="ledger to append to (default for a GPU sweep: the bundled ledger/vram.json; "
+                    "a CPU sweep must name one: CPU measurements never go into the published ledger)")
     ap.add_argument("--shard", help="K/N: run every N-th point from the K-th (1-based)")
     ap.add_argument("--resume", action="store_true", help="skip points already in the ledger")
     ap.add_argument("--list", action="store_true", help="print the points and run nothing")
@@ -310,6 +312,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         sweep = load_sweep(args.sweep)
+        if args.ledger is None:
+            if sweep.device.split(":")[0] == "cpu" and not args.list:
+                raise UserError(Issue(args.sweep, "sweep.device", "a CPU sweep needs --ledger: CPU measurements "
+                                      "never go into the published ledger (ledger/vram.json)"))
+            args.ledger = shown(DEFAULT_LEDGER)
         if args.timeout:
             sweep.timeout_s = args.timeout
         points = sweep.points

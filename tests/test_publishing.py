@@ -122,17 +122,6 @@ def test_validate_public(tmp_path, capsys):
     assert "version 99 is newer than this vram-ledger reads (1): upgrade vram-ledger" in capsys.readouterr().err
 
 
-def test_readme_snippet_runs_on_a_published_file(tmp_path, monkeypatch, capsys):
-    render_site(store.load(REPO / "ledger" / "vram.json"), tmp_path)
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    snippet = re.search(r"```python\n(import json, urllib.request\n.*?)```", readme, re.S).group(1)
-    assert len(snippet.strip().splitlines()) == 5
-    code = snippet.replace("urllib.request.urlopen(\"https://example.org/vram/vram.json\")",
-                           f"open({str(tmp_path / 'vram.json')!r})")
-    exec(compile(code, "README", "exec"), {})
-    assert capsys.readouterr().out.strip() == "7127.6"  # the r96 probe on the 3070 Ti (sweep-r96-drop)
-
-
 def test_example_workflow_builds_with_a_base_url():
     text = (REPO / "examples" / "deploy" / "publish-site.yml").read_text()
     assert "build.py --base-url" in text and "--previous" in text

@@ -12,11 +12,19 @@ def _fixes(m: Measurement) -> str:
     return "" if f is None else (f if isinstance(f, str) else " ".join(f) or "none")
 
 
+#: A text cell starting with one of these is a formula to a spreadsheet (CSV injection).
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
 def _v(value: object) -> object:
     if value is None:
         return ""
     if value is True or value is False:
         return "true" if value else "false"
+    if isinstance(value, str) and value.startswith(_FORMULA_START):
+        # Spreadsheet-safe, as OWASP advises: a leading apostrophe makes the cell text. Numbers
+        # are written as numbers and are never touched.
+        return "'" + value
     return value
 
 
@@ -38,7 +46,7 @@ def csv_row(m: Measurement) -> list:
     lora, ds, o, p = m.lora, m.dataset, m.outcome, m.provenance
     oom = o.oom
     return [
-        m.id, m.kind, _v(m.gpu), _v(m.model), _v(m.quant),
+        _v(m.id), m.kind, _v(m.gpu), _v(m.model), _v(m.quant),
         *((lora.rank, _v(lora.alpha), _v(lora.rslora), _v(lora.dropout), _v(lora.dora)) if lora else _NO_LORA),
         _v(m.seq_len), _v(m.response_len), _v(m.batch_size), _fixes(m), _v(m.logits_to_keep),
         *((_v(ds.name), _v(ds.examples), _v(ds.longest_example_tokens)) if ds else _NO_DATASET),

@@ -11,7 +11,7 @@ import re
 from typing import Optional
 
 from markdown_it import MarkdownIt
-from markupsafe import Markup, escape
+from markupsafe import Markup
 
 _SCHEME = re.compile(r"^\s*([a-z][a-z0-9+.-]*):", re.I)
 
@@ -75,16 +75,49 @@ def yesno(value: Optional[bool]) -> str:
     return "" if value is None else ("yes" if value else "no")
 
 
-def md_cell(value: object) -> str:
-    """Text made safe for a Markdown table cell: no pipes, newlines or raw HTML."""
-    text = "" if value is None else str(value)
-    text = text.replace("\\", "\\\\").replace("|", "\\|").replace("\r", " ").replace("\n", " ")
-    return str(escape(text))
+# Markdown output (vram.md, estimators.md) is read by many renderers, some of which allow any link
+# scheme and raw HTML. Ledger text goes in with every character that could open a link, an
+# image, a reference definition, an autolink, raw HTML or an entity backslash-escaped (CommonMark
+# shows the character itself), so no renderer can make a live javascript:, vbscript: or data:
+# link of it; inline http(s) links and code spans are kept as they are. No HTML entities.
+_MD_SAFE_LINK = re.compile(r"\[([^\[\]\n]*)\]\((https?://[^\s()<>\\]+)\)")
+_MD_CODE = re.compile(r"(`+)(?!`)(.+?)(?<!`)\1(?!`)", re.S)
+_MD_SPECIAL = re.compile(r"([\\\[\]<>&])")
+
+
+def _md_escape(text: str) -> str:
+    return _MD_SPECIAL.sub(r"\\\1", text)
+
+
+def _md_plain(text: str) -> str:
+    """Escape text outside code spans (a code span shows its content literally: nothing in it is live)."""
+    out, pos = [], 0
+    for m in _MD_CODE.finditer(text):
+        out.append(_md_escape(text[pos:m.start()]))
+        out.append(m.group(0))
+        pos = m.end()
+    out.append(_md_escape(text[pos:]))
+    return "".join(out)
 
 
 def md_text(value: object) -> str:
-    """Free text for the Markdown twin: raw HTML neutralised, lines kept."""
-    return "" if value is None else str(escape(str(value)))
+    """Ledger text for the Markdown twin: lines kept; emphasis, code spans and http(s) links work;
+    nothing else can become a link, an image or HTML."""
+    if value is None:
+        return ""
+    text, out, pos = str(value), [], 0
+    for m in _MD_SAFE_LINK.finditer(text):
+        out.append(_md_plain(text[pos:m.start()]))
+        out.append(f"[{_md_plain(m.group(1))}]({m.group(2)})")
+        pos = m.end()
+    out.append(_md_plain(text[pos:]))
+    return "".join(out)
+
+
+def md_cell(value: object) -> str:
+    """Ledger text for a Markdown table cell: as ``md_text``, on one line, pipes escaped."""
+    text = "" if value is None else str(value).replace("\r", " ").replace("\n", " ")
+    return md_text(text).replace("|", "\\|")
 
 
 FILTERS = {
