@@ -102,6 +102,7 @@ def measurement_from_log(path: Path, text: str, ev: RunEvidence, fields: dict, m
         kind="real",
         outcome=Outcome(status=ev.status, peak_allocated_mib=ev.peak_allocated_mib,
                         peak_reserved_mib=ev.peak_reserved_mib, peak_delta_mib=ev.peak_delta_mib, oom=ev.oom,
+                        per_device_peak_mib=ev.per_device_peak_mib,
                         failed_at_step=ev.failed_at_step, xid=ev.xid, result_text=ev.crash_text),
         provenance=Provenance(source=f"{path}:{ev.evidence_line}" if ev.evidence_line else str(path),
                               measured_on=measured_on, inferred_fields=inferred, notes=notes),

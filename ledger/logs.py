@@ -88,6 +88,7 @@ class RunEvidence:
     kinds: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     callback: dict = field(default_factory=dict)
+    per_device_peak_mib: Optional[dict[str, float]] = None
 
     def _peak(self, name: str, mib: float, line: int, kind: str) -> None:
         if getattr(self, name) is None or mib > getattr(self, name):
@@ -230,6 +231,9 @@ def _read_callback(ev: RunEvidence, line: str, lineno: int, name: str) -> None:
         value = doc.get(key)
         if isinstance(value, (int, float)) and value >= 0:
             ev._peak(key, float(value), lineno, "callback")
+    per_device = doc.get("per_device_peak_mib")
+    if isinstance(per_device, dict) and all(isinstance(v, (int, float)) and v >= 0 for v in per_device.values()):
+        ev.per_device_peak_mib = {str(k): round_mib(float(v)) for k, v in per_device.items()}
     if doc.get("event") == "oom" and isinstance(doc.get("message"), str):
         oom = parse_oom_message(doc["message"]) or Oom(message=doc["message"])
         if isinstance(doc.get("peak_allocated_mib"), (int, float)):

@@ -196,6 +196,20 @@ class Outcome(_Model):
     step_s: Optional[float] = Field(
         None, ge=0, le=1e7, description="Wall time of the measured step in seconds."
     )
+    free_at_start_mib: Optional[MiB] = Field(
+        None,
+        description=(
+            "Device memory free when the probe started (torch.cuda.mem_get_info). Spilling (the Windows driver's "
+            "system-memory fallback, unified memory) starts past this, not past the card's total."
+        ),
+    )
+    outside_allocator_mib: Optional[MiB] = Field(
+        None,
+        description=(
+            "Device memory in use outside this process's caching allocator after the step: total - free - "
+            "reserved (the CUDA context, other processes)."
+        ),
+    )
     failed_at_step: Optional[int] = Field(
         None, ge=0, le=MAX_STEPS, description="Training step at which the run died."
     )
@@ -222,6 +236,23 @@ class Environment(_Model):
     device_total_mib: Optional[MiB] = Field(None, description="Device total memory.")
     driver: Optional[str] = Field(None, description="Driver version, where readable.")
     meter: Optional[str] = Field(None, description="Meter that measured the peaks: 'allocator' or 'tracker'.")
+    cublas_workspace_mib: Optional[MiB] = Field(
+        None,
+        description=(
+            "cuBLAS workspace per handle (torch.backends.cuda.cublas_workspace_size). Workspaces come from the "
+            "caching allocator, one per handle and stream (the forward and the autograd thread): inside peak "
+            "allocated."
+        ),
+    )
+    cublaslt_workspace_mib: Optional[MiB] = Field(
+        None, description="cuBLASLt workspace per handle (torch.backends.cuda.cublaslt_workspace_size)."
+    )
+    sdpa_backends: Optional[list[str]] = Field(
+        None, description="Scaled-dot-product attention backends enabled: flash, mem_efficient, cudnn, math."
+    )
+    alloc_conf: Optional[str] = Field(
+        None, description="PYTORCH_CUDA_ALLOC_CONF / PYTORCH_HIP_ALLOC_CONF as set for the run (null: unset)."
+    )
 
 
 class RecipeFields(_Model):

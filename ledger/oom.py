@@ -11,6 +11,8 @@ It reads the message forms users meet:
 - legacy (torch <= 2.0): ``Tried to allocate X (GPU N; T total capacity; A already allocated;
   F free; R reserved in total by PyTorch)``;
 - HIP (ROCm): ``HIP out of memory. ...`` in any of the forms above;
+- a raw allocation that failed outside the caching allocator: ``CUDA error: out of memory``,
+  ``HIP error: out of memory``, ``CUBLAS_STATUS_ALLOC_FAILED`` (no figures, the text is kept);
 
 behind any prefix (``RuntimeError:``, ``torch.cuda.OutOfMemoryError:``,
 ``torch.OutOfMemoryError:``, ``OutOfMemoryError:``). Sizes in bytes, KiB, MiB or GiB.
@@ -26,7 +28,14 @@ from typing import Optional
 from .models import Oom, OomProcess
 from .units import SIZE, round_mib, to_mib
 
-_START = re.compile(r"(?:(?:torch\.(?:cuda\.)?)?OutOfMemoryError:\s*|RuntimeError:\s*)?(?:CUDA|HIP) out of memory\.?", re.I)
+_START = re.compile(
+    r"(?:(?:torch\.(?:cuda\.)?)?OutOfMemoryError:\s*|RuntimeError:\s*)?"
+    r"(?:(?:CUDA|HIP) out of memory\.?"
+    # A raw allocation outside the caching allocator (a kernel's workspace, a library's handle)
+    # fails with the runtime's own error text, not torch's message: an OOM all the same.
+    r"|(?:CUDA|HIP) error: out of memory|(?:CUBLAS|HIPBLAS|CUBLASLT|HIPBLASLT)_STATUS_ALLOC_FAILED)",
+    re.I,
+)
 
 
 def _size(pattern: str) -> re.Pattern:

@@ -546,10 +546,13 @@ def append(
     findings: Iterable[Finding] = (),
     predictions: Iterable[Prediction] = (),
     gpus: dict[str, Gpu] | None = None,
+    gpus_if_missing: dict[str, Gpu] | None = None,
     create: bool = False,
 ) -> int:
     """Append entries under the lock. An id already present with the same content is skipped
     (so re-appending is idempotent); with other content it is an error and nothing is written.
+    ``gpus`` must match an entry already there; ``gpus_if_missing`` (a probe's description of its
+    card, dated today) is added only where the key is missing and never blocks a measurement.
     Returns how many entries were added."""
     counter = {"n": 0}
     name = str(path)
@@ -558,6 +561,8 @@ def append(
         for key, gpu in (gpus or {}).items():
             if key in ledger.gpus and ledger.gpus[key] != gpu:
                 raise LedgerError(Issue(name, f"gpus.{key}", "already in the ledger with other content"))
+            ledger.gpus.setdefault(key, gpu)
+        for key, gpu in (gpus_if_missing or {}).items():
             ledger.gpus.setdefault(key, gpu)
         counter["n"] += _add(ledger.measurements, measurements, name, "measurement")
         counter["n"] += _add(ledger.findings, findings, name, "finding")

@@ -23,6 +23,7 @@ import contextlib
 import datetime as dt
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Iterator, Optional
@@ -46,6 +47,8 @@ class VramLedgerCallback(TrainerCallback):
         self.stream = stream
         self.config = config  # recipe flags for the ledger entry: gpu, model, quant, rank, dropout, ...
         self.step = 0
+        self.model: Optional[torch.nn.Module] = None
+        self.is_main = True
         self.tracker: Optional[TrackerMeter] = None
         self.written: list[dict] = []
 
@@ -53,21 +56,45 @@ class VramLedgerCallback(TrainerCallback):
     def _cuda(self) -> bool:
         return torch.cuda.is_available() and torch.cuda.is_initialized()
 
+    def _devices(self) -> list[int]:
+        """The CUDA devices that hold the model's parameters (a model split across cards has
+        several), else the current device."""
+        found = sorted({p.device.index for p in (self.model.parameters() if self.model is not None else [])
+                        if p.device.type == "cuda" and p.device.index is not None})
+        return found or [torch.cuda.current_device()]
+
     def _figures(self) -> dict:
         if self._cuda():
-            dev = torch.cuda.current_device()
-            torch.cuda.synchronize(dev)
-            props = torch.cuda.get_device_properties(dev)
-            return {"meter": "allocator", "device": props.name, "total_mib": round(props.total_memory / MIB, 1),
-                    "peak_allocated_mib": round(torch.cuda.max_memory_allocated(dev) / MIB, 1),
-                    "peak_reserved_mib": round(torch.cuda.max_memory_reserved(dev) / MIB, 1)}
+            devices = self._devices()
+            for d in devices:
+                torch.cuda.synchronize(d)
+            props = torch.cuda.get_device_properties(devices[0])
+            doc = {"meter": "allocator", "device": props.name,
+                   "total_mib": round(props.total_memory / MIB, 1),
+                   "peak_allocated_mib": round(torch.cuda.max_memory_allocated(devices[0]) / MIB, 1),
+                   "peak_reserved_mib": round(torch.cuda.max_memory_reserved(devices[0]) / MIB, 1)}
+            if len(devices) > 1:
+                doc["per_device_peak_mib"] = {f"cuda:{d}": round(torch.cuda.max_memory_allocated(d) / MIB, 1)
+                                              for d in devices}
+            return doc
         if self.tracker is not None:
             return {"meter": "tracker", "device": "cpu",
                     "peak_allocated_mib": round(self.tracker.peak_allocated_mib(), 1)}
         return {"meter": None, "device": "cpu"}
 
+    def _main_process(self, state=None) -> bool:
+        """Only the main process of a distributed run prints and appends (every rank would
+        otherwise write its own copy)."""
+        if state is not None and hasattr(state, "is_world_process_zero"):
+            return bool(state.is_world_process_zero)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_rank() == 0
+        return int(os.environ.get("RANK", "0") or 0) == 0
+
     # -- TrainerCallback hooks ----------------------------------------------------------
     def on_train_begin(self, args, state, control, **kwargs):
+        self.model = kwargs.get("model")
+        self.is_main = self._main_process(state)
         if not torch.cuda.is_available() and self.tracker is None:
             self.tracker = TrackerMeter()
             model = kwargs.get("model")
@@ -89,8 +116,11 @@ class VramLedgerCallback(TrainerCallback):
 
     # -- recording ----------------------------------------------------------------------
     def record(self, event: str, message: Optional[str] = None) -> dict:
-        """Write the vram-ledger line (and the ledger entry, when a ledger was given)."""
+        """Write the vram-ledger line (and the ledger entry, when a ledger was given); in a
+        distributed run, only from the main process."""
         doc = {"event": event, "date": dt.date.today().isoformat(), "step": self.step, **self._figures()}
+        if not self.is_main or not self._main_process():
+            return doc
         if message is not None:
             doc["message"] = message
         line = f"{CALLBACK_PREFIX} {json.dumps(doc, sort_keys=True)}"

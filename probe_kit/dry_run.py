@@ -14,7 +14,8 @@ stand-in with bnb's storage (packed nf4 uint8, the absmax, the double-quant stat
 and bnb's compute: a dequantised bf16 copy of the weight in forward and again in backward.
 
 What fake tensors cannot see is modelled explicitly and shown in the breakdown: the cuBLAS
-workspace (PyTorch's default, through the caching allocator), the vision tower when the recipe
+workspaces (two handles, forward and autograd threads, each of the size the card's probes recorded
+or PyTorch's default; through the caching allocator), the vision tower when the recipe
 loads a multimodal class (``--multimodal``), and reserved vs allocated (the ratio fitted from the
 card's ledger rows). Allocator rounding (512-byte blocks) is in the tracker.
 
@@ -45,9 +46,23 @@ from .probe_vram import add_recipe_options, config_from_args, probe_id, rss_byte
 from .recipe import ProbeConfig, RecipeError, fixes_label, load_config, prepare, resolve_config_path, step, \
     synthetic_batch, checkpointing_active, offload
 
-#: PyTorch's default cuBLAS workspace (CUBLAS_WORKSPACE_CONFIG ":4096:8"), allocated through the
-#: caching allocator and so counted in allocated: 4096 KiB x 2 + 16 KiB x 8. Not fitted.
+#: PyTorch's default cuBLAS workspace per handle (CUBLAS_WORKSPACE_CONFIG ":4096:8"): 4096 KiB x 2
+#: + 16 KiB x 8. Workspaces come from the caching allocator, so they are inside peak allocated.
 CUBLAS_WORKSPACE_MIB = (4096 * 2 + 16 * 8) / 1024
+#: One cuBLAS handle (and workspace) per thread and stream that runs matmuls: the forward runs on
+#: the main thread, backward on autograd's device thread.
+CUBLAS_HANDLES = 2
+
+
+def cublas_workspace_mib(ledger_path: Optional[str], gpu: Optional[str]) -> tuple[float, str]:
+    """Per-handle workspace: the size the card's probes recorded (larger on Hopper and ROCm),
+    else PyTorch's default; with where it came from."""
+    if ledger_path and gpu:
+        sizes = [m.environment.cublas_workspace_mib for m in store.load(ledger_path).measurements
+                 if m.gpu == gpu and m.environment is not None and m.environment.cublas_workspace_mib]
+        if sizes:
+            return statistics.median(sizes), f"recorded by {len(sizes)} probes on {gpu} (median)"
+    return CUBLAS_WORKSPACE_MIB, "PyTorch's default CUBLAS_WORKSPACE_CONFIG :4096:8 (none recorded for this card)"
 
 
 class _Dequant4bit(torch.autograd.Function):
@@ -103,13 +118,14 @@ class Linear4bitStandIn(torch.nn.Linear):
         return out.to(dtype)
 
 
-def stand_in_4bit(model: torch.nn.Module, double_quant: bool) -> None:
-    """Replace every nn.Linear but the lm_head by the 4-bit stand-in (weights are not needed)."""
+def stand_in_4bit(model: torch.nn.Module, double_quant: bool, device: Optional[torch.device] = None) -> None:
+    """Replace every nn.Linear but the lm_head by the 4-bit stand-in (weights are not needed),
+    on ``device`` (default: where each Linear's weight is)."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is torch.nn.Linear and name != "lm_head":
                 setattr(parent, name, Linear4bitStandIn(child.in_features, child.out_features, child.bias is not None,
-                                                        double_quant, device=child.weight.device))
+                                                        double_quant, device=device or child.weight.device))
     model.is_loaded_in_4bit = True
 
 
@@ -204,7 +220,8 @@ def predict(cfg: ProbeConfig, *, gpu: Optional[str] = None, ledger: Optional[str
             budget_mib: Optional[float] = None, exclude: str = "") -> tuple[dict, dict]:
     """The dry run plus the modelled terms: (outcome figures, breakdown)."""
     raw = dry_run(cfg, multimodal=multimodal, budget_mib=budget_mib)
-    extra = CUBLAS_WORKSPACE_MIB + raw["vision_mib"]
+    workspace, workspace_source = cublas_workspace_mib(ledger, gpu)
+    extra = CUBLAS_HANDLES * workspace + raw["vision_mib"]
     ratio, n_ratio = reserved_ratio(ledger, gpu, exclude)
     allocated = raw["peak_mib"] + extra
     breakdown = {
@@ -212,8 +229,9 @@ def predict(cfg: ProbeConfig, *, gpu: Optional[str] = None, ledger: Optional[str
         "tracker_pre_step_mib": round(raw["pre_step_mib"], 1),
         "tracker_peak_mib": round(raw["peak_mib"], 1),
         "allocator_rounding": "in the tracker: every storage rounded up to 512 bytes",
-        "cublas_workspace_mib": round(CUBLAS_WORKSPACE_MIB, 1),
-        "cublas_workspace_source": "PyTorch's default CUBLAS_WORKSPACE_CONFIG :4096:8 (not fitted)",
+        "cublas_workspace_mib": round(CUBLAS_HANDLES * workspace, 1),
+        "cublas_workspace_source": f"{CUBLAS_HANDLES} handles (forward and autograd threads) x {workspace:.1f} MiB: "
+                                   + workspace_source,
         "vision_tower_mib": round(raw["vision_mib"], 1),
         "vision_tower_source": ("the config's vision_config, nf4 linears under 4-bit, else bf16 (--multimodal)"
                                 if multimodal

@@ -2,7 +2,9 @@
 
 - ``AllocatorMeter``: the caching allocator's own counters (``torch.cuda``; ROCm builds expose
   HIP through the same API). Assumptions: figures are read after ``synchronize``; "allocated"
-  excludes the CUDA context and cuBLAS/cuDNN workspaces outside the caching allocator;
+  excludes the CUDA context, but includes the cuBLAS/cuBLASLt workspaces, which come from the
+  caching allocator, one per handle and stream (the forward's thread and autograd's: two in a
+  training step; larger on Hopper and on ROCm; the probe records the size per handle);
   "reserved" includes the allocator's cache and is what decides an OOM.
 - ``TrackerMeter``: a ``TorchDispatchMode`` that keeps the set of live tensor storages (a
   storage counts once however many views share it), each rounded up to 512 bytes like the CUDA
@@ -96,6 +98,8 @@ class TrackerMeter(TorchDispatchMode):
     def _add(self, t: torch.Tensor) -> int:
         """Start counting t's storage if it is new; return the bytes added. A weak reference to
         the storage object (one Python object per live storage) drops it the moment it is freed."""
+        if t.is_meta:  # a placeholder with a size and no memory (a model built on the meta device)
+            return 0
         st = t.untyped_storage()
         key = st._cdata
         entry = self.live.get(key)

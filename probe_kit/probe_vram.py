@@ -37,6 +37,11 @@ from ledger.units import round_mib
 from .recipe import ProbeConfig, RecipeError, fixes_label, parse_fixes
 
 MIB = 2**20
+#: Exit codes. Refused input is 1 and nothing else may exit 1: every other failure (an illegal
+#: memory access, a device-side assert, a missing native library) is caught and exits 70, so a
+#: sweep records it as crashed instead of taking it for a refusal.
+EXIT_REFUSED = 1
+EXIT_CRASHED = 70
 
 
 # -- host RAM -----------------------------------------------------------------------------
@@ -131,6 +136,8 @@ def versions() -> dict[str, Optional[str]]:
 
 
 def environment(device, meter_name: str) -> Environment:
+    """Versions, the device and what shapes the allocator's figures beyond the model: the cuBLAS
+    workspaces, the attention backends and the allocator's configuration."""
     import torch
 
     v = versions()
@@ -144,26 +151,88 @@ def environment(device, meter_name: str) -> Environment:
         env.device_name = props.name
         env.device_total_mib = round_mib(props.total_memory / MIB)
         env.driver = driver_version()
+        env.cublas_workspace_mib, env.cublaslt_workspace_mib = blas_workspaces_mib()
+        env.sdpa_backends = sdpa_backends()
+        env.alloc_conf = alloc_conf()
     else:
         env.device_name = platform.processor() or platform.machine()
     return env
 
 
-def driver_version() -> Optional[str]:
-    """The GPU driver version from nvidia-smi or rocm-smi, where present."""
-    import shutil
-    import subprocess
+def blas_workspaces_mib() -> tuple[Optional[float], Optional[float]]:
+    """Per-handle cuBLAS and cuBLASLt workspace sizes (bytes from torch, in MiB), where readable."""
+    import torch
 
-    for cmd in (["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                ["rocm-smi", "--showdriverversion"]):
-        if shutil.which(cmd[0]):
-            try:
-                out = subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.strip()
-            except (OSError, subprocess.SubprocessError):
-                continue
-            if out:
-                return out.splitlines()[0].split(":")[-1].strip()
+    out: list[Optional[float]] = []
+    for name in ("cublas_workspace_size", "cublaslt_workspace_size"):
+        fn = getattr(torch.backends.cuda, name, None)
+        try:
+            out.append(round_mib(fn() / MIB) if fn is not None else None)
+        except (RuntimeError, AttributeError, TypeError):
+            out.append(None)
+    return out[0], out[1]
+
+
+def sdpa_backends() -> list[str]:
+    import torch
+
+    b = torch.backends.cuda
+    checks = {"flash": "flash_sdp_enabled", "mem_efficient": "mem_efficient_sdp_enabled",
+              "cudnn": "cudnn_sdp_enabled", "math": "math_sdp_enabled"}
+    return [name for name, fn in checks.items() if getattr(b, fn, lambda: False)()]
+
+
+def alloc_conf() -> Optional[str]:
+    """The caching allocator's settings from the environment (CUDA's name, else HIP's)."""
+    for key in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"):
+        if os.environ.get(key):
+            return f"{key}={os.environ[key]}"
     return None
+
+
+def card_entry(props, gpu_key: Optional[str], hip: Optional[str], torch_version: str,
+               cuda: Optional[str] = None) -> tuple[str, Gpu]:
+    """The ledger's entry for a card from ``torch.cuda.get_device_properties`` (dated today). It is
+    added to a ledger only where the key is missing: a card already there is kept as it is."""
+    key = gpu_key or slug(props.name)
+    return key, Gpu(
+        name=props.name, vendor=vendor_of(props.name) or ("amd" if hip else None),
+        total_mib=round_mib(props.total_memory / MIB), usable_gib_torch=round(props.total_memory / 2**30, 2),
+        stack=f"torch {torch_version}" + (f", HIP {hip}" if hip else f", CUDA {cuda}" if cuda else ""),
+        provenance=Provenance(source="torch.cuda.get_device_properties", measured_on=dt.date.today()),
+    )
+
+
+def describe_device(device: str, gpu_key: Optional[str] = None) -> dict:
+    """The card's ledger key and entry as JSON (for a sweep that records a crashed child under
+    the same key the child's own measurements use)."""
+    import torch
+
+    dev = torch.device(device)
+    key, gpu = card_entry(torch.cuda.get_device_properties(dev.index or 0), gpu_key, torch.version.hip,
+                          torch.__version__, torch.version.cuda)
+    return {"key": key, "gpu": gpu.model_dump(mode="json", exclude_defaults=True)}
+
+
+def spill_status(peak_reserved_mib: Optional[float], free_at_start_mib: Optional[float],
+                 reserved_at_start_mib: float = 0.0) -> Optional[str]:
+    """'spilled' when the step reserved more than the device could give when the probe started:
+    on Linux with a discrete card that cannot happen (an OOM comes first); the Windows driver's
+    system-memory fallback and unified-memory devices let it happen, and the step then ran on
+    host memory. None otherwise."""
+    if peak_reserved_mib is None or free_at_start_mib is None:
+        return None
+    return "spilled" if peak_reserved_mib > free_at_start_mib + reserved_at_start_mib else None
+
+
+def driver_version() -> Optional[str]:
+    """The GPU driver version from nvidia-smi (its exit status checked) or rocm-smi's JSON."""
+    from .doctor import rocm_driver_version, run_smi
+
+    text = run_smi(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+    if text and text.strip():
+        return text.strip().splitlines()[0].strip()
+    return rocm_driver_version()
 
 
 def probe_id(cfg: ProbeConfig, device: str, gpu_key: Optional[str]) -> str:
@@ -224,17 +293,16 @@ def run_probe(
         raise RecipeError(f"--device must be cuda or cpu, got {device!r}")
 
     gpu_entry = None
+    free_at_start = reserved_at_start = None
     if dev.type == "cuda":
-        props = torch.cuda.get_device_properties(dev)
-        key = gpu_key or slug(props.name)
-        gpu_entry = (key, Gpu(name=props.name, vendor=vendor_of(props.name) or ("amd" if torch.version.hip else None),
-                              total_mib=round_mib(props.total_memory / MIB),
-                              usable_gib_torch=round(props.total_memory / 2**30, 2),
-                              stack=f"torch {torch.__version__}" + (f", HIP {torch.version.hip}" if torch.version.hip
-                                                                     else f", CUDA {torch.version.cuda}"),
-                              provenance=Provenance(source="torch.cuda.get_device_properties",
-                                                    measured_on=dt.date.today())))
-        gpu_key = key
+        # Make the probe's device current: peft's empty_cache, pinned host buffers and every
+        # library call that says "cuda" act on the current device, not on the one probed.
+        torch.cuda.set_device(dev)
+        gpu_entry = card_entry(torch.cuda.get_device_properties(dev), gpu_key, torch.version.hip, torch.__version__,
+                               torch.version.cuda)
+        gpu_key = gpu_entry[0]
+        free_at_start = torch.cuda.mem_get_info(dev)[0] / MIB
+        reserved_at_start = torch.cuda.memory_reserved(dev) / MIB
 
     out: dict = {}
     oom: Optional[Oom] = None
@@ -267,8 +335,7 @@ def run_probe(
                 reserved = meter.peak_reserved_mib()
                 if reserved is not None:
                     out["peak_reserved_mib"] = round_mib(reserved)
-                    if gpu_entry and gpu_entry[1].total_mib and reserved > gpu_entry[1].total_mib:
-                        status = "spilled"  # finished only because the driver spilled past the card
+                    status = spill_status(reserved, free_at_start, reserved_at_start or 0.0) or status
             except RecipeError:
                 raise
             except BaseException as exc:  # an OOM is data; anything else propagates
@@ -283,6 +350,10 @@ def run_probe(
         out = {k: v for k, v in out.items() if k in ("after_load_mib", "pre_step_mib")}
         out["result_text"] = f"host RAM passed the cap of {host_cap_gib} GiB (RSS {dog.peak_rss / 2**30:.2f} GiB)"
     if dev.type == "cuda":
+        out["free_at_start_mib"] = round_mib(free_at_start)
+        with contextlib.suppress(Exception):
+            free, total = torch.cuda.mem_get_info(dev)
+            out["outside_allocator_mib"] = round_mib(max(total - free - torch.cuda.memory_reserved(dev), 0) / MIB)
         with contextlib.suppress(Exception):
             torch.cuda.empty_cache()
 
@@ -356,7 +427,8 @@ def config_from_args(args: argparse.Namespace) -> ProbeConfig:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m probe_kit.probe_vram", description=__doc__.split("\n\n")[0],
-                                epilog="Exit codes: 0 ok (an OOM is a result, not a failure), 1 bad input, 2 bad usage.")
+                                epilog="Exit codes: 0 ok (an OOM is a result, not a failure), 1 refused input (nothing "
+                                       "recorded), 2 bad usage, 70 crashed (traceback on stderr), 130 interrupted.")
     add_recipe_options(p)
     p.add_argument("--device", default="cuda", help="cuda (CUDA or ROCm) or cpu (default: cuda)")
     p.add_argument("--budget-mib", type=float, help="with --device cpu: simulate an OOM above this many MiB")
@@ -392,14 +464,22 @@ def main(argv=None) -> int:
             done["m"], gpu = run_probe(cfg, device=args.device, budget_mib=args.budget_mib,
                                        host_cap_gib=args.host_ram_cap_gib or None, gpu_key=args.gpu, mid=args.id)
         if args.ledger:
-            store.append(args.ledger, [done["m"]], gpus=dict([gpu]) if gpu else None, create=True)
+            # The card's entry is added when its key is missing and never blocks the measurement:
+            # the measurement's own environment records this run's device and versions.
+            store.append(args.ledger, [done["m"]], gpus_if_missing=dict([gpu]) if gpu else None, create=True)
 
     try:
         if not user_errors("probe_vram", work):
-            return 1
+            return EXIT_REFUSED
     except KeyboardInterrupt:
         print("probe_vram: interrupted; nothing recorded", file=sys.stderr)
         return 130
+    except Exception:  # anything but refused input is a crash: its own exit code, traceback kept
+        import traceback
+
+        traceback.print_exc()
+        print("probe_vram: crashed (the traceback above); nothing recorded", file=sys.stderr)
+        return EXIT_CRASHED
     measurement = done["m"]
     if args.json:
         print(measurement.model_dump_json(exclude_none=True))

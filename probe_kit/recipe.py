@@ -140,9 +140,20 @@ def load_config(model: str):
     return getattr(config, "text_config", None) or config
 
 
-def quantize_linear_layers(model: torch.nn.Module, device: torch.device, double_quant: bool) -> None:
-    """Replace every nn.Linear but the lm_head by a bitsandbytes nf4 Linear4bit (bf16 compute),
-    quantising the weights in place: no 8 GB round trip through disk for a 4B model."""
+def _init_like(p: torch.Tensor, device: torch.device, std: float,
+               dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """A random stand-in for a weight: normal(0, std) for matrices, ones for vectors (norm
+    scales). Memory depends on shapes, not values; the values only need to be finite."""
+    t = torch.empty(p.shape, dtype=dtype or p.dtype, device=device)
+    return t.normal_(0.0, std) if t.dim() >= 2 else t.fill_(1.0)
+
+
+def quantize_linear_layers(model: torch.nn.Module, device: torch.device, double_quant: bool,
+                           std: float = 0.02) -> None:
+    """Replace every nn.Linear but the lm_head by a bitsandbytes nf4 Linear4bit (bf16 compute).
+    Each layer's bf16 weight is made on the device (from its meta placeholder, or taken from the
+    built layer) and quantised there at once, so at most one layer's bf16 weight exists at a
+    time: a 12B model never sits whole in host RAM (~22 GiB) or on a card it would not fit."""
     import bitsandbytes as bnb
 
     for parent in list(model.modules()):
@@ -151,30 +162,57 @@ def quantize_linear_layers(model: torch.nn.Module, device: torch.device, double_
                 continue
             q = bnb.nn.Linear4bit(
                 child.in_features, child.out_features, bias=child.bias is not None,
-                compute_dtype=torch.bfloat16, quant_type="nf4", compress_statistics=double_quant, device="cpu",
+                compute_dtype=torch.bfloat16, quant_type="nf4", compress_statistics=double_quant, device="meta",
             )
-            weight = bnb.nn.Params4bit(child.weight.data.to("cpu", torch.bfloat16), requires_grad=False,
-                                       quant_type="nf4", compress_statistics=double_quant)
-            q.weight = weight._quantize(device) if device.type == "cpu" else weight.to(device)
+            w = child.weight
+            data = _init_like(w, device, std, torch.bfloat16) if w.is_meta else w.data.to(device, torch.bfloat16)
+            # module=q: bitsandbytes restores quant_state through it if anything re-wraps the weight.
+            weight = bnb.nn.Params4bit(data, requires_grad=False, quant_type="nf4",
+                                       compress_statistics=double_quant, module=q)
+            q.weight = weight._quantize(device)
+            del data, weight
             if child.bias is not None:
-                q.bias = torch.nn.Parameter(child.bias.data.to(device, torch.bfloat16), requires_grad=False)
+                bias = child.bias
+                bias = torch.zeros(bias.shape, device=device) if bias.is_meta else bias.data
+                q.bias = torch.nn.Parameter(bias.to(device, torch.bfloat16), requires_grad=False)
             setattr(parent, name, q)
             del child
     model.is_loaded_in_4bit = True  # so peft's prepare_model_for_kbit_training treats it as k-bit
 
 
+def materialize(model: torch.nn.Module, device: torch.device, std: float = 0.02) -> None:
+    """Give every parameter still on the meta device random values on ``device``, keeping tied
+    weights tied (one tensor for the embedding and a tied lm_head), then move the buffers."""
+    made: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            if id(p) not in made:
+                made[id(p)] = torch.nn.Parameter(_init_like(p, device, std), requires_grad=p.requires_grad)
+            module._parameters[name] = made[id(p)]
+    model.to(device)
+
+
 def build_model(cfg: ProbeConfig, device: torch.device) -> torch.nn.Module:
-    """The base model on the device: random weights from a config, or from_pretrained."""
+    """The base model on the device: random weights from a config, or from_pretrained. With
+    random weights the model is built on the meta device (buffers such as rotary frequencies are
+    computed for real), then each layer is materialised on the device, quantised one at a time
+    under 4-bit, so host RAM holds no copy of the model."""
+    from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
     if cfg.random_weights:
         config = load_config(cfg.model)
         torch.manual_seed(cfg.seed)
-        with torch.device("cpu" if cfg.quant == "4bit" else device):
+        std = float(getattr(config, "initializer_range", 0.02) or 0.02)
+        with init_empty_weights(include_buffers=False):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         if cfg.quant == "4bit":
-            quantize_linear_layers(model, device, cfg.double_quant)
-            model.to(device)
+            quantize_linear_layers(model, device, cfg.double_quant, std)
+        materialize(model, device, std)
+        if getattr(config, "tie_word_embeddings", False):
+            model.tie_weights()
         return model
     if resolve_config_path(cfg.model) is not None and Path(cfg.model).suffix == ".json":
         raise RecipeError(f"{cfg.model}: a config file has no weights; add --random-weights")

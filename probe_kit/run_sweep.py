@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import datetime as dt
 import itertools
+import json
 import math
 import os
 import signal
@@ -38,9 +39,10 @@ from typing import Callable, Iterator, Optional
 
 from ledger import store
 from ledger.errors import Issue, UserError
-from ledger.models import Lora, Measurement, Outcome, Provenance
+from ledger.models import Environment, Gpu, Lora, Measurement, Outcome, Provenance
 from ledger.paths import DEFAULT_LEDGER, shown
 
+from .probe_vram import EXIT_CRASHED, EXIT_REFUSED
 from .recipe import ProbeConfig, RecipeError, fixes_label, parse_fixes
 
 try:
@@ -191,17 +193,53 @@ class Result:
     message: str = ""
 
 
-def crashed_measurement(point: Point, sweep: Sweep, why: str, stderr_tail: str) -> Measurement:
+def crashed_measurement(point: Point, sweep: Sweep, why: str, stderr_tail: str,
+                        gpu_key: Optional[str] = None) -> Measurement:
     cfg = point.config
     return Measurement(
-        id=point.id, kind="probe", gpu=sweep.gpu, model=cfg.model, quant=cfg.quant,
+        id=point.id, kind="probe", gpu=gpu_key, model=cfg.model, quant=cfg.quant,
         lora=Lora(rank=cfg.rank, alpha=cfg.alpha if cfg.alpha is not None else float(cfg.rank), rslora=cfg.rslora,
                   dropout=cfg.dropout, dora=cfg.dora, target_modules=list(cfg.target_modules)),
         seq_len=cfg.seq_len, response_len=cfg.response_len, batch_size=1, memory_fixes=fixes_label(cfg.fixes),
         outcome=Outcome(status="crashed", result_text=f"{why}\n{stderr_tail}".strip()),
+        environment=Environment(device=sweep.device),
         provenance=Provenance(source=f"probe_kit.run_sweep {sweep.path} ({point.where})",
                               measured_on=dt.date.today(), notes=[why]),
     )
+
+
+#: Card entries already described, by (device, --gpu): one child per sweep, not per crash.
+_CARDS: dict[tuple[str, Optional[str]], Optional[tuple[str, Gpu]]] = {}
+
+
+def card_of(sweep: Sweep) -> Optional[tuple[str, Gpu]]:
+    """The key and entry a successful child would file its card under, so a crashed point of a
+    GPU sweep lands under the same key (read in a fresh child, as the probes are: the sweep
+    itself never initialises the GPU). None for a CPU sweep or when the card cannot be read."""
+    if sweep.device.split(":")[0] != "cuda":
+        return None
+    cache = (sweep.device, sweep.gpu)
+    if cache not in _CARDS:
+        code = ("import json, sys; from probe_kit.probe_vram import describe_device; "
+                "print(json.dumps(describe_device(sys.argv[1], sys.argv[2] or None)))")
+        try:
+            proc = subprocess.run([sys.executable, "-c", code, sweep.device, sweep.gpu or ""], capture_output=True,
+                                  text=True, timeout=120)
+            doc = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None
+            _CARDS[cache] = (doc["key"], Gpu.model_validate(doc["gpu"])) if doc else None
+        except (OSError, subprocess.SubprocessError, ValueError, IndexError, KeyError):
+            _CARDS[cache] = None
+    return _CARDS[cache]
+
+
+def record_crash(point: Point, sweep: Sweep, ledger: str, why: str, stderr_tail: str) -> None:
+    card = card_of(sweep)
+    if card is None and sweep.gpu:
+        key = None  # the card could not be read: file the crash without one rather than under a bad key
+    else:
+        key = card[0] if card else None
+    store.append(ledger, [crashed_measurement(point, sweep, why, stderr_tail, key)],
+                 gpus_if_missing=dict([card]) if card else None, create=True)
 
 
 class SweepInterrupted(Exception):
@@ -231,8 +269,6 @@ def run_point(point: Point, sweep: Sweep, ledger: str,
     ``probe_command``); a dead child becomes a crashed record. The child leads its own process
     group, so a terminal's Ctrl-C reaches the sweep alone, and the sweep ends the child (and
     anything it started) when it stops for any reason."""
-    import json
-
     command = command or probe_command
     t0 = time.perf_counter()
     proc = subprocess.Popen(command(point, sweep, ledger), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -243,7 +279,7 @@ def run_point(point: Point, sweep: Sweep, ledger: str,
         _kill_group(proc)
         stderr = (proc.stderr.read() if proc.stderr else "") or ""
         why = f"timed out after {sweep.timeout_s:g} s"
-        store.append(ledger, [crashed_measurement(point, sweep, why, stderr[-2000:])], create=True)
+        record_crash(point, sweep, ledger, why, stderr[-2000:])
         return Result(point, "crashed", time.perf_counter() - t0, message=why)
     except BaseException:
         _kill_group(proc)
@@ -256,7 +292,7 @@ def run_point(point: Point, sweep: Sweep, ledger: str,
         except (ValueError, IndexError, KeyError):
             pass
         why = "the probe exited 0 without a result"
-    elif proc.returncode == 1:  # the probe refused its input: not a crash, nothing recorded
+    elif proc.returncode == EXIT_REFUSED:  # the probe refused its input: not a crash, nothing recorded
         line = (stderr.strip().splitlines() or ["exit 1"])[-1]
         return Result(point, "error", seconds, message=line)
     elif proc.returncode < 0:
@@ -265,9 +301,11 @@ def run_point(point: Point, sweep: Sweep, ledger: str,
         except ValueError:
             name = str(-proc.returncode)
         why = f"the probe process died of signal {name}"
+    elif proc.returncode == EXIT_CRASHED:
+        why = "the probe crashed (an error other than an OOM)"
     else:
         why = f"the probe process exited with status {proc.returncode}"
-    store.append(ledger, [crashed_measurement(point, sweep, why, stderr[-2000:])], create=True)
+    record_crash(point, sweep, ledger, why, stderr[-2000:])
     return Result(point, "crashed", seconds, message=why)
 
 
@@ -358,6 +396,21 @@ def _stop_on_signals() -> Iterator[None]:
             signal.signal(s, handler)
 
 
+class CeilingUnknown(Exception):
+    """A probe of the bisection neither fit nor ran out of memory."""
+
+
+def fits(status: str, point: Point) -> bool:
+    """Whether a probe's outcome says the point fits. Only ok fits; an OOM, a spill past free
+    memory or the host-RAM cap does not; a crash or a refused point says nothing about memory,
+    so the ceiling is unknown rather than guessed."""
+    if status == "ok":
+        return True
+    if status in ("oom", "spilled", "host_oom"):
+        return False
+    raise CeilingUnknown(f"{point.id} ended as {status or 'unknown'}; nothing can be said about memory")
+
+
 def _run(sweep: Sweep, points: list[Point], args, done: dict[str, str]) -> int:
     from tqdm import tqdm
 
@@ -387,10 +440,13 @@ def _run(sweep: Sweep, points: list[Point], args, done: dict[str, str]) -> int:
                     if not group:
                         continue
                     bar.total = None
-                    best, probes = find_ceiling(
-                        group, lambda p: run(p).status == "ok" or done.get(p.id) == "ok")
-                    limit = math.ceil(math.log2(len(group))) + 1 if len(group) > 1 else 1
                     ranks = [p.config.rank for p in group]
+                    try:
+                        best, probes = find_ceiling(group, lambda p: fits(done.get(p.id) or run(p).status, p))
+                    except CeilingUnknown as exc:
+                        print(f"ceiling: unknown for {ranks}: {exc}")
+                        continue
+                    limit = math.ceil(math.log2(len(group))) + 1 if len(group) > 1 else 1
                     print(f"ceiling: rank {best.config.rank if best else 'none'} of {ranks} "
                           f"({probes} probes; at most {limit})")
             else:

@@ -32,7 +32,8 @@ def test_fake_and_real_cpu_runs_agree_within_one_percent(quant):
 def test_stand_in_and_bitsandbytes_agree_on_activation_memory(monkeypatch):
     cfg = ProbeConfig(**BASE, rank=16, quant="4bit", dropout=0.1)
     bnb = real(cfg)
-    monkeypatch.setattr(recipe, "quantize_linear_layers", lambda model, device, dq: stand_in_4bit(model, dq))
+    monkeypatch.setattr(recipe, "quantize_linear_layers",
+                        lambda model, device, dq, std=0.02: stand_in_4bit(model, dq, device))
     stand_in = real(cfg)  # real CPU tensors, the stand-in in place of bnb
     act_bnb = bnb.peak_allocated_mib - bnb.pre_step_mib
     act_si = stand_in.peak_allocated_mib - stand_in.pre_step_mib
