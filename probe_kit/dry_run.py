@@ -42,7 +42,7 @@ from ledger import store
 from ledger.models import Environment, Lora, Measurement, Outcome, Provenance
 
 from .meters import MIB, TrackerMeter
-from .probe_vram import add_recipe_options, config_from_args, probe_id, rss_bytes, user_errors, versions
+from .probe_vram import add_recipe_options, config_from_args, probe_id, rss_bytes, run_cli, versions
 from .recipe import ProbeConfig, RecipeError, fixes_label, load_config, prepare, resolve_config_path, step, \
     synthetic_batch, checkpointing_active, offload
 
@@ -323,8 +323,9 @@ def main(argv=None) -> int:
                     raise RecipeError("--append needs --ledger")
                 store.append(args.ledger, [m])
 
-    if not user_errors("dry_run", work):
-        return 1
+    code = run_cli("dry_run", work)
+    if code:
+        return code
     doc = result["doc"]
     if args.json:
         print(json.dumps(doc, indent=2))

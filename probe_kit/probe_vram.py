@@ -441,17 +441,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def user_errors(prog: str, work) -> bool:
-    """Run ``work()``; a user mistake becomes one line per problem on stderr. True when it ran."""
+def run_cli(prog: str, work) -> int:
+    """Run ``work()`` for a command-line tool of the probe kit and return its exit code: 0 done;
+    EXIT_REFUSED (1) for a user mistake, printed as one line per problem; 130 on Ctrl-C or
+    SIGINT, one line; EXIT_CRASHED (70) for anything else, with its traceback. Nothing else exits
+    1, so a sweep can tell refused input from a crash."""
     try:
         work()
-        return True
+        return 0
     except RecipeError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
     except UserError as exc:
         for issue in exc.issues:
             print(str(issue), file=sys.stderr)
-    return False
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted; nothing recorded", file=sys.stderr)
+        return 130
+    except Exception:  # anything but refused input is a crash: its own exit code, traceback kept
+        import traceback
+
+        traceback.print_exc()
+        print(f"{prog}: crashed (the traceback above); nothing recorded", file=sys.stderr)
+        return EXIT_CRASHED
+    return EXIT_REFUSED
 
 
 def main(argv=None) -> int:
@@ -468,18 +480,9 @@ def main(argv=None) -> int:
             # the measurement's own environment records this run's device and versions.
             store.append(args.ledger, [done["m"]], gpus_if_missing=dict([gpu]) if gpu else None, create=True)
 
-    try:
-        if not user_errors("probe_vram", work):
-            return EXIT_REFUSED
-    except KeyboardInterrupt:
-        print("probe_vram: interrupted; nothing recorded", file=sys.stderr)
-        return 130
-    except Exception:  # anything but refused input is a crash: its own exit code, traceback kept
-        import traceback
-
-        traceback.print_exc()
-        print("probe_vram: crashed (the traceback above); nothing recorded", file=sys.stderr)
-        return EXIT_CRASHED
+    code = run_cli("probe_vram", work)
+    if code:
+        return code
     measurement = done["m"]
     if args.json:
         print(measurement.model_dump_json(exclude_none=True))

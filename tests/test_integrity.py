@@ -290,3 +290,18 @@ def test_fuzz_exit_is_0_or_1_and_the_file_is_old_or_new_valid(tmp_path_factory, 
     else:
         assert valid == 0 and store.validate_file(ledger) == []
         assert any(m.id == "fuzz-new" for m in store.load(ledger).measurements)
+
+
+def test_every_valid_ledger_builds_rows_without_a_gpu_included(tmp_path):
+    """Ledgers the README's own commands make (a CPU sweep, merged shards) have rows with no gpu."""
+    lg = store.load(SMALL)
+    lg.measurements.append(Measurement(id="cpu-row", kind="probe", model="tiny-llama", quant="4bit",
+                                       lora={"rank": 8}, seq_len=128, response_len=16, memory_fixes="all",
+                                       outcome=Outcome(status="ok", peak_allocated_mib=5.0)))
+    path = tmp_path / "cpu.json"
+    store.save(lg, path)
+    assert run("build", "--ledger", path, "--out", tmp_path / "site", "-q") == 0
+    only = store.empty_ledger()
+    only.measurements.append(lg.measurements[-1])
+    store.save(only, tmp_path / "only.json")
+    assert run("build", "--ledger", tmp_path / "only.json", "--out", tmp_path / "site2", "-q") == 0
