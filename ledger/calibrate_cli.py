@@ -8,11 +8,11 @@ from dataclasses import asdict
 
 from . import store
 from .calibration import (PeakModel, before, calibrate, calibration_hash, ceiling, ok_peak, overestimate,
-                          predict_real, recipe_key)
+                          predict_real)
 from .cli import dump_json, register
 from .errors import Issue, UserError
-from .ingest import fixes_value
-from .lookup import require_gpu
+from .ingest import fixes_option
+from .recipe import GroupKey, RecipeKey, fixes_key, recipe_key, require_gpu
 from .models import Lora, Prediction, Provenance
 from .paths import DEFAULT_LEDGER, shown
 from .predictions import score_predictions
@@ -101,8 +101,7 @@ def cmd_ceiling(args: argparse.Namespace) -> int:
         raise UserError(Issue("--step", "", "needs 0 < --step <= --max-rank"))
     ledger = store.load(args.ledger)
     gpu = require_gpu(ledger, args.gpu)
-    fixes = fixes_value(args.fixes)
-    fixes = fixes if isinstance(fixes, str) else ",".join(sorted(fixes)) or "none"
+    fixes = fixes_key(fixes_option(args.fixes))
     c = ceiling(ledger, ledger.measurements, gpu=gpu, seq_len=args.seq_len, model=args.model, quant=args.quant,
                 dropout=args.dropout > 0, dora=args.dora, fixes=fixes, budget_mib=args.budget_mib, real=args.real,
                 step=args.step, max_rank=args.max_rank, margin_mib=args.margin_mib)
@@ -155,8 +154,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
     gpu = require_gpu(ledger, args.gpu)
     made_on = _date(args.date, "--date") or dt.date.today()
     ms = before(ledger.measurements, made_on)
-    fixes = fixes_value(args.fixes)
-    fixes_key = fixes if isinstance(fixes, str) else ",".join(sorted(fixes)) or "none"
+    fixes = fixes_option(args.fixes)
+    fixes_text = fixes_key(fixes)
     lora = Lora(rank=args.rank, alpha=args.alpha, rslora=args.rslora or None, dropout=args.dropout,
                 dora=args.dora or None)
     if args.probe:
@@ -165,10 +164,10 @@ def cmd_predict(args: argparse.Namespace) -> int:
             raise UserError(Issue("--probe", "", f"no ok probe {args.probe!r} in the ledger"))
         probe_mib, basis = ok_peak(probe), [probe.id]
     else:
-        want = (gpu, args.model, args.quant, args.rank, args.dropout > 0, args.dora, fixes_key)
+        want = RecipeKey(gpu, None, args.quant, args.rank, args.dropout > 0, args.dora, fixes_text)
         same = [m for m in ms if m.kind == "probe" and m.lora and ok_peak(m) is not None
                 and (args.seq_len is None or m.seq_len == args.seq_len)
-                and recipe_key(m)[:1] + recipe_key(m)[2:] == want[:1] + want[2:]
+                and recipe_key(m).without_model() == want
                 and (args.model is None or m.model == args.model)]
         if same:
             probe = max(same, key=lambda m: (m.provenance.measured_on or dt.date.min, m.id))
@@ -178,8 +177,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
                 raise UserError(Issue("--seq-len", "", "no matching probe: give --seq-len (or --probe)"))
             models = sorted({m.model for m in ms if m.kind == "probe" and m.gpu == gpu and m.model})
             model = args.model or (models[0] if len(models) == 1 else None)
-            probe_mib, basis = PeakModel(ms).predict(gpu, (model, args.quant, args.seq_len, args.dropout > 0,
-                                                            args.dora, fixes_key), args.rank)
+            probe_mib, basis = PeakModel(ms).predict(gpu, GroupKey(model, args.quant, args.seq_len, args.dropout > 0,
+                                                                    args.dora, fixes_text), args.rank)
             if probe_mib is None:
                 raise UserError(Issue("predict", "", "unknown: no probes near this configuration in the ledger"))
     over = overestimate(ms)

@@ -33,31 +33,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Iterable, Optional
 
 from .models import Ledger, Measurement
+from .recipe import capacity_mib, fixes_key, group_key, recipe_key, seq_len_of
 
 # -- keys ------------------------------------------------------------------------------------
-
-
-def fixes_of(m) -> str:
-    f = m.memory_fixes
-    if f is None:
-        return "?"
-    return f if isinstance(f, str) else ",".join(sorted(f)) or "none"
-
-
-def seq_of(m) -> Optional[int]:
-    return m.seq_len or (m.dataset.longest_example_tokens if m.dataset else None)
-
-
-def recipe_key(m) -> tuple:
-    lora = m.lora
-    return (m.gpu, m.model, m.quant, lora.rank if lora else None, bool(lora and lora.dropout),
-            bool(lora and lora.dora), fixes_of(m))
-
-
-def group_key(m) -> tuple:
-    """Everything but rank and card: rows of one group differ only in rank."""
-    lora = m.lora
-    return (m.model, m.quant, seq_of(m), bool(lora and lora.dropout), bool(lora and lora.dora), fixes_of(m))
 
 
 def ok_peak(m: Measurement) -> Optional[float]:
@@ -126,7 +104,7 @@ def pairs(ms: list[Measurement]) -> list[Pair]:
             pp, rp = ok_peak(p), ok_peak(top)
             out.append(Pair(probe=p.id, reals=sorted(r.id for r in seg), probe_mib=pp, real_mib=rp,
                             overestimate_pct=round((pp - rp) / pp * 100, 3), key=list(key),
-                            probe_seq_len=seq_of(p), on=p.provenance.measured_on.isoformat()
+                            probe_seq_len=seq_len_of(p), on=p.provenance.measured_on.isoformat()
                             if p.provenance.measured_on else None))
     return sorted(out, key=lambda x: (x.on or "", x.probe))
 
@@ -212,8 +190,8 @@ class PeakModel:
         self.seqs: dict[tuple, set] = defaultdict(set)
         self.probes = _probes(self.ms)
         for m in self.probes:
-            if seq_of(m):
-                self.seqs[(m.gpu, m.model, m.quant, fixes_of(m))].add(seq_of(m))
+            if seq_len_of(m):
+                self.seqs[(m.gpu, m.model, m.quant, fixes_key(m.memory_fixes))].add(seq_len_of(m))
             peak = ok_peak(m)
             if peak is not None:
                 cell = best[(group_key(m), m.gpu)]
@@ -308,10 +286,7 @@ class Limit:
 
 
 def card_mib(ledger: Ledger, gpu: str) -> Optional[float]:
-    g = ledger.gpus.get(gpu)
-    if g is None:
-        return None
-    return round(g.usable_gib_torch * 1024, 1) if g.usable_gib_torch else g.total_mib
+    return capacity_mib(ledger.gpus.get(gpu))
 
 
 def _exceeded_peak(m: Measurement, model: PeakModel) -> Optional[float]:
@@ -375,18 +350,17 @@ def limit_for(lims: list[Limit], gpu: str, kind: str = "probe") -> Optional[Limi
 
 def _paired_diffs(peaks: "PeakModel", flag: str) -> list[dict]:
     """Probes identical but for dropout (or DoRA) off vs on: the cost, per card and rank."""
-    idx = 3 if flag == "dropout" else 4
     cells: dict[tuple, tuple[float, str]] = {}
     for group, by_gpu in peaks.by_group.items():
-        other = tuple(None if i == idx else v for i, v in enumerate(group))
+        other = group._replace(**{flag: None})
         for gpu, rows in by_gpu.items():
             for rank, peak, mid in rows:
-                cells[(gpu, rank, other, group[idx])] = (peak, mid)
+                cells[(gpu, rank, other, getattr(group, flag))] = (peak, mid)
     out = []
     for (gpu, rank, other, on), (peak, mid) in sorted(cells.items(), key=lambda kv: str(kv[0])):
         if on and (gpu, rank, other, False) in cells:
             off_peak, off_id = cells[(gpu, rank, other, False)]
-            out.append({"gpu": gpu, "rank": int(rank), "seq_len": other[2], "quant": other[1],
+            out.append({"gpu": gpu, "rank": int(rank), "seq_len": other.seq_len, "quant": other.quant,
                         "cost_mib": round(peak - off_peak, 1), "rows": [off_id, mid]})
     return out
 
@@ -404,7 +378,7 @@ def costs(ms: list[Measurement], peaks: Optional["PeakModel"] = None) -> dict:
     per_rank = []
     seq_points: dict[tuple, list[tuple[int, float, str]]] = defaultdict(list)
     for group, by_gpu in sorted(peaks.by_group.items(), key=lambda kv: str(kv[0])):
-        model, quant, seq, dropout, dora, fixes = group
+        model, quant, seq, dropout, dora, fixes = group  # a GroupKey
         for gpu, rows in sorted(by_gpu.items()):
             s = _slope([(x, y) for x, y, _ in rows])
             if s is not None:
@@ -439,14 +413,13 @@ def costs(ms: list[Measurement], peaks: Optional["PeakModel"] = None) -> dict:
         if m.kind == "real" and m.lora is not None and m.gpu:
             peak = ok_peak(m)
             if peak is not None:
-                k = recipe_key(m)
-                rgroups[(k[0], k[1], k[2], k[4], k[5], k[6])][m.lora.rank].append((peak, m.id))
+                rgroups[recipe_key(m)._replace(rank=None)][m.lora.rank].append((peak, m.id))
     for key in sorted(rgroups, key=str):
         ranks = sorted(rgroups[key])
         for a, b in zip(ranks, ranks[1:]):
             ma = statistics.mean(p for p, _ in rgroups[key][a])
             mb = statistics.mean(p for p, _ in rgroups[key][b])
-            real.append({"gpu": key[0], "dropout": key[3], "from_rank": a, "to_rank": b,
+            real.append({"gpu": key.gpu, "dropout": key.dropout, "from_rank": a, "to_rank": b,
                          "cost_mib": round(mb - ma, 1), "mib_per_rank": round((mb - ma) / (b - a), 2),
                          "rows": sorted(i for _, i in rgroups[key][a] + rgroups[key][b])})
     return {

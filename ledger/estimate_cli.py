@@ -8,7 +8,7 @@ from . import store
 from .cli import dump_json, register
 from .errors import Issue, UserError
 from .estimators import Recipe, estimate_all, load_arch
-from .lookup import require_gpu
+from .recipe import capacity_mib, require_gpu, seq_len_of
 from .paths import DEFAULT_LEDGER, shown
 
 
@@ -33,7 +33,7 @@ def nearest(ledger, model: str, recipe: Recipe, gpu):
             continue
         if m.model and model.split("/")[-1].replace(".json", "") not in m.model:
             continue
-        seq = m.seq_len or (m.dataset.longest_example_tokens if m.dataset else None)
+        seq = seq_len_of(m)
         if seq is None:
             continue
         d = (abs(seq - recipe.seq_len) / recipe.seq_len + abs(m.lora.rank - recipe.rank) / recipe.rank
@@ -58,7 +58,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     card = None
     if gpu:
         g = ledger.gpus[gpu]
-        card = g.usable_gib_torch * 1024 if g.usable_gib_torch else g.total_mib
+        card = capacity_mib(g)
     recipe = Recipe(quant=args.quant, rank=args.rank, seq_len=args.seq_len, dropout=args.dropout, dora=args.dora,
                     batch=args.batch_size)
     figures = estimate_all(arch, recipe, card)
@@ -67,7 +67,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
            "card_mib": card, "estimates": figures,
            "nearest_measurement": None if near is None else {
                "id": near.id, "gpu": near.gpu, "kind": near.kind, "rank": near.lora.rank,
-               "seq_len": near.seq_len or (near.dataset.longest_example_tokens if near.dataset else None),
+               "seq_len": seq_len_of(near),
                "peak_allocated_mib": near.outcome.peak_allocated_mib, "peak_reserved_mib": near.outcome.peak_reserved_mib}}
     if args.json:
         dump_json(doc)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from .recipe import capacity_mib, fixes_key, seq_len_of
 from .models import Ledger, Measurement
 
 GIB = 2**30
@@ -249,7 +250,8 @@ class VramLedger(Estimator):
         self.ledger = ledger
 
     def predict_row(self, m: Measurement, rest: list[Measurement]) -> Optional[float]:
-        from .calibration import PeakModel, group_key, ok_peak, overestimate, predict_real, recipe_key
+        from .calibration import PeakModel, ok_peak, overestimate, predict_real
+        from .recipe import group_key, recipe_key
 
         if m.lora is None or not m.gpu:
             return None
@@ -288,7 +290,7 @@ class DryRunRows(Estimator):
     def key(m: Measurement) -> tuple:
         name = (m.model or "").split("/")[-1]
         return (name, m.quant, m.lora.rank, bool(m.lora.dropout), bool(m.lora.dora), m.seq_len, m.response_len,
-                m.memory_fixes if isinstance(m.memory_fixes, str) else str(m.memory_fixes))
+                fixes_key(m.memory_fixes))
 
     def predict_row(self, m: Measurement) -> Optional[float]:
         return self.by_key.get(self.key(m)) if m.lora else None
@@ -307,10 +309,11 @@ HELD_OUT_LIMIT = 1000
 
 
 def recipe_of(m: Measurement) -> Optional[Recipe]:
-    seq = m.seq_len or (m.dataset.longest_example_tokens if m.dataset else None)
+    seq = seq_len_of(m)
     if m.lora is None or seq is None or m.quant not in ("4bit", "bf16"):
         return None
-    fixes = m.memory_fixes if isinstance(m.memory_fixes, str) else ("custom" if m.memory_fixes else "none")
+    fixes = fixes_key(m.memory_fixes) if m.memory_fixes is not None else None
+    fixes = fixes if fixes in ("all", "none", None) else "custom"
     return Recipe(quant=m.quant, rank=m.lora.rank, seq_len=seq, dropout=m.lora.dropout or 0.0,
                   dora=bool(m.lora.dora), batch=m.batch_size or 1, fixes=fixes or "all")
 
@@ -325,10 +328,7 @@ def _measured(m: Measurement, predicts: str) -> tuple[Optional[float], str]:
 
 
 def _card_mib(ledger: Ledger, gpu: Optional[str]) -> Optional[float]:
-    g = ledger.gpus.get(gpu) if gpu else None
-    if g is None:
-        return None
-    return g.usable_gib_torch * 1024 if g.usable_gib_torch else g.total_mib
+    return capacity_mib(ledger.gpus.get(gpu)) if gpu else None
 
 
 def _seq_bucket(seq: int) -> str:

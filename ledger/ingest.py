@@ -20,8 +20,8 @@ from . import store
 from .cli import dump_json, register
 from .errors import Issue, UserError
 from .logs import LogError, RunEvidence, parse_log
-from .lookup import require_gpu
-from .models import Dataset, Environment, FIX_NAMES, Ledger, Lora, Measurement, Outcome, Provenance
+from .models import Dataset, Environment, Ledger, Lora, Measurement, Outcome, Provenance
+from .recipe import capacity_mib, fixes_value, parse_fixes, require_gpu
 from .paths import DEFAULT_LEDGER, shown
 
 
@@ -42,16 +42,14 @@ def add_config_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epochs", type=float, help="epochs")
 
 
-def fixes_value(text: Optional[str]):
+def fixes_option(text: Optional[str]):
+    """The ``--fixes`` option as the ledger records it: 'all', 'none' or a list (a located error)."""
     if text is None:
         return None
-    if text in ("all", "none"):
-        return text
-    fixes = [f.strip().replace("-", "_") for f in text.split(",") if f.strip()]
-    bad = [f for f in fixes if f not in FIX_NAMES]
-    if bad:
-        raise UserError(Issue("--fixes", "", f"unknown memory fix {bad[0]!r} (known: all, none, {', '.join(FIX_NAMES)})"))
-    return fixes
+    try:
+        return fixes_value(parse_fixes(text))
+    except ValueError as exc:
+        raise UserError(Issue("--fixes", "", str(exc))) from None
 
 
 def config_fields(args: argparse.Namespace, ledger: Ledger) -> dict:
@@ -69,7 +67,7 @@ def config_fields(args: argparse.Namespace, ledger: Ledger) -> dict:
     elif any(x is not None for x in (args.alpha, args.dropout)) or args.rslora or args.dora:
         raise UserError(Issue("--rank", "", "LoRA settings need --rank"))
     if args.fixes:
-        fields["memory_fixes"] = fixes_value(args.fixes)
+        fields["memory_fixes"] = fixes_option(args.fixes)
     ds = {k: v for k, v in (("name", args.dataset), ("examples", args.examples),
                             ("longest_example_tokens", args.seq_len), ("epochs", args.epochs)) if v is not None}
     if ds:
@@ -144,7 +142,7 @@ def _card_check(ev: RunEvidence, ledger: Ledger, gpu_key: Optional[str], where: 
         return Issue(where, "", "--gpu is required: a real run's figures mean nothing without the card they ran on "
                      "(a key of the ledger's gpus, an alias or its name)")
     gpu = ledger.gpus[gpu_key]
-    card = gpu.usable_gib_torch * 1024 if gpu.usable_gib_torch else gpu.total_mib
+    card = capacity_mib(gpu)
     said = ev.oom.total_mib if ev.oom is not None else cb.get("total_mib")
     if card and isinstance(said, (int, float)) and abs(said - card) > CAPACITY_TOLERANCE * card:
         return Issue(where, "", f"the log says the card has {said / 1024:.2f} GiB but {gpu_key} has "

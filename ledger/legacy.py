@@ -45,6 +45,7 @@ from .models import (
     PredictionScore,
     Provenance,
 )
+from .recipe import resolve_gpu, short_name, slug, vendor_of
 from .units import SIZE, SIZE_RE, round_mib, to_mib
 
 _KINDS = {"probe", "real", "load", "computed", "dry_run"}
@@ -52,22 +53,6 @@ _STATUSES = {"ok", "oom", "spilled", "crashed", "host_oom"}
 _PROV_KEYS = {"source", "measured_on", "inferred"}
 _FILE_EXT = re.compile(r"\.(py|json|log|sh|md|txt|toml|yaml|yml)$")
 _MODEL_ID = re.compile(r"(?<![\w./-])([A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*[A-Za-z0-9])")
-_VENDOR_PREFIX = re.compile(r"^(nvidia\s+geforce|nvidia|amd\s+radeon|amd|intel\s+arc|intel|apple)\s+", re.I)
-
-
-def slug(text: str) -> str:
-    """A GPU key from a card name: 'NVIDIA GeForce RTX 3070 Ti' -> 'rtx-3070-ti'."""
-    text = _VENDOR_PREFIX.sub("", text.strip())
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "gpu"
-
-
-def vendor_of(name: str) -> str | None:
-    low = name.lower()
-    for needle, vendor in (("nvidia", "nvidia"), ("geforce", "nvidia"), ("rtx", "nvidia"), ("amd", "amd"),
-                           ("radeon", "amd"), ("intel", "intel"), ("apple", "apple")):
-        if needle in low:
-            return vendor
-    return None
 
 
 _ACRONYMS = {"gpu": "GPU", "ram": "RAM", "vram": "VRAM", "lora": "LoRA", "dora": "DoRA", "vs": "versus"}
@@ -179,7 +164,7 @@ class _Importer:
             else:
                 prov.notes.append(f"{key.replace('_', ' ').capitalize()}: {_fmt(value)}")
         key = slug(name)
-        aliases = sorted({a for a in (legacy_key, _VENDOR_PREFIX.sub("", name)) if a and a != key})
+        aliases = sorted({a for a in (legacy_key, short_name(name)) if a and a != key})
         try:
             gpu = Gpu(name=name, vendor=vendor_of(name), aliases=aliases, provenance=prov, **fields)
         except Exception as exc:  # pydantic ValidationError: report, keep going
@@ -189,11 +174,7 @@ class _Importer:
         return key
 
     def resolve_gpu(self, name: str) -> str | None:
-        want = slug(name)
-        for key, gpu in self.gpus.items():
-            if want == key or name in gpu.aliases or slug(gpu.name) == want:
-                return key
-        return None
+        return resolve_gpu(self.gpus, name)
 
     # measurements -----------------------------------------------------------------
     def measurement(self, rec: dict, loc: str, *, cross: bool, default_model: str | None) -> None:

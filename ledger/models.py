@@ -20,9 +20,6 @@ SCHEMA_VERSION = 1
 
 SCHEMA_ID = "urn:vram-ledger:schema:ledger"
 
-#: Memory fixes a probe or run can switch on (the recipe's names).
-FIX_NAMES = ("chunked_mlp", "save_on_cpu", "bf16_lm_head", "logits_to_keep")
-
 Id = Annotated[
     str,
     Field(
@@ -55,6 +52,7 @@ Date = Annotated[_dt.date, BeforeValidator(_parse_date)]
 Kind = Literal["probe", "real", "load", "computed", "dry_run"]
 Status = Literal["ok", "oom", "spilled", "crashed", "host_oom"]
 Quant = Literal["4bit", "8bit", "bf16", "fp16", "fp32"]
+#: Memory fixes a probe or run can switch on, in the recipe's order (ledger.recipe.FIX_NAMES).
 FixName = Literal["chunked_mlp", "save_on_cpu", "bf16_lm_head", "logits_to_keep"]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 from .models import Ledger, Measurement, Prediction, PredictionScore
+from .recipe import seq_len_of
 
 
 def _same(a, b) -> bool:
@@ -22,8 +23,7 @@ def matches(pred: Prediction, m: Measurement) -> bool:
             return False
         if bool(pred.lora.dropout) != bool(m.lora.dropout) or bool(pred.lora.dora) != bool(m.lora.dora):
             return False
-    seq_m = m.seq_len or (m.dataset.longest_example_tokens if m.dataset else None)
-    seq_p = pred.seq_len or (pred.dataset.longest_example_tokens if pred.dataset else None)
+    seq_m, seq_p = seq_len_of(m), seq_len_of(pred)
     if seq_m is not None and seq_p is not None and seq_m != seq_p:
         return False
     if pred.made_on and m.provenance.measured_on and m.provenance.measured_on < pred.made_on:

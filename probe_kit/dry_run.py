@@ -39,11 +39,12 @@ from typing import Iterator, Optional
 import torch
 
 from ledger import store
+from ledger.recipe import fixes_value
 from ledger.models import Environment, Lora, Measurement, Outcome, Provenance
 
 from .meters import MIB, TrackerMeter
 from .probe_vram import add_recipe_options, config_from_args, probe_id, rss_bytes, run_cli, versions
-from .recipe import ProbeConfig, RecipeError, fixes_label, load_config, prepare, resolve_config_path, step, \
+from .recipe import ProbeConfig, RecipeError, load_config, prepare, resolve_config_path, step, \
     synthetic_batch, checkpointing_active, offload
 
 #: PyTorch's default cuBLAS workspace per handle (CUBLAS_WORKSPACE_CONFIG ":4096:8"): 4096 KiB x 2
@@ -261,7 +262,7 @@ def measurement(cfg: ProbeConfig, outcome: dict, breakdown: dict, gpu: Optional[
         kind="dry_run", gpu=gpu, model=cfg.model, quant=cfg.quant,
         lora=Lora(rank=cfg.rank, alpha=cfg.alpha if cfg.alpha is not None else float(cfg.rank), rslora=cfg.rslora,
                   dropout=cfg.dropout, dora=cfg.dora, target_modules=list(cfg.target_modules)),
-        seq_len=cfg.seq_len, response_len=cfg.response_len, batch_size=1, memory_fixes=fixes_label(cfg.fixes),
+        seq_len=cfg.seq_len, response_len=cfg.response_len, batch_size=1, memory_fixes=fixes_value(cfg.fixes),
         logits_to_keep=cfg.keep if "logits_to_keep" in cfg.fixes else None,
         config_text=json.dumps(cfg.key(), sort_keys=True),
         outcome=Outcome(status=outcome["status"], after_load_mib=outcome["after_load_mib"],
@@ -308,7 +309,7 @@ def main(argv=None) -> int:
         if args.gpu:
             if not args.ledger:
                 raise RecipeError("--gpu needs --ledger (the card's figures come from it)")
-            from ledger.lookup import require_gpu
+            from ledger.recipe import require_gpu
 
             gpu = require_gpu(store.load(args.ledger), args.gpu)
         with contextlib.redirect_stdout(sys.stderr):

@@ -28,13 +28,13 @@ import time
 from typing import Iterator, Optional
 
 from ledger import store
+from ledger.recipe import fixes_value, slug, vendor_of
 from ledger.errors import UserError
-from ledger.legacy import slug, vendor_of
 from ledger.models import Environment, Gpu, Lora, Measurement, Oom, Outcome, Provenance
 from ledger.oom import find_oom, parse_oom_message
 from ledger.units import round_mib
 
-from .recipe import ProbeConfig, RecipeError, fixes_label, parse_fixes
+from .recipe import ProbeConfig, RecipeError, parse_fixes
 
 MIB = 2**20
 #: Exit codes. Refused input is 1 and nothing else may exit 1: every other failure (an illegal
@@ -372,7 +372,7 @@ def run_probe(
         seq_len=cfg.seq_len,
         response_len=cfg.response_len,
         batch_size=1,
-        memory_fixes=fixes_label(cfg.fixes),
+        memory_fixes=fixes_value(cfg.fixes),
         logits_to_keep=cfg.keep if "logits_to_keep" in cfg.fixes else None,
         config_text=json.dumps(cfg.key(), sort_keys=True),
         outcome=Outcome(status=status, oom=oom, **out),

@@ -25,7 +25,8 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from ledger.models import FIX_NAMES
+from ledger import recipe as ledger_recipe
+from ledger.recipe import FIX_NAMES
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -36,24 +37,11 @@ class RecipeError(Exception):
 
 
 def parse_fixes(text: str) -> list[str]:
-    """'all', 'none' or a comma list of fix names -> the list of fixes on."""
-    text = text.strip()
-    if text == "all":
-        return list(FIX_NAMES)
-    if text in ("none", ""):
-        return []
-    fixes = [f.strip().replace("-", "_") for f in text.split(",") if f.strip()]
-    unknown = [f for f in fixes if f not in FIX_NAMES]
-    if unknown:
-        raise RecipeError(f"unknown memory fix {unknown[0]!r} (known: all, none, {', '.join(FIX_NAMES)})")
-    return [f for f in FIX_NAMES if f in fixes]
-
-
-def fixes_label(fixes: list[str]) -> object:
-    """How the ledger records a fix list: 'all', 'none' or the list."""
-    if set(fixes) == set(FIX_NAMES):
-        return "all"
-    return fixes if fixes else "none"
+    """'all', 'none' or a comma list of fix names -> the list of fixes on (ledger.recipe's reading)."""
+    try:
+        return ledger_recipe.parse_fixes(text)
+    except ValueError as exc:
+        raise RecipeError(str(exc)) from None
 
 
 @dataclass

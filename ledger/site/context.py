@@ -12,6 +12,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
+from ..recipe import capacity_mib, fixes_key, seq_len_of
 from ..models import Finding, Gpu, Ledger, Measurement, Prediction
 from . import filters
 
@@ -197,20 +198,9 @@ def ledger_hash(ledger: Ledger, text: Optional[str] = None) -> str:
     return hashlib.sha256((text if text is not None else canonical_json(ledger)).encode("utf-8")).hexdigest()
 
 
-def card_limit_mib(gpu: Optional[Gpu]) -> Optional[float]:
-    """What torch can use on the card: usable GiB as torch reports it, else the total."""
-    if gpu is None:
-        return None
-    if gpu.usable_gib_torch:
-        return gpu.usable_gib_torch * 1024
-    return gpu.total_mib
-
-
 def _fixes(m: Measurement) -> str:
-    f = m.memory_fixes
-    if f is None:
-        return ""
-    return f if isinstance(f, str) else ", ".join(f) or "none"
+    """The memory fixes as the tables show them (blank when the row does not say)."""
+    return "" if m.memory_fixes is None else fixes_key(m.memory_fixes)
 
 
 def _gpu_label(ledger: Ledger, key: Optional[str]) -> str:
@@ -258,7 +248,7 @@ def _provenance_title(m: Measurement) -> str:
 def make_row(ledger: Ledger, m: Measurement) -> Row:
     o = m.outcome
     lora = m.lora
-    seq = m.seq_len or (m.dataset.longest_example_tokens if m.dataset else None)
+    seq = seq_len_of(m)
     if o.status == "oom":
         peak_text = _oom_text(m)
     elif o.peak_allocated_mib is not None:
@@ -491,7 +481,7 @@ def _points(points: dict) -> list[PlotPoint]:
 
 def make_plots(ledger: Ledger) -> list[Plot]:
     """Peak vs rank per card, peak vs sequence length, probe vs real: one pass over the rows."""
-    limits = {key: card_limit_mib(gpu) for key, gpu in ledger.gpus.items()}
+    limits = {key: capacity_mib(gpu) for key, gpu in ledger.gpus.items()}
     by_rank: dict[str, dict[tuple, dict]] = defaultdict(lambda: defaultdict(dict))
     by_seq: dict[tuple, dict] = defaultdict(dict)
     probe_real: dict[str, dict[tuple, dict]] = defaultdict(lambda: defaultdict(dict))
@@ -505,7 +495,7 @@ def make_plots(ledger: Ledger) -> list[Plot]:
         ok = m.outcome.status == "ok" and m.outcome.peak_allocated_mib is not None
         if m.kind == "probe":
             fixes = _fixes(m)
-            seq = m.seq_len or (m.dataset.longest_example_tokens if m.dataset else None)
+            seq = seq_len_of(m)
             _keep_highest(by_rank[gpu][(m.quant or "?", fixes or "?", dropout, dora, seq)], rank, m, limit)
             if m.seq_len:
                 _keep_highest(by_seq[(gpu, m.quant, lora.rank, dropout, dora, fixes)], float(m.seq_len), m, limit)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import csv
 import io
 from ..models import Ledger, Measurement
+from ..recipe import fixes_key
 
 
 def _fixes(m: Measurement) -> str:
-    f = m.memory_fixes
-    return "" if f is None else (f if isinstance(f, str) else " ".join(f) or "none")
+    return "" if m.memory_fixes is None else fixes_key(m.memory_fixes)
 
 
 #: A text cell starting with one of these is a formula to a spreadsheet (CSV injection).

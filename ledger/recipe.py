@@ -1,0 +1,160 @@
+"""The recipe vocabulary: the facts about a configuration and a card that every part of the
+project reads the same way (calibration, estimators, the site, downloads, estimate, predictions,
+the legacy importer and the probe kit). Nothing here does I/O or imports torch.
+
+- ``capacity_mib(gpu)``: what torch can use on a card (its usable GiB as torch reports it, else
+  the vendor total), in MiB;
+- ``seq_len_of(row)``: the sequence length a row was measured at (its ``seq_len``, else the
+  dataset's longest example);
+- ``fixes_key(value)``: one canonical text for a memory-fixes value ('all', 'none', a comma list
+  in the recipe's order, '?' when unknown); ``parse_fixes(text)`` reads what users type;
+- ``RecipeKey`` / ``recipe_key(row)``: the named, typed key of a recipe on a card;
+- ``slug``, ``vendor_of``, ``resolve_gpu``, ``require_gpu``: card names and keys.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Mapping, NamedTuple, Optional, get_args
+
+from .errors import Issue, UserError
+from .models import FixName, Gpu, Ledger
+
+#: Memory fixes a probe or run can switch on, in the recipe's order.
+FIX_NAMES: tuple[str, ...] = get_args(FixName)
+
+
+def capacity_mib(gpu: Optional[Gpu]) -> Optional[float]:
+    """What torch can use on the card, in MiB: usable GiB as torch reports it, else the total."""
+    if gpu is None:
+        return None
+    if gpu.usable_gib_torch:
+        return round(gpu.usable_gib_torch * 1024, 1)
+    return gpu.total_mib
+
+
+def seq_len_of(row) -> Optional[int]:
+    """Tokens in the measured sequence: ``seq_len``, else the dataset's longest example."""
+    if row.seq_len:
+        return row.seq_len
+    ds = getattr(row, "dataset", None)
+    return ds.longest_example_tokens if ds else None
+
+
+def parse_fixes(text: str) -> list[str]:
+    """'all', 'none' or a comma list of fix names -> the fixes on, in the recipe's order.
+    Raises ValueError naming an unknown fix."""
+    text = text.strip()
+    if text == "all":
+        return list(FIX_NAMES)
+    if text in ("none", ""):
+        return []
+    fixes = [f.strip().replace("-", "_") for f in text.split(",") if f.strip()]
+    unknown = [f for f in fixes if f not in FIX_NAMES]
+    if unknown:
+        raise ValueError(f"unknown memory fix {unknown[0]!r} (known: all, none, {', '.join(FIX_NAMES)})")
+    return [f for f in FIX_NAMES if f in fixes]
+
+
+def fixes_value(fixes: list[str]):
+    """How the ledger records a fix list: 'all', 'none' or the list."""
+    if set(fixes) == set(FIX_NAMES):
+        return "all"
+    return list(fixes) if fixes else "none"
+
+
+def fixes_key(value) -> str:
+    """One canonical text for a ``memory_fixes`` value: 'all', 'none', a comma list in the
+    recipe's order, or '?' when the row does not say."""
+    if value is None:
+        return "?"
+    if isinstance(value, str):
+        return value
+    on = [f for f in FIX_NAMES if f in value]
+    if not on:
+        return "none"
+    return "all" if len(on) == len(FIX_NAMES) else ",".join(on)
+
+
+class RecipeKey(NamedTuple):
+    """A recipe on a card: card, model, quant, rank, dropout on, DoRA on, memory fixes."""
+
+    gpu: Optional[str]
+    model: Optional[str]
+    quant: Optional[str]
+    rank: Optional[int]
+    dropout: bool
+    dora: bool
+    fixes: str
+
+    def without_model(self) -> "RecipeKey":
+        """The key with the model left out (rows that do not name their model still match)."""
+        return self._replace(model=None)
+
+
+class GroupKey(NamedTuple):
+    """Rows of one group differ only in rank and card."""
+
+    model: Optional[str]
+    quant: Optional[str]
+    seq_len: Optional[int]
+    dropout: bool
+    dora: bool
+    fixes: str
+
+
+def recipe_key(row) -> RecipeKey:
+    lora = row.lora
+    return RecipeKey(row.gpu, row.model, row.quant, lora.rank if lora else None, bool(lora and lora.dropout),
+                     bool(lora and lora.dora), fixes_key(row.memory_fixes))
+
+
+def group_key(row) -> GroupKey:
+    lora = row.lora
+    return GroupKey(row.model, row.quant, seq_len_of(row), bool(lora and lora.dropout), bool(lora and lora.dora),
+                    fixes_key(row.memory_fixes))
+
+
+# -- card names -------------------------------------------------------------------------------
+
+_VENDOR_PREFIX = re.compile(r"^(nvidia\s+geforce|nvidia|amd\s+radeon|amd|intel\s+arc|intel|apple)\s+", re.I)
+
+
+def short_name(name: str) -> str:
+    """A card's name without its vendor prefix: 'NVIDIA GeForce RTX 3070 Ti' -> 'RTX 3070 Ti'."""
+    return _VENDOR_PREFIX.sub("", name.strip())
+
+
+def slug(text: str) -> str:
+    """A GPU key from a card name: 'NVIDIA GeForce RTX 3070 Ti' -> 'rtx-3070-ti'."""
+    text = short_name(text)
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "gpu"
+
+
+def vendor_of(name: str) -> Optional[str]:
+    """The vendor a card's name says, or None."""
+    low = name.lower()
+    for needle, vendor in (("nvidia", "nvidia"), ("geforce", "nvidia"), ("rtx", "nvidia"), ("amd", "amd"),
+                           ("radeon", "amd"), ("intel", "intel"), ("apple", "apple")):
+        if needle in low:
+            return vendor
+    return None
+
+
+def resolve_gpu(gpus: Mapping[str, Gpu], name: str) -> Optional[str]:
+    """The key of the card called ``name``: its key, an alias, its name, or a slug of either."""
+    want = slug(name)
+    for key, gpu in gpus.items():
+        names = {key, gpu.name, *gpu.aliases}
+        if name in names or want in {slug(n) for n in names}:
+            return key
+    return None
+
+
+def require_gpu(ledger: Ledger, name: str, where: str = "--gpu") -> str:
+    """``resolve_gpu`` or a one-line error listing the known cards."""
+    key = resolve_gpu(ledger.gpus, name)
+    if key is None:
+        known = ", ".join(sorted(ledger.gpus)) or "none"
+        raise UserError(Issue(where, "", f"unknown gpu {name!r} (known: {known})"))
+    return key
