@@ -39,8 +39,7 @@ from typing import Iterator, Optional
 import torch
 
 from ledger import store
-from ledger.recipe import fixes_value
-from ledger.models import Environment, Lora, Measurement, Outcome, Provenance
+from ledger.models import Environment, Measurement, Outcome, Provenance
 
 from .meters import MIB, TrackerMeter
 from .probe_vram import add_recipe_options, config_from_args, probe_id, rss_bytes, run_cli, versions
@@ -257,14 +256,8 @@ def measurement(cfg: ProbeConfig, outcome: dict, breakdown: dict, gpu: Optional[
     from ledger.oom import parse_oom_message
 
     v = versions()
-    return Measurement(
-        id=mid or probe_id(cfg, "dry", gpu).replace("probe-", "dry-", 1),
-        kind="dry_run", gpu=gpu, model=cfg.model, quant=cfg.quant,
-        lora=Lora(rank=cfg.rank, alpha=cfg.alpha if cfg.alpha is not None else float(cfg.rank), rslora=cfg.rslora,
-                  dropout=cfg.dropout, dora=cfg.dora, target_modules=list(cfg.target_modules)),
-        seq_len=cfg.seq_len, response_len=cfg.response_len, batch_size=1, memory_fixes=fixes_value(cfg.fixes),
-        logits_to_keep=cfg.keep if "logits_to_keep" in cfg.fixes else None,
-        config_text=json.dumps(cfg.key(), sort_keys=True),
+    return cfg.measurement(
+        id=mid or probe_id(cfg, "dry", gpu).replace("probe-", "dry-", 1), kind="dry_run", gpu=gpu,
         outcome=Outcome(status=outcome["status"], after_load_mib=outcome["after_load_mib"],
                         pre_step_mib=outcome["pre_step_mib"], peak_allocated_mib=outcome["peak_allocated_mib"],
                         peak_reserved_mib=outcome["peak_reserved_mib"],

@@ -28,9 +28,9 @@ import time
 from typing import Iterator, Optional
 
 from ledger import store
-from ledger.recipe import fixes_value, slug, vendor_of
+from ledger.recipe import slug, vendor_of
 from ledger.errors import UserError
-from ledger.models import Environment, Gpu, Lora, Measurement, Oom, Outcome, Provenance
+from ledger.models import Environment, Gpu, Measurement, Oom, Outcome, Provenance
 from ledger.oom import find_oom, parse_oom_message
 from ledger.units import round_mib
 
@@ -361,20 +361,8 @@ def run_probe(
     if isinstance(meter, TrackerMeter):
         notes.append("Measured on the CPU by the tracker meter (live tensor storages, 512-byte blocks); "
                      "no allocator cache, so no reserved figure.")
-    measurement = Measurement(
-        id=mid or probe_id(cfg, str(dev.type), gpu_key),
-        kind="probe",
-        gpu=gpu_key,
-        model=cfg.model,
-        quant=cfg.quant,
-        lora=Lora(rank=cfg.rank, alpha=cfg.alpha if cfg.alpha is not None else float(cfg.rank), rslora=cfg.rslora,
-                  dropout=cfg.dropout, dora=cfg.dora, target_modules=list(cfg.target_modules)),
-        seq_len=cfg.seq_len,
-        response_len=cfg.response_len,
-        batch_size=1,
-        memory_fixes=fixes_value(cfg.fixes),
-        logits_to_keep=cfg.keep if "logits_to_keep" in cfg.fixes else None,
-        config_text=json.dumps(cfg.key(), sort_keys=True),
+    measurement = cfg.measurement(
+        id=mid or probe_id(cfg, str(dev.type), gpu_key), kind="probe", gpu=gpu_key,
         outcome=Outcome(status=status, oom=oom, **out),
         environment=environment(dev, meter.name),
         provenance=Provenance(

@@ -26,6 +26,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from ledger import recipe as ledger_recipe
+from ledger.models import Lora, Measurement
 from ledger.recipe import FIX_NAMES
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -87,6 +88,20 @@ class ProbeConfig:
     def key(self) -> dict:
         """The configuration as a dict (stable; used for ids and --resume)."""
         return asdict(self)
+
+    def measurement(self, *, id: str, kind: str, gpu: Optional[str] = None, **fields) -> Measurement:
+        """The one place a probe configuration becomes a ledger Measurement (probe, crashed
+        sweep point, dry run): the recipe fields from this config, the rest from ``fields``."""
+        return Measurement(
+            id=id, kind=kind, gpu=gpu, model=self.model, quant=self.quant,
+            lora=Lora(rank=self.rank, alpha=self.alpha if self.alpha is not None else float(self.rank),
+                      rslora=self.rslora, dropout=self.dropout, dora=self.dora,
+                      target_modules=list(self.target_modules)),
+            seq_len=self.seq_len, response_len=self.response_len, batch_size=1,
+            memory_fixes=ledger_recipe.fixes_value(self.fixes),
+            logits_to_keep=self.keep if "logits_to_keep" in self.fixes else None,
+            config_text=json.dumps(self.key(), sort_keys=True), **fields,
+        )
 
 
 # -- model ----------------------------------------------------------------------------------

@@ -38,9 +38,8 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from ledger import store
-from ledger.recipe import fixes_value
 from ledger.errors import Issue, UserError
-from ledger.models import Environment, Gpu, Lora, Measurement, Outcome, Provenance
+from ledger.models import Environment, Gpu, Measurement, Outcome, Provenance
 from ledger.paths import DEFAULT_LEDGER, shown
 
 from .probe_vram import EXIT_CRASHED, EXIT_REFUSED
@@ -196,12 +195,8 @@ class Result:
 
 def crashed_measurement(point: Point, sweep: Sweep, why: str, stderr_tail: str,
                         gpu_key: Optional[str] = None) -> Measurement:
-    cfg = point.config
-    return Measurement(
-        id=point.id, kind="probe", gpu=gpu_key, model=cfg.model, quant=cfg.quant,
-        lora=Lora(rank=cfg.rank, alpha=cfg.alpha if cfg.alpha is not None else float(cfg.rank), rslora=cfg.rslora,
-                  dropout=cfg.dropout, dora=cfg.dora, target_modules=list(cfg.target_modules)),
-        seq_len=cfg.seq_len, response_len=cfg.response_len, batch_size=1, memory_fixes=fixes_value(cfg.fixes),
+    return point.config.measurement(
+        id=point.id, kind="probe", gpu=gpu_key,
         outcome=Outcome(status="crashed", result_text=f"{why}\n{stderr_tail}".strip()),
         environment=Environment(device=sweep.device),
         provenance=Provenance(source=f"probe_kit.run_sweep {sweep.path} ({point.where})",
