@@ -453,3 +453,21 @@ def estimate_all(arch: Arch, recipe: Recipe, gpu_total_mib: Optional[float] = No
                     "breakdown_mib": {k: round(v / MIB, 1) for k, v in e.breakdown.items()}, "note": e.note})
     return out
 
+
+def nearest_row(ledger: Ledger, model: str, recipe: Recipe, gpu: Optional[str]) -> Optional[Measurement]:
+    """The ledger's closest measured row: same model family and quant, nearest rank and length."""
+    best = None
+    for m in ledger.measurements:
+        if m.lora is None or m.outcome.peak_allocated_mib is None or m.quant != recipe.quant:
+            continue
+        if m.model and model.split("/")[-1].replace(".json", "") not in m.model:
+            continue
+        seq = seq_len_of(m)
+        if seq is None:
+            continue
+        d = (abs(seq - recipe.seq_len) / recipe.seq_len + abs(m.lora.rank - recipe.rank) / recipe.rank
+             + (bool(m.lora.dropout) != bool(recipe.dropout)) + (bool(m.lora.dora) != recipe.dora)
+             + (0 if gpu is None or m.gpu == gpu else 0.5))
+        if best is None or d < best[0]:
+            best = (d, m)
+    return best[1] if best else None

@@ -1,14 +1,16 @@
-"""``vram ingest-log``: real-run measurements from training logs, appended to the ledger.
+"""Real-run measurements from training logs and from the TrainerCallback (the library half of
+``vram ingest-log``; the command is ``ledger.cli.ingest_log``).
 
 Idempotent: a measurement's id comes from the log's content, so ingesting the same log twice
-adds nothing. Nothing is written unless every log given could be read.
+adds nothing. Nothing is written unless every log given could be read. The run is described by
+a typed ``RunSpec`` (the recipe flags), never by parsed command-line arguments.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import hashlib
+import json
 import os
 import re
 import sys
@@ -17,29 +19,29 @@ from pathlib import Path
 from typing import Optional
 
 from . import store
-from .cli import dump_json, register
 from .errors import Issue, UserError
-from .logs import LogError, RunEvidence, parse_log
+from .logs import LogError, RunEvidence, evidence_from_callback, parse_log
 from .models import Dataset, Environment, Ledger, Lora, Measurement, Outcome, Provenance
 from .recipe import capacity_mib, fixes_value, parse_fixes, require_gpu
-from .paths import DEFAULT_LEDGER, shown
 
 
-def add_config_options(p: argparse.ArgumentParser) -> None:
-    """The recipe flags a real run is described by (shared with predict and ceiling)."""
-    p.add_argument("--gpu", help="the card (a key of the ledger's gpus, an alias or its name)")
-    p.add_argument("--model", help="model id, e.g. unsloth/gemma-3-4b-it")
-    p.add_argument("--quant", choices=["4bit", "8bit", "bf16", "fp16", "fp32"], help="base weights")
-    p.add_argument("--rank", type=int, help="LoRA rank")
-    p.add_argument("--alpha", type=float, help="lora_alpha")
-    p.add_argument("--rslora", action="store_true", help="rank-stabilised LoRA")
-    p.add_argument("--dropout", type=float, help="lora_dropout")
-    p.add_argument("--dora", action="store_true", help="DoRA")
-    p.add_argument("--seq-len", type=int, help="tokens in the longest example")
-    p.add_argument("--fixes", help="memory fixes: all, none or a comma list")
-    p.add_argument("--dataset", help="dataset name or date")
-    p.add_argument("--examples", type=int, help="training examples")
-    p.add_argument("--epochs", type=float, help="epochs")
+@dataclass(frozen=True)
+class RunSpec:
+    """What the user says about a real run: the card and the recipe (None where not given)."""
+
+    gpu: Optional[str] = None
+    model: Optional[str] = None
+    quant: Optional[str] = None
+    rank: Optional[int] = None
+    alpha: Optional[float] = None
+    rslora: bool = False
+    dropout: Optional[float] = None
+    dora: bool = False
+    seq_len: Optional[int] = None
+    fixes: Optional[str] = None
+    dataset: Optional[str] = None
+    examples: Optional[int] = None
+    epochs: Optional[float] = None
 
 
 def fixes_option(text: Optional[str]):
@@ -52,8 +54,9 @@ def fixes_option(text: Optional[str]):
         raise UserError(Issue("--fixes", "", str(exc))) from None
 
 
-def config_fields(args: argparse.Namespace, ledger: Ledger) -> dict:
-    """Measurement fields from the recipe flags (validated by the models on construction)."""
+def config_fields(spec: RunSpec, ledger: Ledger) -> dict:
+    """Measurement fields from a run's description (validated by the models on construction)."""
+    args = spec
     fields: dict = {}
     if args.gpu:
         fields["gpu"] = require_gpu(ledger, args.gpu)
@@ -80,11 +83,13 @@ def log_id(path: Path, text: str) -> str:
     return f"real-{stem}-{hashlib.sha256(text.encode('utf-8')).hexdigest()[:8]}"
 
 
-def measurement_from_log(path: Path, text: str, ev: RunEvidence, fields: dict, mid: Optional[str]) -> Measurement:
+def measurement_from_evidence(ev: RunEvidence, fields: dict, *, mid: str, source: str,
+                              measured_on_fallback: Optional[dt.date] = None) -> Measurement:
+    """A real-run Measurement from what a log or the callback said and the run's fields."""
     inferred: list[str] = []
     measured_on = ev.measured_on
-    if measured_on is None:
-        measured_on = dt.date.fromtimestamp(os.stat(path).st_mtime)
+    if measured_on is None and measured_on_fallback is not None:
+        measured_on = measured_on_fallback
         inferred.append("measured_on")
     notes = []
     if ev.kinds:
@@ -96,17 +101,51 @@ def measurement_from_log(path: Path, text: str, ev: RunEvidence, fields: dict, m
         notes.append(f"Died at step {ev.failed_at_step} of {ev.total_steps}.")
     notes += ev.warnings
     return Measurement(
-        id=mid or log_id(path, text),
+        id=mid,
         kind="real",
         outcome=Outcome(status=ev.status, peak_allocated_mib=ev.peak_allocated_mib,
                         peak_reserved_mib=ev.peak_reserved_mib, peak_delta_mib=ev.peak_delta_mib, oom=ev.oom,
                         per_device_peak_mib=ev.per_device_peak_mib,
                         failed_at_step=ev.failed_at_step, xid=ev.xid, result_text=ev.crash_text),
-        provenance=Provenance(source=f"{path}:{ev.evidence_line}" if ev.evidence_line else str(path),
-                              measured_on=measured_on, inferred_fields=inferred, notes=notes),
+        provenance=Provenance(source=source, measured_on=measured_on, inferred_fields=inferred, notes=notes),
         environment=_environment(ev),
         **fields,
     )
+
+
+def measurement_from_log(path: Path, text: str, ev: RunEvidence, fields: dict, mid: Optional[str]) -> Measurement:
+    return measurement_from_evidence(
+        ev, fields, mid=mid or log_id(path, text),
+        source=f"{path}:{ev.evidence_line}" if ev.evidence_line else str(path),
+        measured_on_fallback=dt.date.fromtimestamp(os.stat(path).st_mtime))
+
+
+def record_callback(doc: dict, ledger_path: str, spec: RunSpec) -> list[Measurement]:
+    """Append what the TrainerCallback measured (its record, as printed) to a ledger; returns
+    what was added (nothing when the same record is there already). Prediction scoring as for a
+    log."""
+    from .predictions import score_predictions
+
+    ev = evidence_from_callback(doc)
+    ledger = store.load(ledger_path)
+    fields = config_fields(spec, ledger)
+    problem = _card_check(ev, ledger, fields.get("gpu"), "probe_kit.callback")
+    if problem:
+        raise UserError(problem)
+    text = json.dumps(doc, sort_keys=True)
+    m = measurement_from_evidence(
+        ev, fields, source="probe_kit.callback (VramLedgerCallback)",
+        mid=f"real-run-{doc.get('date', 'undated')}-{hashlib.sha256(text.encode('utf-8')).hexdigest()[:8]}")
+    added: list[Measurement] = []
+
+    def change(lg: Ledger) -> None:
+        if all(x.id != m.id for x in lg.measurements):
+            lg.measurements.append(m)
+            added.append(m)
+            score_predictions(lg)
+
+    store.update(ledger_path, change)
+    return added
 
 
 def _flat(doc: object, prefix: str = "") -> dict[str, object]:
@@ -171,12 +210,14 @@ class Ingested:
     already: list[str]
 
 
-def ingest(paths: list[str], ledger_path: str, args: argparse.Namespace) -> Ingested:
+def ingest(paths: list[str], ledger_path: str, spec: RunSpec, *, mid: Optional[str] = None,
+           replace: bool = False) -> Ingested:
     """Parse every log and build its measurement. Raises UserError (one line per bad log) before
-    anything is written."""
+    anything is written. ``mid`` names the one measurement of a single log; with ``replace``, a
+    row this log made before with other content is replaced instead of refused."""
     ledger = store.load(ledger_path)
-    fields = config_fields(args, ledger)
-    if args.id and len(paths) > 1:
+    fields = config_fields(spec, ledger)
+    if mid and len(paths) > 1:
         raise UserError(Issue("--id", "", "names one measurement: give one log"))
     existing = {m.id: m for m in ledger.measurements}
     issues: list[Issue] = []
@@ -200,7 +241,7 @@ def ingest(paths: list[str], ledger_path: str, args: argparse.Namespace) -> Inge
             issues.append(problem)
             continue
         try:
-            m = measurement_from_log(path, text, ev, fields, args.id)
+            m = measurement_from_log(path, text, ev, fields, mid)
         except ValueError as exc:  # pydantic: a flag value out of range
             issues.append(Issue(raw, "", str(exc).splitlines()[-1].strip()))
             continue
@@ -208,7 +249,7 @@ def ingest(paths: list[str], ledger_path: str, args: argparse.Namespace) -> Inge
         if any(n.id == m.id for n in result.new + result.replaced) or old == m:
             result.already.append(m.id)
         elif old is not None:
-            if getattr(args, "replace", False):
+            if replace:
                 result.replaced.append(m)
             else:
                 diff = differences(old, m)
@@ -222,55 +263,14 @@ def ingest(paths: list[str], ledger_path: str, args: argparse.Namespace) -> Inge
     return result
 
 
-def add_ingest_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("logs", nargs="+", help="training log files")
-    p.add_argument("--ledger", default=shown(DEFAULT_LEDGER), help="ledger to append to (default: %(default)s)")
-    add_config_options(p)
-    p.add_argument("--id", help="measurement id (one log only; default: from the log's name and content)")
-    p.add_argument("--replace", action="store_true",
-                   help="replace a row this log made before (same id) whose flags were wrong")
-    p.add_argument("--dry-run", action="store_true", help="show what would be appended; write nothing")
-    p.add_argument("--json", action="store_true", help="print one JSON document")
+def apply(ledger_path: str, found: Ingested) -> None:
+    """Write what ``ingest`` found: replacements in place, new rows appended, predictions scored."""
+    from .predictions import score_predictions
 
+    def change(ledger: Ledger) -> None:
+        replacing = {m.id: m for m in found.replaced}
+        ledger.measurements[:] = [replacing.pop(m.id, m) for m in ledger.measurements]
+        ledger.measurements.extend(found.new)
+        score_predictions(ledger)
 
-def cmd_ingest(args: argparse.Namespace) -> int:
-    """Append kind=real measurements read from training logs: the peak (callback line, HF Trainer,
-    axolotl, Unsloth, DeepSpeed), or the OOM / crash and the step it happened at. The recipe flags
-    describe the run. Source is the log's path and line; measured_on comes from the log's
-    timestamps or, failing that, the file's date (flagged inferred). Ingesting a log twice adds
-    nothing. A log with nothing to read is an error naming the file; nothing is written."""
-    found = ingest(args.logs, args.ledger, args)
-    new, already = found.new + found.replaced, found.already
-    if not args.dry_run and new:
-        from .predictions import score_predictions
-
-        def change(ledger: Ledger) -> None:
-            replacing = {m.id: m for m in found.replaced}
-            ledger.measurements[:] = [replacing.pop(m.id, m) for m in ledger.measurements]
-            ledger.measurements.extend(found.new)
-            score_predictions(ledger)
-
-        store.update(args.ledger, change)
-    if args.json:
-        key = "would_append" if args.dry_run else "appended"
-        dump_json({key: [m.model_dump(mode="json", exclude_none=True) for m in found.new],
-                   "replaced" if not args.dry_run else "would_replace":
-                       [m.model_dump(mode="json", exclude_none=True) for m in found.replaced],
-                   "already_in_ledger": already})
-    else:
-        replaced = {m.id for m in found.replaced}
-        for m in new:
-            verb = ("would replace" if args.dry_run else "replaced") if m.id in replaced else (
-                "would append" if args.dry_run else "appended")
-            o = m.outcome
-            figure = (f"peak allocated {o.peak_allocated_mib} MiB" if o.peak_allocated_mib is not None else
-                      f"peak reserved {o.peak_reserved_mib} MiB" if o.peak_reserved_mib is not None else
-                      f"peak delta {o.peak_delta_mib} MiB" if o.peak_delta_mib is not None else "")
-            print(f"{verb} {m.id}: {o.status}" + (f", {figure}" if figure else "")
-                  + (f", at step {o.failed_at_step}" if o.failed_at_step is not None else ""))
-        for mid in already:
-            print(f"{mid}: already in the ledger")
-    return 0
-
-
-register("ingest-log", "append real-run peaks, OOMs and crashes read from training logs", add_ingest_options)(cmd_ingest)
+    store.update(ledger_path, change)

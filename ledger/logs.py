@@ -111,6 +111,19 @@ def parse_log(text: str, name: str = "log") -> RunEvidence:
     ev = RunEvidence()
     for lineno, line in enumerate(text.splitlines(), start=1):
         _read_line(ev, line, lineno, name)
+    return _finish(ev)
+
+
+def evidence_from_callback(doc: dict) -> RunEvidence:
+    """What one callback record says (the dict the callback prints after ``vram-ledger:``),
+    without a round trip through text."""
+    ev = RunEvidence()
+    _apply_callback(ev, doc, 1)
+    return _finish(ev)
+
+
+def _finish(ev: RunEvidence) -> RunEvidence:
+    """The run's status from what was read; LogError when nothing was."""
     if ev.oom is not None:
         ev.status = "oom"
         if ev.failed_at_step is None:
@@ -226,6 +239,10 @@ def _read_callback(ev: RunEvidence, line: str, lineno: int, name: str) -> None:
     except ValueError:
         ev.warnings.append(f"{name}:{lineno}: skipped: the vram-ledger line is not valid JSON")
         return
+    _apply_callback(ev, doc, lineno)
+
+
+def _apply_callback(ev: RunEvidence, doc: dict, lineno: int) -> None:
     ev.callback.update(doc)
     for key in ("peak_allocated_mib", "peak_reserved_mib"):
         value = doc.get(key)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import datetime as dt
 from typing import Optional
 
-from .models import Ledger, Measurement, Prediction, PredictionScore
-from .recipe import seq_len_of
+from .errors import Issue, UserError
+from .models import Ledger, Lora, Measurement, Prediction, PredictionScore, Provenance
+from .recipe import GroupKey, RecipeKey, fixes_key, recipe_key, seq_len_of
 
 
 def _same(a, b) -> bool:
@@ -52,3 +54,56 @@ def score_predictions(ledger: Ledger) -> list[str]:
         ledger.predictions[i] = pred.model_copy(update={"score": score(pred, first)})
         scored.append(pred.id)
     return scored
+
+
+def make_prediction(ledger: Ledger, *, gpu: str, rank: int, made_on: dt.date, quant: str = "4bit",
+                    model: Optional[str] = None, alpha: Optional[float] = None, rslora: bool = False,
+                    dropout: float = 0.0, dora: bool = False, seq_len: Optional[int] = None, fixes="all",
+                    probe_id: Optional[str] = None, pid: Optional[str] = None) -> tuple[Prediction, float, list[str]]:
+    """A prediction of a real run's peak from the rows measured before ``made_on``: the named
+    probe, else the latest probe of the same recipe, else the peak model, times the calibrated
+    probe-to-real factor. Returns (prediction, the probe figure it started from, its basis).
+    Raises UserError when the ledger cannot say."""
+    from .calibration import PeakModel, before, calibration_hash, ok_peak, overestimate, predict_real
+
+    ms = before(ledger.measurements, made_on)
+    fixes_text = fixes_key(fixes)
+    if probe_id:
+        probe = next((m for m in ms if m.id == probe_id), None)
+        if probe is None or ok_peak(probe) is None:
+            raise UserError(Issue("--probe", "", f"no ok probe {probe_id!r} in the ledger"))
+        probe_mib, basis = ok_peak(probe), [probe.id]
+    else:
+        want = RecipeKey(gpu, None, quant, rank, dropout > 0, dora, fixes_text)
+        same = [m for m in ms if m.kind == "probe" and m.lora and ok_peak(m) is not None
+                and (seq_len is None or m.seq_len == seq_len)
+                and recipe_key(m).without_model() == want and (model is None or m.model == model)]
+        if same:
+            probe = max(same, key=lambda m: (m.provenance.measured_on or dt.date.min, m.id))
+            probe_mib, basis = ok_peak(probe), [probe.id]
+        else:
+            if seq_len is None:
+                raise UserError(Issue("--seq-len", "", "no matching probe: give --seq-len (or --probe)"))
+            models = sorted({m.model for m in ms if m.kind == "probe" and m.gpu == gpu and m.model})
+            group = GroupKey(model or (models[0] if len(models) == 1 else None), quant, seq_len, dropout > 0, dora,
+                             fixes_text)
+            probe_mib, basis = PeakModel(ms).predict(gpu, group, rank)
+            if probe_mib is None:
+                raise UserError(Issue("predict", "", "unknown: no probes near this configuration in the ledger"))
+    over = overestimate(ms)
+    if over.pct is None:
+        raise UserError(Issue("predict", "", "no probe/real pairs in the ledger to calibrate the probe against"))
+    pr = predict_real(probe_mib, over)
+    pid = pid or f"pred-{gpu}-r{rank}{'-drop' if dropout else ''}{'-dora' if dora else ''}-{made_on.isoformat()}"
+    pred = Prediction(
+        id=pid, gpu=gpu, model=model, quant=quant,
+        lora=Lora(rank=rank, alpha=alpha, rslora=rslora or None, dropout=dropout, dora=dora or None),
+        seq_len=seq_len, memory_fixes=fixes, made_on=made_on, predicted_peak_mib=pr["predicted_mib"],
+        interval_low_mib=pr["low_mib"], interval_high_mib=pr["high_mib"], basis=list(basis),
+        method=(f"probe peak {probe_mib} MiB x (1 - {over.pct}%): the median over-estimate of the anchors "
+                f"({', '.join(a.probe for a in over.anchors)}); interval from every pair ({over.low_pct}–"
+                f"{over.high_pct}%)"),
+        calibration_hash=calibration_hash(ms),
+        provenance=Provenance(source="vram predict", measured_on=made_on),
+    )
+    return pred, probe_mib, list(basis)

@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import sys
-from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
@@ -45,7 +44,15 @@ class VramLedgerCallback(TrainerCallback):
         self.ledger = ledger
         self.log_file = log_file
         self.stream = stream
-        self.config = config  # recipe flags for the ledger entry: gpu, model, quant, rank, dropout, ...
+        # The run's description for the ledger entry: the fields of ledger.ingest.RunSpec (gpu, model,
+        # quant, rank, alpha, rslora, dropout, dora, seq_len, fixes, dataset, examples, epochs).
+        from ledger.ingest import RunSpec
+
+        unknown = sorted(set(config) - set(RunSpec.__dataclass_fields__))
+        if unknown:
+            raise TypeError(f"VramLedgerCallback: unknown option {unknown[0]!r} "
+                            f"(known: {', '.join(RunSpec.__dataclass_fields__)})")
+        self.config = config
         self.step = 0
         self.model: Optional[torch.nn.Module] = None
         self.is_main = True
@@ -130,32 +137,18 @@ class VramLedgerCallback(TrainerCallback):
                 fh.write(line + "\n")
         self.written.append(doc)
         if self.ledger:
-            self._append(line, doc)
+            self._append(doc)
         return doc
 
-    def _append(self, line: str, doc: dict) -> None:
-        import argparse
-        import tempfile
+    def _append(self, doc: dict) -> None:
+        from ledger.ingest import RunSpec, record_callback
 
-        from ledger.ingest import ingest
-        from ledger import store
-
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp, f"run-{dt.date.today().isoformat()}-{len(self.written)}.log")
-            path.write_text(line + "\n", encoding="utf-8")
-            flags = {k: None for k in ("gpu", "model", "quant", "rank", "alpha", "dropout", "seq_len", "fixes",
-                                       "dataset", "examples", "epochs")}
-            flags.update(rslora=False, dora=False, id=None, replace=False)
-            flags.update(self.config)
-            if doc.get("meter") != "allocator" and flags.get("gpu"):
-                # A run measured on the CPU is never filed as a run on the card it was configured for.
-                log.warning("vram-ledger: measured on the CPU, so recorded without gpu=%r", flags["gpu"])
-                flags["gpu"] = None
-            new = ingest([str(path)], self.ledger, argparse.Namespace(**flags)).new
-            for m in new:
-                m.provenance.source = "probe_kit.callback (VramLedgerCallback)"
-            if new:
-                store.append(self.ledger, new)
+        spec = dict(self.config)
+        if doc.get("meter") != "allocator" and spec.get("gpu"):
+            # A run measured on the CPU is never filed as a run on the card it was configured for.
+            log.warning("vram-ledger: measured on the CPU, so recorded without gpu=%r", spec["gpu"])
+            spec["gpu"] = None
+        record_callback(doc, self.ledger, RunSpec(**spec))
 
     @contextlib.contextmanager
     def watch(self) -> Iterator["VramLedgerCallback"]:

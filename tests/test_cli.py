@@ -10,7 +10,7 @@ import pytest
 from conftest import REPO
 from ledger import cli
 
-COMMANDS = sorted(cli.build_parser()._subparsers._group_actions[0].choices)
+COMMANDS = sorted(c.name for c in cli.COMMANDS)
 
 
 @pytest.mark.parametrize("name", COMMANDS)

@@ -6,13 +6,12 @@ import argparse
 import time
 from pathlib import Path
 
-from . import store
-from .cli import register
-from .paths import DEFAULT_LEDGER, shown
+from .. import store
+from .options import Command, add_ledger_option
 
 
 def add_build_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ledger", default=shown(DEFAULT_LEDGER), help="ledger file (default: %(default)s)")
+    add_ledger_option(p)
     p.add_argument("--out", default="site", help="output folder (default: %(default)s)")
     p.add_argument("--build-date", help="date to print on the page (default: SOURCE_DATE_EPOCH, else none)")
     p.add_argument("--base-url", help="public address of the site: canonical and download links, $ids "
@@ -43,7 +42,8 @@ def build(args: argparse.Namespace) -> int:
     """Render the ledger into OUT: index.html, vram.md, vram.json, vram.schema.json and plots/*.svg.
     The same ledger gives a byte-identical tree; files from an earlier build that this one did not
     write are removed, and nothing else in OUT is touched."""
-    from .site.render import build_date_from_env, render_site
+    from ..paths import shown
+    from ..site.render import build_date_from_env, render_site
 
     t0 = time.perf_counter()
     ledger = store.load(args.ledger)
@@ -60,4 +60,5 @@ def build(args: argparse.Namespace) -> int:
     return 0
 
 
-register("build", "render the ledger into a static site (HTML, Markdown, vram.json, plots)", add_build_options)(build)
+COMMANDS = [Command("build", "render the ledger into a static site (HTML, Markdown, vram.json, plots)",
+                   add_build_options, build)]

@@ -4,44 +4,20 @@ from __future__ import annotations
 
 import argparse
 
-from . import store
-from .cli import dump_json, register
-from .errors import Issue, UserError
-from .estimators import Recipe, estimate_all, load_arch
-from .recipe import capacity_mib, require_gpu, seq_len_of
-from .paths import DEFAULT_LEDGER, shown
+from .. import store
+from ..errors import Issue, UserError
+from ..estimators import Recipe, estimate_all, load_arch, nearest_row
+from ..ingest import fixes_option
+from ..recipe import capacity_mib, fixes_key, require_gpu, seq_len_of
+from .options import Command, add_json_option, add_ledger_option, add_recipe_options, dump_json
 
 
 def add_estimate_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="a config JSON, or a model whose config ships in probe_kit/configs")
-    p.add_argument("--rank", type=int, required=True, help="LoRA rank")
-    p.add_argument("--seq-len", type=int, required=True, help="tokens in the longest example")
-    p.add_argument("--quant", default="4bit", choices=["4bit", "bf16"], help="base weights (default 4bit)")
-    p.add_argument("--dropout", type=float, default=0.0, help="lora_dropout")
-    p.add_argument("--dora", action="store_true", help="DoRA")
+    add_recipe_options(p, required=("model", "rank", "seq-len"), skip=("alpha", "rslora"))
     p.add_argument("--batch-size", type=int, default=1, help="sequences per step (default 1)")
     p.add_argument("--gpu", help="a card in the ledger (its capacity; the nearest measurement on it)")
-    p.add_argument("--ledger", default=shown(DEFAULT_LEDGER), help="ledger file (default: %(default)s)")
-    p.add_argument("--json", action="store_true", help="print one JSON document")
-
-
-def nearest(ledger, model: str, recipe: Recipe, gpu):
-    """The ledger's closest measured row: same model family and quant, nearest rank and length."""
-    best = None
-    for m in ledger.measurements:
-        if m.lora is None or m.outcome.peak_allocated_mib is None or m.quant != recipe.quant:
-            continue
-        if m.model and model.split("/")[-1].replace(".json", "") not in m.model:
-            continue
-        seq = seq_len_of(m)
-        if seq is None:
-            continue
-        d = (abs(seq - recipe.seq_len) / recipe.seq_len + abs(m.lora.rank - recipe.rank) / recipe.rank
-             + (bool(m.lora.dropout) != bool(recipe.dropout)) + (bool(m.lora.dora) != recipe.dora)
-             + (0 if gpu is None or m.gpu == gpu else 0.5))
-        if best is None or d < best[0]:
-            best = (d, m)
-    return best[1] if best else None
+    add_ledger_option(p)
+    add_json_option(p)
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
@@ -60,10 +36,11 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         g = ledger.gpus[gpu]
         card = capacity_mib(g)
     recipe = Recipe(quant=args.quant, rank=args.rank, seq_len=args.seq_len, dropout=args.dropout, dora=args.dora,
-                    batch=args.batch_size)
+                    batch=args.batch_size, fixes=fixes_key(fixes_option(args.fixes)))
     figures = estimate_all(arch, recipe, card)
-    near = nearest(ledger, args.model, recipe, gpu)
-    doc = {"model": arch.name, "params": arch.total_params, "recipe": recipe.__dict__, "gpu": gpu,
+    near = nearest_row(ledger, args.model, recipe, gpu)
+    doc = {"model": arch.name, "params": arch.total_params, "recipe": {**recipe.__dict__, "response_len": args.response_len},
+           "gpu": gpu,
            "card_mib": card, "estimates": figures,
            "nearest_measurement": None if near is None else {
                "id": near.id, "gpu": near.gpu, "kind": near.kind, "rank": near.lora.rank,
@@ -88,5 +65,5 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
-register("estimate", "every VRAM estimator's figure for one configuration, beside the ledger's nearest row",
-         add_estimate_options)(cmd_estimate)
+COMMANDS = [Command("estimate", "every VRAM estimator's figure for one configuration, beside the ledger's nearest row",
+                    add_estimate_options, cmd_estimate)]

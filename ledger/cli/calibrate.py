@@ -1,4 +1,5 @@
-"""``vram calibrate``, ``vram ceiling`` and ``vram predict``: thin commands over ledger.calibration."""
+"""``vram calibrate``, ``vram ceiling`` and ``vram predict``: thin commands over ledger.calibration
+and ledger.predictions."""
 
 from __future__ import annotations
 
@@ -6,40 +7,24 @@ import argparse
 import datetime as dt
 from dataclasses import asdict
 
-from . import store
-from .calibration import (PeakModel, before, calibrate, calibration_hash, ceiling, ok_peak, overestimate,
-                          predict_real)
-from .cli import dump_json, register
-from .errors import Issue, UserError
-from .ingest import fixes_option
-from .recipe import GroupKey, RecipeKey, fixes_key, recipe_key, require_gpu
-from .models import Lora, Prediction, Provenance
-from .paths import DEFAULT_LEDGER, shown
-from .predictions import score_predictions
-
-
-def _date(text: str | None, flag: str) -> dt.date | None:
-    if text is None:
-        return None
-    try:
-        return dt.date.fromisoformat(text)
-    except ValueError:
-        raise UserError(Issue(flag, "", f"must be a date as YYYY-MM-DD, got {text!r}")) from None
-
-
-def _ledger_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ledger", default=shown(DEFAULT_LEDGER), help="ledger file (default: %(default)s)")
+from .. import store
+from ..calibration import calibrate, ceiling
+from ..errors import Issue, UserError
+from ..ingest import fixes_option
+from ..predictions import make_prediction, score_predictions
+from ..recipe import fixes_key, require_gpu
+from .options import Command, add_json_option, add_ledger_option, add_recipe_options, dump_json, parse_date
 
 
 # -- calibrate --------------------------------------------------------------------------------
 
 
 def add_calibrate_options(p: argparse.ArgumentParser) -> None:
-    _ledger_option(p)
+    add_ledger_option(p)
     p.add_argument("--as-of", help="use only rows measured on or before this date (YYYY-MM-DD)")
     p.add_argument("--exclude", action="append", default=[], metavar="ID", help="leave this row out (repeatable)")
     p.add_argument("--no-loo", action="store_true", help="skip the leave-one-out scores")
-    p.add_argument("--json", action="store_true", help="print one JSON document")
+    add_json_option(p)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -48,7 +33,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     real-run rank cost) with the rows each rests on, each card's effective limit, and
     leave-one-out scores (fit/no-fit verdicts of probes; real-run peak errors)."""
     ledger = store.load(args.ledger)
-    result = calibrate(ledger, as_of=_date(args.as_of, "--as-of"), exclude=args.exclude, with_loo=not args.no_loo)
+    result = calibrate(ledger, as_of=parse_date(args.as_of, "--as-of"), exclude=args.exclude, with_loo=not args.no_loo)
     if args.json:
         dump_json(result)
         return 0
@@ -77,20 +62,15 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def add_ceiling_options(p: argparse.ArgumentParser) -> None:
-    _ledger_option(p)
+    add_ledger_option(p)
     p.add_argument("--gpu", required=True, help="the card (key, alias or name)")
-    p.add_argument("--seq-len", type=int, required=True, help="tokens in the longest example")
-    p.add_argument("--dropout", type=float, default=0.0, help="lora_dropout (any value > 0 costs the same)")
-    p.add_argument("--dora", action="store_true", help="DoRA")
-    p.add_argument("--quant", default="4bit", choices=["4bit", "bf16"], help="base weights (default 4bit)")
-    p.add_argument("--fixes", default="all", help="memory fixes (default all)")
-    p.add_argument("--model", help="model (default: the card's only model in the ledger)")
+    add_recipe_options(p, required=("seq-len",), skip=("rank", "alpha", "rslora", "response-len"))
     p.add_argument("--budget-mib", type=float, help="use this limit instead of the card's")
     p.add_argument("--real", action="store_true", help="for a real run (calibrated), not a probe")
     p.add_argument("--step", type=int, default=8, help="rank step (default 8)")
     p.add_argument("--max-rank", type=int, default=512, help="largest rank searched (default 512)")
     p.add_argument("--margin-mib", type=float, default=0.0, help="stay this far under the limit (default 0)")
-    p.add_argument("--json", action="store_true", help="print one JSON document")
+    add_json_option(p)
 
 
 def cmd_ceiling(args: argparse.Namespace) -> int:
@@ -127,23 +107,15 @@ def cmd_ceiling(args: argparse.Namespace) -> int:
 
 
 def add_predict_options(p: argparse.ArgumentParser) -> None:
-    _ledger_option(p)
+    add_ledger_option(p)
     p.add_argument("--gpu", required=True, help="the card")
-    p.add_argument("--rank", type=int, required=True, help="LoRA rank")
-    p.add_argument("--alpha", type=float, help="lora_alpha")
-    p.add_argument("--rslora", action="store_true", help="rank-stabilised LoRA")
-    p.add_argument("--dropout", type=float, default=0.0, help="lora_dropout")
-    p.add_argument("--dora", action="store_true", help="DoRA")
-    p.add_argument("--quant", default="4bit", choices=["4bit", "bf16"], help="base weights (default 4bit)")
-    p.add_argument("--seq-len", type=int, help="tokens in the longest example")
-    p.add_argument("--fixes", default="all", help="memory fixes (default all)")
-    p.add_argument("--model", help="model id")
+    add_recipe_options(p, required=("rank",), skip=("response-len",))
     p.add_argument("--probe", help="predict from this probe's peak (default: the latest matching probe, "
                                    "else the peak model)")
     p.add_argument("--id", help="prediction id (default: from the configuration and date)")
     p.add_argument("--date", help="the date the prediction is made (default: today)")
     p.add_argument("--dry-run", action="store_true", help="print it; do not store it")
-    p.add_argument("--json", action="store_true", help="print one JSON document")
+    add_json_option(p)
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
@@ -152,51 +124,11 @@ def cmd_predict(args: argparse.Namespace) -> int:
     later, the prediction is scored and stays in the ledger."""
     ledger = store.load(args.ledger)
     gpu = require_gpu(ledger, args.gpu)
-    made_on = _date(args.date, "--date") or dt.date.today()
-    ms = before(ledger.measurements, made_on)
-    fixes = fixes_option(args.fixes)
-    fixes_text = fixes_key(fixes)
-    lora = Lora(rank=args.rank, alpha=args.alpha, rslora=args.rslora or None, dropout=args.dropout,
-                dora=args.dora or None)
-    if args.probe:
-        probe = next((m for m in ms if m.id == args.probe), None)
-        if probe is None or ok_peak(probe) is None:
-            raise UserError(Issue("--probe", "", f"no ok probe {args.probe!r} in the ledger"))
-        probe_mib, basis = ok_peak(probe), [probe.id]
-    else:
-        want = RecipeKey(gpu, None, args.quant, args.rank, args.dropout > 0, args.dora, fixes_text)
-        same = [m for m in ms if m.kind == "probe" and m.lora and ok_peak(m) is not None
-                and (args.seq_len is None or m.seq_len == args.seq_len)
-                and recipe_key(m).without_model() == want
-                and (args.model is None or m.model == args.model)]
-        if same:
-            probe = max(same, key=lambda m: (m.provenance.measured_on or dt.date.min, m.id))
-            probe_mib, basis = ok_peak(probe), [probe.id]
-        else:
-            if args.seq_len is None:
-                raise UserError(Issue("--seq-len", "", "no matching probe: give --seq-len (or --probe)"))
-            models = sorted({m.model for m in ms if m.kind == "probe" and m.gpu == gpu and m.model})
-            model = args.model or (models[0] if len(models) == 1 else None)
-            probe_mib, basis = PeakModel(ms).predict(gpu, GroupKey(model, args.quant, args.seq_len, args.dropout > 0,
-                                                                    args.dora, fixes_text), args.rank)
-            if probe_mib is None:
-                raise UserError(Issue("predict", "", "unknown: no probes near this configuration in the ledger"))
-    over = overestimate(ms)
-    if over.pct is None:
-        raise UserError(Issue("predict", "", "no probe/real pairs in the ledger to calibrate the probe against"))
-    pr = predict_real(probe_mib, over)
-    pid = args.id or f"pred-{gpu}-r{args.rank}{'-drop' if args.dropout else ''}{'-dora' if args.dora else ''}" \
-                     f"-{made_on.isoformat()}"
-    pred = Prediction(
-        id=pid, gpu=gpu, model=args.model, quant=args.quant, lora=lora, seq_len=args.seq_len, memory_fixes=fixes,
-        made_on=made_on, predicted_peak_mib=pr["predicted_mib"], interval_low_mib=pr["low_mib"],
-        interval_high_mib=pr["high_mib"], basis=list(basis),
-        method=(f"probe peak {probe_mib} MiB x (1 - {over.pct}%): the median over-estimate of the anchors "
-                f"({', '.join(a.probe for a in over.anchors)}); interval from every pair ({over.low_pct}–"
-                f"{over.high_pct}%)"),
-        calibration_hash=calibration_hash(ms),
-        provenance=Provenance(source="vram predict", measured_on=made_on),
-    )
+    made_on = parse_date(args.date, "--date") or dt.date.today()
+    pred, probe_mib, basis = make_prediction(
+        ledger, gpu=gpu, rank=args.rank, made_on=made_on, quant=args.quant, model=args.model, alpha=args.alpha,
+        rslora=args.rslora, dropout=args.dropout, dora=args.dora, seq_len=args.seq_len,
+        fixes=fixes_option(args.fixes), probe_id=args.probe, pid=args.id)
     if not args.dry_run:
         def change(lg):
             if any(p.id == pred.id for p in lg.predictions):
@@ -215,7 +147,10 @@ def cmd_predict(args: argparse.Namespace) -> int:
     return 0
 
 
-register("calibrate", "fit probe-vs-real over-estimate, marginal costs, card limits, leave-one-out",
-         add_calibrate_options)(cmd_calibrate)
-register("ceiling", "the largest LoRA rank that fits a card at a sequence length", add_ceiling_options)(cmd_ceiling)
-register("predict", "record a prospective prediction of a real run's peak", add_predict_options)(cmd_predict)
+COMMANDS = [
+    Command("calibrate", "fit probe-vs-real over-estimate, marginal costs, card limits, leave-one-out",
+            add_calibrate_options, cmd_calibrate),
+    Command("ceiling", "the largest LoRA rank that fits a card at a sequence length", add_ceiling_options,
+            cmd_ceiling),
+    Command("predict", "record a prospective prediction of a real run's peak", add_predict_options, cmd_predict),
+]

@@ -1,37 +1,15 @@
-"""The ``vram`` command: a thin layer over the library.
-
-Each command parses its options and calls one library function. A UserError is
-printed as one located line per problem on stderr, exit 1; usage errors exit 2
-(argparse); nothing is written when anything is wrong.
-"""
+"""Commands on ledger files: validate, import-legacy, merge, migrate, schema."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import json
 import sys
 from pathlib import Path
-from typing import Callable, Sequence
 
-from . import store
-from .errors import Issue, UserError
-from .paths import DEFAULT_LEDGER, SCHEMA_FILE, shown
-
-COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {}
-
-
-def command(name: str, help: str):
-    """Register ``fn(args) -> int`` as a subcommand; its docstring is the long help."""
-
-    def wrap(fn):
-        COMMANDS[name] = (help, fn)
-        return fn
-
-    return wrap
-
-
-# -- commands ------------------------------------------------------------------
+from .. import store
+from ..errors import Issue, UserError
+from ..paths import DEFAULT_LEDGER, SCHEMA_FILE, shown
+from .options import Command
 
 
 def _add_validate(p: argparse.ArgumentParser) -> None:
@@ -40,14 +18,13 @@ def _add_validate(p: argparse.ArgumentParser) -> None:
                    help="the file is a downloaded vram.json: check it against its schema and its content hash")
 
 
-@command("validate", "check a ledger file against the schema and its cross-references")
 def cmd_validate(args: argparse.Namespace) -> int:
     """Validate with both the JSON Schema (jsonschema) and the pydantic models, then the
     cross-references (known gpus, known evidence ids, unique ids). Exit 0 when valid. With
     --public: a published vram.json, checked against the public schema, the ledger inside it,
     and its ledger_sha256; a newer schema_version than this version reads is refused."""
     if args.public:
-        from .site.public import validate_public
+        from ..site.public import validate_public
 
         issues = validate_public(args.ledger)
         if issues:
@@ -67,11 +44,10 @@ def _add_import(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="overwrite OUTPUT if it exists")
 
 
-@command("import-legacy", "convert the program's older vram.json into a ledger (nothing lost)")
 def cmd_import_legacy(args: argparse.Namespace) -> int:
     """Every number and text of the old file lands in the new ledger; figures held in free
     text become structured fields and the text is kept too."""
-    from .legacy import import_legacy
+    from ..legacy import import_legacy
 
     out = Path(args.output)
     if out.exists() and not args.force:
@@ -92,7 +68,6 @@ def _add_merge(p: argparse.ArgumentParser) -> None:
                    help="ledger to write; when it exists, its own entries are kept and the inputs merged into it")
 
 
-@command("merge", "merge shard ledgers into one (into OUTPUT's entries when it exists)")
 def cmd_merge(args: argparse.Namespace) -> int:
     """Entries are unioned by id. The same id with the same content is kept once; with different
     content it is an error naming both files, and nothing is written. A new OUTPUT is sorted by
@@ -120,7 +95,6 @@ def _add_migrate(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", help="write here instead of in place")
 
 
-@command("migrate", "update a ledger written by an older version to the current schema")
 def cmd_migrate(args: argparse.Namespace) -> int:
     """Applies the chained update_to_N migrations and writes the file atomically."""
     ledger = store.load(args.ledger, allow_older=True)
@@ -134,7 +108,6 @@ def _add_schema(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", help=f"write the schema here (e.g. {SCHEMA_FILE.name}); default: stdout")
 
 
-@command("schema", "print or write the ledger's JSON Schema (generated from the models)")
 def cmd_schema(args: argparse.Namespace) -> int:
     """The schema is generated from ledger/models.py; the committed copy is
     schema/ledger.schema.json and a test keeps them equal."""
@@ -146,80 +119,14 @@ def cmd_schema(args: argparse.Namespace) -> int:
     return 0
 
 
-ADDERS = {
-    "validate": _add_validate,
-    "import-legacy": _add_import,
-    "merge": _add_merge,
-    "migrate": _add_migrate,
-    "schema": _add_schema,
-}
-
-
-def register(name: str, help: str, adder: Callable[[argparse.ArgumentParser], None]):
-    """Register a subcommand defined in another module (its options via ``adder``)."""
-
-    def wrap(fn):
-        COMMANDS[name] = (help, fn)
-        ADDERS[name] = adder
-        return fn
-
-    return wrap
-
-
-def build_parser() -> argparse.ArgumentParser:
-    _load_plugins()
-    parser = argparse.ArgumentParser(
-        prog="vram",
-        description="Measure, predict and publish GPU memory for LLM (Q)LoRA fine-tuning.",
-        epilog="Exit codes: 0 ok, 1 bad data (one located line per problem), 2 bad usage.",
-    )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, (help_text, fn) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=(fn.__doc__ or help_text).strip())
-        ADDERS[name](p)
-        p.set_defaults(func=fn)
-    return parser
-
-
-def _load_plugins() -> None:
-    # Commands defined beside their library code register themselves on import.
-    for module in PLUGINS:
-        importlib.import_module(module)
-
-
-#: Modules that add commands with ``register``.
-PLUGINS: list[str] = ["ledger.site_cli", "ledger.probe_cli", "ledger.ingest", "ledger.calibrate_cli", "ledger.estimate_cli"]
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except UserError as exc:
-        for issue in exc.issues:
-            print(str(issue), file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:
-        return 0
-    except OSError as exc:  # a file the library did not expect to fail (the library names its own)
-        where = exc.filename if exc.filename is not None else "vram"
-        print(f"{where}: {exc.strerror or exc}", file=sys.stderr)
-        return 1
-
-
-def dump_json(doc: object) -> None:
-    """Print one JSON document on stdout (for --json)."""
-    json.dump(doc, sys.stdout, indent=2, ensure_ascii=False, sort_keys=False)
-    sys.stdout.write("\n")
-
-
-if __name__ == "__main__":
-    # Run the importable module's main, not this __main__ copy: plugins register themselves on
-    # ledger.cli.
-    from ledger.cli import main as _main
-
-    sys.exit(_main())
+COMMANDS = [
+    Command("validate", "check a ledger file against the schema and its cross-references", _add_validate,
+            cmd_validate),
+    Command("import-legacy", "convert the program's older vram.json into a ledger (nothing lost)", _add_import,
+            cmd_import_legacy),
+    Command("merge", "merge shard ledgers into one (into OUTPUT's entries when it exists)", _add_merge, cmd_merge),
+    Command("migrate", "update a ledger written by an older version to the current schema", _add_migrate,
+            cmd_migrate),
+    Command("schema", "print or write the ledger's JSON Schema (generated from the models)", _add_schema,
+            cmd_schema),
+]

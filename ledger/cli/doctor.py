@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import argparse
 
-from .cli import dump_json, register
+from .options import Command, add_json_option, dump_json
 
 
 def add_doctor_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", action="store_true", help="print one JSON document")
+    add_json_option(p)
 
 
 def doctor(args: argparse.Namespace) -> int:
     """Python, torch (build, CUDA/HIP), transformers, peft, bitsandbytes: versions and whether each
-    imports; every visible GPU with total and free memory and the processes holding it;
+    imports; every visible GPU with its bus id, total and used memory and the processes holding it;
     CUDA_VISIBLE_DEVICES / CUDA_DEVICE_ORDER; a warning when memory is already held on a card.
     Works, and says so, on a machine without a GPU."""
     import contextlib
@@ -31,4 +31,4 @@ def doctor(args: argparse.Namespace) -> int:
     return 0
 
 
-register("doctor", "check versions and GPUs before a sweep", add_doctor_options)(doctor)
+COMMANDS = [Command("doctor", "check versions and GPUs before a sweep", add_doctor_options, doctor)]

@@ -1,0 +1,80 @@
+"""Option groups shared by the commands (each defined once), the command record, and output."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from ..errors import Issue, UserError
+from ..paths import DEFAULT_LEDGER, shown
+
+#: Base weights a recipe option accepts: the same choices as ``python -m probe_kit.probe_vram``.
+QUANTS = ("4bit", "bf16")
+
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: its name, one line of help, its options, and what it runs (whose
+    docstring is the long help)."""
+
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def add_ledger_option(p: argparse.ArgumentParser, help: str = "ledger file") -> None:
+    p.add_argument("--ledger", default=shown(DEFAULT_LEDGER), help=f"{help} (default: %(default)s)")
+
+
+def add_json_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+
+
+def add_recipe_options(p: argparse.ArgumentParser, *, required: tuple[str, ...] = (), defaults: bool = True,
+                       skip: tuple[str, ...] = ()) -> None:
+    """The recipe flags, with the names and choices of ``python -m probe_kit.probe_vram``: --model,
+    --rank, --alpha, --rslora, --dropout, --dora, --quant, --seq-len, --response-len, --fixes.
+    ``defaults=False`` leaves every unset flag None (a real run is described only by what the
+    user says)."""
+    d = (lambda value: value) if defaults else (lambda value: None)
+    options = {
+        "model": dict(help="model id, or a config JSON (a path, or a shipped name such as gemma-3-4b-it)"),
+        "rank": dict(type=int, help="LoRA rank"),
+        "alpha": dict(type=float, help="lora_alpha (default: the rank)"),
+        "rslora": dict(action="store_true", help="rank-stabilised LoRA scaling"),
+        "dropout": dict(type=float, default=d(0.0), help="lora_dropout (any value > 0 stores masks)"),
+        "dora": dict(action="store_true", help="DoRA (weight-decomposed LoRA)"),
+        "quant": dict(choices=QUANTS, default=d("4bit"),
+                      help="base weights: 4bit = bitsandbytes nf4, bf16 = plain" + (" (default 4bit)" if defaults
+                                                                                   else "")),
+        "seq-len": dict(type=int, help="tokens in the longest example"),
+        "response-len": dict(type=int, help="tokens the loss is computed on"),
+        "fixes": dict(default=d("all"), help="memory fixes: all, none or a comma list of chunked_mlp, save_on_cpu, "
+                                             "bf16_lm_head, logits_to_keep" + (" (default all)" if defaults else "")),
+    }
+    for name, kw in options.items():
+        if name in skip:
+            continue
+        if name in required:
+            kw = {**kw, "required": True}
+        p.add_argument(f"--{name}", **kw)
+
+
+def parse_date(text: Optional[str], flag: str) -> Optional[dt.date]:
+    if text is None:
+        return None
+    try:
+        return dt.date.fromisoformat(text)
+    except ValueError:
+        raise UserError(Issue(flag, "", f"must be a date as YYYY-MM-DD, got {text!r}")) from None
+
+
+def dump_json(doc: object) -> None:
+    """Print one JSON document on stdout (for --json)."""
+    json.dump(doc, sys.stdout, indent=2, ensure_ascii=False, sort_keys=False)
+    sys.stdout.write("\n")
