@@ -307,7 +307,10 @@ def main(argv=None) -> int:
             gpu = require_gpu(store.load(args.ledger), args.gpu)
         with contextlib.redirect_stdout(sys.stderr):
             if args.find_ceiling:
-                result["doc"] = find_ceiling(cfg, args, gpu)
+                if args.find_ceiling != "rank":
+                    raise RecipeError(f"--find-ceiling: only rank is searched, got {args.find_ceiling!r}")
+                result["doc"] = find_ceiling(cfg, budget_mib=args.budget_mib, ledger=args.ledger, gpu=gpu,
+                                             multimodal=args.multimodal)
                 return
             outcome, breakdown = predict(cfg, gpu=gpu, ledger=args.ledger, multimodal=args.multimodal)
             m = measurement(cfg, outcome, breakdown, gpu, args.id)
@@ -334,22 +337,22 @@ def main(argv=None) -> int:
     return 0
 
 
-def find_ceiling(cfg: ProbeConfig, args, gpu: Optional[str]) -> dict:
-    """Bisect the rank (steps of 8 up to 512) for the largest whose dry-run peak fits the budget."""
+def find_ceiling(cfg: ProbeConfig, *, budget_mib: Optional[float] = None, ledger: Optional[str] = None,
+                 gpu: Optional[str] = None, multimodal: bool = False) -> dict:
+    """Bisect the rank (steps of 8 up to 512) for the largest whose dry-run peak fits the budget
+    (``budget_mib``, else the card's calibrated limit from ``ledger``)."""
     from dataclasses import replace
 
     from .run_sweep import find_ceiling as bisect
 
-    if args.find_ceiling != "rank":
-        raise RecipeError(f"--find-ceiling: only rank is searched, got {args.find_ceiling!r}")
-    budget = args.budget_mib if args.budget_mib is not None else card_budget(args.ledger, gpu)
+    budget = budget_mib if budget_mib is not None else card_budget(ledger, gpu)
     if budget is None:
         raise RecipeError("--find-ceiling needs --budget-mib (or --gpu with --ledger)")
     ranks = list(range(8, 513, 8))
     peaks: dict[int, Optional[float]] = {}
 
     def fits(rank: int) -> bool:
-        outcome, _ = predict(replace(cfg, rank=rank), multimodal=args.multimodal)
+        outcome, _ = predict(replace(cfg, rank=rank), multimodal=multimodal)
         peaks[rank] = outcome["peak_allocated_mib"]
         return outcome["peak_allocated_mib"] is not None and outcome["peak_allocated_mib"] <= budget
 

@@ -372,7 +372,8 @@ def main(argv=None) -> int:
                     raise UserError(Issue(args.ledger, "", f"{len(present)} of {len(points)} points are in this "
                                           f"ledger already (first: {present[0]}): run again with --resume to skip "
                                           "them"))
-        return _run(sweep, points, args, done)
+        return run_sweep(sweep, points, ledger=args.ledger, done=done, ceiling_axis=args.find_ceiling,
+                         progress=not args.no_progress)
     except UserError as exc:
         for issue in exc.issues:
             print(str(issue), file=sys.stderr)
@@ -407,11 +408,14 @@ def fits(status: str, point: Point) -> bool:
     raise CeilingUnknown(f"{point.id} ended as {status or 'unknown'}; nothing can be said about memory")
 
 
-def _run(sweep: Sweep, points: list[Point], args, done: dict[str, str]) -> int:
+def run_sweep(sweep: Sweep, points: list[Point], *, ledger: str, done: dict[str, str],
+              ceiling_axis: Optional[str] = None, progress: bool = True) -> int:
+    """Run the points (or bisect ``ceiling_axis`` within each group of them), appending to
+    ``ledger``; points in ``done`` are skipped. Returns the exit code."""
     from tqdm import tqdm
 
     results: list[Result] = []
-    bar = tqdm(total=len(points), unit="probe", disable=args.no_progress, file=sys.stderr, dynamic_ncols=True)
+    bar = tqdm(total=len(points), unit="probe", disable=not progress, file=sys.stderr, dynamic_ncols=True)
     running: dict[str, Point] = {}
 
     def run(p: Point) -> Result:
@@ -420,7 +424,7 @@ def _run(sweep: Sweep, points: list[Point], args, done: dict[str, str]) -> int:
         else:
             bar.set_postfix_str(f"r{p.config.rank} seq{p.config.seq_len}")
             running["point"] = p
-            r = run_point(p, sweep, args.ledger)
+            r = run_point(p, sweep, ledger)
             running.pop("point")
         results.append(r)
         bar.update(1)
@@ -430,8 +434,8 @@ def _run(sweep: Sweep, points: list[Point], args, done: dict[str, str]) -> int:
 
     try:
         with _stop_on_signals():
-            if args.find_ceiling:
-                for group in ceiling_groups(sweep, args.find_ceiling):
+            if ceiling_axis:
+                for group in ceiling_groups(sweep, ceiling_axis):
                     group = [p for p in group if p in points]
                     if not group:
                         continue
@@ -454,10 +458,10 @@ def _run(sweep: Sweep, points: list[Point], args, done: dict[str, str]) -> int:
         recorded = sum(1 for r in results if r.status not in ("skipped", "error"))
         where = ""
         if point is not None:
-            kept = Path(args.ledger).exists() and any(m.id == point.id for m in store.load(args.ledger).measurements)
+            kept = Path(ledger).exists() and any(m.id == point.id for m in store.load(ledger).measurements)
             where = (f" during {point.id} (" + ("it had finished and is recorded" if kept else "stopped, not recorded")
                      + ")")
-        print(f"run_sweep: stopped by {exc}{where}; {recorded} points recorded in {args.ledger} by this run. "
+        print(f"run_sweep: stopped by {exc}{where}; {recorded} points recorded in {ledger} by this run. "
               "Run the same command with --resume to continue.", file=sys.stderr)
         return 128 + exc.signum
     bar.close()
