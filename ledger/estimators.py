@@ -26,13 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from .paths import MODEL_CONFIGS
 from .recipe import capacity_mib, fixes_key, seq_len_of
 from .models import Ledger, Measurement
 
 GIB = 2**30
 MIB = 2**20
 GB = 1e9
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "probe_kit" / "configs"
+CONFIG_DIR = MODEL_CONFIGS
 
 
 @dataclass
@@ -70,7 +71,7 @@ class Arch:
 
 def load_arch(model: str) -> Optional[Arch]:
     """The architecture of a model: a config JSON path, or a model id / name whose config ships in
-    probe_kit/configs ('unsloth/gemma-3-4b-it' -> gemma-3-4b-it.json). None when unknown."""
+    ledger/model_configs ('unsloth/gemma-3-4b-it' -> gemma-3-4b-it.json). None when unknown."""
     path = Path(model)
     if not (path.suffix == ".json" and path.is_file()):
         path = CONFIG_DIR / f"{model.split('/')[-1]}.json"

@@ -11,6 +11,20 @@ REPO_ROOT = PACKAGE_DIR.parent
 DEFAULT_LEDGER = PACKAGE_DIR / "vram.json"
 #: The committed JSON Schema, generated from ledger/models.py.
 SCHEMA_FILE = REPO_ROOT / "schema" / "ledger.schema.json"
+#: Public configs of the models the ledger describes (data the ledger owns; the probe kit and the
+#: estimators read them): '<name>.json', e.g. gemma-3-4b-it.json.
+MODEL_CONFIGS = PACKAGE_DIR / "model_configs"
+
+
+def shipped_templates() -> Path:
+    """The site's jinja2 templates and static files: ``templates/`` at the top of a clone (an
+    editable install), else the copy a wheel installs as the package ``vram_ledger_templates``."""
+    local = REPO_ROOT / "templates"
+    if (local / "index.html.j2").is_file():
+        return local
+    from importlib.resources import files
+
+    return Path(str(files("vram_ledger_templates")))
 
 
 def shown(path: str | os.PathLike) -> str:

@@ -27,9 +27,10 @@ import torch
 
 from ledger import recipe as ledger_recipe
 from ledger.models import Lora, Measurement
+from ledger.paths import MODEL_CONFIGS
 from ledger.recipe import FIX_NAMES
 
-CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+CONFIG_DIR = MODEL_CONFIGS
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -108,7 +109,7 @@ class ProbeConfig:
 
 
 def resolve_config_path(model: str) -> Optional[Path]:
-    """A config JSON: a path, or the name of one shipped in probe_kit/configs/."""
+    """A config JSON: a path, or the name of one shipped in ledger/model_configs/."""
     path = Path(model)
     if path.suffix == ".json" and path.is_file():
         return path

@@ -18,6 +18,8 @@ def add_build_options(p: argparse.ArgumentParser) -> None:
                    "(default: [tool.vram-ledger] base_url in ./pyproject.toml; none = relative links)")
     p.add_argument("--previous", help="the last published vram.json (path or URL) to list changes against "
                    "(default: OUT/vram.json)")
+    p.add_argument("--templates", metavar="DIR", help="a folder of templates (and static/style.css, static/sort.js) "
+                   "that replace the shipped ones of the same name")
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
 
 
@@ -49,7 +51,7 @@ def build(args: argparse.Namespace) -> int:
     ledger = store.load(args.ledger)
     result = render_site(ledger, Path(args.out), build_date=build_date_from_env(args.build_date),
                          base_url=args.base_url or configured_base_url(), previous=args.previous,
-                         protect=[Path(args.ledger)])
+                         protect=[Path(args.ledger)], templates=Path(args.templates) if args.templates else None)
     if not args.quiet:
         size = sum(result.files.values())
         print(

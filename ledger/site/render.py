@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoescape
+from jinja2 import ChoiceLoader, Environment, FileSystemLoader, StrictUndefined, select_autoescape
 
 from ..errors import Issue, UserError
 from ..models import Ledger
@@ -30,13 +30,32 @@ from .changes import atom_feed, history_for, load_previous
 from .downloads import measurements_csv
 from .public import PUBLIC_SCHEMA_VERSION, Derived, public_schema
 
-HERE = Path(__file__).resolve().parent
 MANIFEST = ".vram-build-manifest"
 
 
-def environment() -> Environment:
+def template_dirs(override: Optional[Path] = None) -> list[Path]:
+    """Where templates and static files are looked up: a publisher's folder first (``--templates``),
+    then the shipped ones, so an override needs only the files it changes."""
+    from ..paths import shipped_templates
+
+    if override is not None and not Path(override).is_dir():
+        raise UserError(Issue(str(override), "", "--templates needs a folder of templates"))
+    return ([Path(override)] if override is not None else []) + [shipped_templates()]
+
+
+def static_text(name: str, dirs: list[Path]) -> str:
+    """A static file (CSS, JS) from the first template folder that has it."""
+    for d in dirs:
+        path = d / "static" / name
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    raise UserError(Issue(name, "", f"no static/{name} in {', '.join(map(str, dirs))}"))
+
+
+def environment(dirs: Optional[list[Path]] = None) -> Environment:
+    dirs = dirs or template_dirs()
     env = Environment(
-        loader=FileSystemLoader(HERE / "templates"),
+        loader=ChoiceLoader([FileSystemLoader(str(d)) for d in dirs]),
         autoescape=select_autoescape(enabled_extensions=("html.j2",), default_for_string=True, default=False),
         undefined=StrictUndefined,
         trim_blocks=True,
@@ -159,16 +178,20 @@ def check_output_folder(out: Path, protect: Sequence[Path] = ()) -> None:
 
 
 def render_site(ledger: Ledger, out: Path, *, build_date: Optional[str] = None, base_url: Optional[str] = None,
-                previous: Optional[str] = None, protect: Sequence[Path] = ()) -> BuildResult:
+                previous: Optional[str] = None, protect: Sequence[Path] = (),
+                templates: Optional[Path] = None) -> BuildResult:
     """Compute the context once, then render and write every output. ``base_url`` makes links and
     ``$id``s absolute; ``previous`` (a path or URL of the last published vram.json, default the
     one in the output folder) is what changes.json and feed.xml compare with; ``protect`` lists
-    files the build must never overwrite (the ledger it reads)."""
+    files the build must never overwrite (the ledger it reads); ``templates`` is a folder whose
+    templates and static files replace the shipped ones of the same name."""
     if base_url is not None and not base_url.startswith(("http://", "https://")):
         raise UserError(Issue("--base-url", "", f"must be an http(s) URL, got {base_url!r}"))
     check_output_folder(Path(out), protect)
+    dirs = template_dirs(templates)
     with gc_paused():  # the build makes many short-lived objects and no cycles worth collecting
-        return _render_site(ledger, Path(out), build_date, base_url.rstrip("/") if base_url else None, previous)
+        return _render_site(ledger, Path(out), build_date, base_url.rstrip("/") if base_url else None, previous,
+                            dirs)
 
 
 #: The ledger being built, for the worker process (inherited by fork, never pickled).
@@ -207,7 +230,7 @@ class _Inline:
 
 
 def _render_site(ledger: Ledger, out: Path, build_date: Optional[str], base_url: Optional[str],
-                 previous: Optional[str]) -> BuildResult:
+                 previous: Optional[str], dirs: list[Path]) -> BuildResult:
     # The calibration and the plots are computed in a second process while this one renders the
     # rest (two cores: a third of the build time at 100k rows). Fork (Linux only)
     # hands the worker the ledger without pickling it.
@@ -222,14 +245,15 @@ def _render_site(ledger: Ledger, out: Path, build_date: Optional[str], base_url:
     try:
         jobs = {"scoreboard": pool.submit(_scoreboard), "fitted": pool.submit(_fitted),
                 "svgs": pool.submit(_svgs, plot_list)}
-        return _render_rest(ledger, out, build_date, plot_list, jobs, base_url, prev_doc, prev_history)
+        return _render_rest(ledger, out, build_date, plot_list, jobs, base_url, prev_doc, prev_history, dirs)
     finally:
         pool.shutdown(cancel_futures=True)
         _LEDGER = None
 
 
 def _render_rest(ledger: Ledger, out: Path, build_date: Optional[str], plot_list: list, jobs: dict,
-                 base_url: Optional[str], prev_doc: Optional[dict], prev_history: Optional[dict]) -> BuildResult:
+                 base_url: Optional[str], prev_doc: Optional[dict], prev_history: Optional[dict],
+                 dirs: list[Path]) -> BuildResult:
     ledger_json = canonical_json(ledger)
     sha = ledger_hash(ledger, ledger_json)
     ctx = build_context(ledger, build_date=build_date, ledger_sha256=sha, plots=plot_list, fitted_doc=jobs["fitted"],
@@ -237,9 +261,8 @@ def _render_rest(ledger: Ledger, out: Path, build_date: Optional[str], plot_list
     board_plot = estimator_plot(ctx.scoreboard)
     extra_svgs = [(board_plot.file, _svgs([board_plot])[0])] if board_plot else []
     ctx.estimator_plot = board_plot
-    env = environment()
-    css = (HERE / "static" / "style.css").read_text(encoding="utf-8")
-    js = (HERE / "static" / "sort.js").read_text(encoding="utf-8")
+    env = environment(dirs)
+    css, js = static_text("style.css", dirs), static_text("sort.js", dirs)
     hrefs = {r.id: f"#m-{r.id}" for t in all_tables(ctx) for r in t.rows}
 
     # Data files first: the pages list each download with its size and hash.
