@@ -247,9 +247,6 @@ class VramLedger(Estimator):
     leaves_out = ("configurations far from any probe (it says unknown instead), and what one forward+backward "
                   "does not see in a long run: allocator fragmentation and optimizer state.")
 
-    def __init__(self, ledger: Optional[Ledger] = None):
-        self.ledger = ledger
-
     def predict_row(self, m: Measurement, rest: list[Measurement]) -> Optional[float]:
         from .calibration import PeakModel, ok_peak, overestimate, predict_real
         from .recipe import group_key, recipe_key
@@ -349,7 +346,7 @@ def scoreboard(ledger: Ledger, estimators: Optional[list[Estimator]] = None, kee
     the fit / no-fit confusion at each card's capacity. Per-row detail is kept up to ``keep_rows``
     rows (every row is in the ledger)."""
     if estimators is None:
-        estimators = [*ESTIMATORS, VramLedger(ledger)]
+        estimators = [*ESTIMATORS, VramLedger()]
         dry = DryRunRows(ledger)
         if dry.by_key:
             estimators.append(dry)

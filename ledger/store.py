@@ -37,6 +37,8 @@ from .models import SCHEMA_VERSION, Finding, Gpu, Ledger, Measurement, Predictio
 MIGRATIONS: dict[int, Callable[[dict], dict]] = {}
 
 LOCK_TIMEOUT_S = 60.0
+#: Freeze what a load built (gc.freeze): a process-wide choice, made by the command line only.
+FREEZE_SURVIVORS = False
 
 
 # -- reading -----------------------------------------------------------------
@@ -263,16 +265,18 @@ def reference_issues(ledger: Ledger, name: str) -> list[Issue]:
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector while building many objects that form no cycles:
-    validating 100k measurements takes a quarter of the time without its repeated passes. On
-    the way out the survivors are frozen (moved out of the collector's generations), or the
-    first collection after re-enabling would walk them all once more. Models hold no cycles,
-    so reference counting still frees them."""
+    validating 100k measurements takes a quarter of the time without its repeated passes. Models
+    hold no cycles, so reference counting still frees them. With ``FREEZE_SURVIVORS`` (set by
+    the ``vram`` command, whose process ends with the command) the survivors are also frozen, so
+    later collections do not walk them again; a library call leaves the process's collector as
+    it found it."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
-        gc.freeze()
+        if FREEZE_SURVIVORS:
+            gc.freeze()
         if was_enabled:
             gc.enable()
 

@@ -35,14 +35,6 @@ def to_mib(number: str | float, unit: str) -> float:
     return value * factor
 
 
-def parse_size_mib(text: str) -> float:
-    """Parse ``"7.39 GiB"`` into MiB. Raises ValueError when the text is not a size."""
-    m = SIZE_RE.fullmatch(text.strip())
-    if not m:
-        raise ValueError(f"not a size: {text!r}")
-    return to_mib(m["num"], m["unit"])
-
-
 def round_mib(value: float) -> float:
     """Round a MiB figure to 0.1 MiB, the resolution the ledger keeps."""
     return round(value, 1)

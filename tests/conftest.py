@@ -11,6 +11,9 @@ TESTS = Path(__file__).resolve().parent
 DATA = TESTS / "data"
 REPO = TESTS.parent
 BUNDLED = REPO / "ledger" / "vram.json"
+#: A frozen copy of the bundled ledger as of the tests that pin exact figures on it: adding a
+#: measurement to the bundled ledger must not break them.
+FROZEN = DATA / "program-ledger.json"
 LEGACY = DATA / "legacy" / "program-vram.json"
 SMALL = DATA / "small-ledger.json"
 

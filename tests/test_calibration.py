@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import BUNDLED
+from conftest import FROZEN as BUNDLED
 from ledger import cli, store
 from ledger.calibration import (before, calibrate, ceiling, loo, overestimate, predict_real, rank_slope)
 from ledger.models import SCHEMA_VERSION, Gpu, Ledger, Lora, Measurement, Outcome, Provenance

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from conftest import BUNDLED
+from conftest import FROZEN as BUNDLED
 from ledger import cli, store
-from ledger.estimators import FT01, GB, MIB, Arch, Canifinetune, Recipe, UnslothStudio, load_arch, scoreboard
+from ledger.estimators import FT01, GB, Arch, Canifinetune, Recipe, UnslothStudio, load_arch, scoreboard
 from ledger.models import SCHEMA_VERSION, Ledger, Measurement, Outcome
 
 # A small llama-shaped model whose arithmetic fits in a comment.
@@ -103,10 +103,6 @@ def test_estimate_cli(capsys):
     assert doc["nearest_measurement"]["id"] == "rx-7900-xtx-4bit-fixes-all-r16-seq7177"
     assert cli.main(["estimate", "--model", "nope", "--rank", "16", "--seq-len", "7177"]) == 1
     assert "nope: no such config" in capsys.readouterr().err
-
-
-def test_mib_constant():
-    assert MIB == 2**20
 
 
 def test_dry_run_rows_join_the_scoreboard():

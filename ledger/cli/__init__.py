@@ -14,6 +14,7 @@ import argparse
 import sys
 from typing import Sequence
 
+from .. import store
 from ..errors import UserError
 from . import build, calibrate, doctor, estimate, files, ingest_log
 from .options import Command, dump_json
@@ -42,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        # A command is a whole process: what it loads (a ledger of 100k rows) lives until it ends,
+        # so the collector may freeze it rather than walk it again on every collection.
+        store.FREEZE_SURVIVORS = True
         return int(args.run(args) or 0)
     except UserError as exc:
         for issue in exc.issues:
