@@ -155,8 +155,12 @@ class Plot:
     markers_only: bool = False
 
 
-@dataclass
+@dataclass(frozen=True)
 class SiteContext:
+    """Everything every output shows, computed once in phase one (``compute_site``); phase two
+    renders each output from it and from nothing else. Frozen: a later step makes a new one with
+    ``dataclasses.replace`` rather than patching this one."""
+
     title: str
     about: Optional[str]
     ledger_sha256: str
@@ -177,6 +181,14 @@ class SiteContext:
     base_url: Optional[str] = None
     downloads: list[dict] = field(default_factory=list)
     changes: Optional[dict] = None
+    #: The inlined stylesheet and script (the page opens from file:// with nothing fetched).
+    css: str = ""
+    js: str = ""
+    #: In-page link of every measurement id shown in a table.
+    hrefs: dict[str, str] = field(default_factory=dict)
+    #: The data files and plot images, by path in the output folder.
+    data_files: dict[str, str] = field(default_factory=dict)
+    images: dict[str, str] = field(default_factory=dict)
 
 
 # -- helpers ------------------------------------------------------------------------------

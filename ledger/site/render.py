@@ -1,4 +1,7 @@
-"""Phase two of the build: render every output from one SiteContext, and write the tree.
+"""The build in two phases: ``compute_site`` computes everything into one frozen SiteContext
+(the calibration, the scoreboard, plots and their images, the data files, downloads and changes);
+``render_outputs`` renders every output from it (templates receive ``ctx`` and nothing else);
+then the tree is written.
 
 The writer refuses paths outside the output folder and two outputs with the same path, writes
 each file atomically, and removes the files it wrote in an earlier build that this build did
@@ -14,7 +17,7 @@ import multiprocessing
 import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -180,7 +183,8 @@ def check_output_folder(out: Path, protect: Sequence[Path] = ()) -> None:
 def render_site(ledger: Ledger, out: Path, *, build_date: Optional[str] = None, base_url: Optional[str] = None,
                 previous: Optional[str] = None, protect: Sequence[Path] = (),
                 templates: Optional[Path] = None) -> BuildResult:
-    """Compute the context once, then render and write every output. ``base_url`` makes links and
+    """Compute the context once (phase one), render every output from it (phase two), write the
+    tree. ``base_url`` makes links and
     ``$id``s absolute; ``previous`` (a path or URL of the last published vram.json, default the
     one in the output folder) is what changes.json and feed.xml compare with; ``protect`` lists
     files the build must never overwrite (the ledger it reads); ``templates`` is a folder whose
@@ -190,12 +194,26 @@ def render_site(ledger: Ledger, out: Path, *, build_date: Optional[str] = None, 
     check_output_folder(Path(out), protect)
     dirs = template_dirs(templates)
     with gc_paused():  # the build makes many short-lived objects and no cycles worth collecting
-        return _render_site(ledger, Path(out), build_date, base_url.rstrip("/") if base_url else None, previous,
-                            dirs)
+        ctx = compute_site(ledger, Path(out), build_date=build_date,
+                           base_url=base_url.rstrip("/") if base_url else None, previous=previous, dirs=dirs)
+        files = render_outputs(ctx, environment(dirs))
+        writer = SiteWriter(Path(out))
+        for name, text in files.items():
+            writer.write(name, text)
+        removed = writer.finish()
+    return BuildResult(out=writer.out, files=dict(writer.written), removed=removed)
 
 
-#: The ledger being built, for the worker process (inherited by fork, never pickled).
-_LEDGER: Optional[Ledger] = None
+# -- phase one: compute ------------------------------------------------------------------------
+
+#: The ledger being built, in a worker process (set there by the pool's initializer: with fork
+#: it is inherited, never pickled).
+_WORKER_LEDGER: Optional[Ledger] = None
+
+
+def _worker_init(ledger: Ledger) -> None:
+    global _WORKER_LEDGER
+    _WORKER_LEDGER = ledger
 
 
 def _svgs(plots: list) -> list[str]:
@@ -205,15 +223,18 @@ def _svgs(plots: list) -> list[str]:
 
 
 def _fitted() -> Optional[dict]:
-    return fitted(_LEDGER)
+    return fitted(_WORKER_LEDGER)
 
 
 def _scoreboard() -> dict:
-    return estimator_scoreboard(_LEDGER)
+    return estimator_scoreboard(_WORKER_LEDGER)
 
 
 class _Inline:
     """Runs the work in this process when forking is not available (same results)."""
+
+    def __init__(self, ledger: Ledger):
+        _worker_init(ledger)
 
     def submit(self, fn, *args):
         class Done:
@@ -226,75 +247,74 @@ class _Inline:
         return Done(fn(*args))
 
     def shutdown(self, **kwargs) -> None:
-        pass
+        _worker_init(None)  # type: ignore[arg-type]
 
 
-def _render_site(ledger: Ledger, out: Path, build_date: Optional[str], base_url: Optional[str],
-                 previous: Optional[str], dirs: list[Path]) -> BuildResult:
-    # The calibration and the plots are computed in a second process while this one renders the
-    # rest (two cores: a third of the build time at 100k rows). Fork (Linux only)
-    # hands the worker the ledger without pickling it.
-    global _LEDGER
+def compute_site(ledger: Ledger, out: Path, *, build_date: Optional[str], base_url: Optional[str],
+                 previous: Optional[str], dirs: list[Path]) -> SiteContext:
+    """Phase one: everything the outputs show, in one frozen SiteContext. The calibration, the
+    scoreboard and the plot images are computed in a second process while this one computes the
+    rest (two cores: a third of the build time at 100k rows)."""
     prev_doc, prev_history = load_previous(previous, out.resolve())
-    _LEDGER = ledger
     plot_list = make_plots(ledger)
     if sys.platform.startswith("linux"):
-        pool = ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("fork"))
+        pool = ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("fork"),
+                                   initializer=_worker_init, initargs=(ledger,))
     else:
-        pool = _Inline()
+        pool = _Inline(ledger)
     try:
         jobs = {"scoreboard": pool.submit(_scoreboard), "fitted": pool.submit(_fitted),
                 "svgs": pool.submit(_svgs, plot_list)}
-        return _render_rest(ledger, out, build_date, plot_list, jobs, base_url, prev_doc, prev_history, dirs)
+        ledger_json = canonical_json(ledger)
+        sha = ledger_hash(ledger, ledger_json)
+        ctx = build_context(ledger, build_date=build_date, ledger_sha256=sha, plots=plot_list,
+                            fitted_doc=jobs["fitted"], scoreboard_doc=jobs["scoreboard"])
+        board_plot = estimator_plot(ctx.scoreboard)
+        images = dict(zip((p.file for p in ctx.plots), jobs["svgs"].result()))
     finally:
         pool.shutdown(cancel_futures=True)
-        _LEDGER = None
+    if board_plot:
+        images[board_plot.file] = _svgs([board_plot])[0]
 
-
-def _render_rest(ledger: Ledger, out: Path, build_date: Optional[str], plot_list: list, jobs: dict,
-                 base_url: Optional[str], prev_doc: Optional[dict], prev_history: Optional[dict],
-                 dirs: list[Path]) -> BuildResult:
-    ledger_json = canonical_json(ledger)
-    sha = ledger_hash(ledger, ledger_json)
-    ctx = build_context(ledger, build_date=build_date, ledger_sha256=sha, plots=plot_list, fitted_doc=jobs["fitted"],
-                        scoreboard_doc=jobs["scoreboard"])
-    board_plot = estimator_plot(ctx.scoreboard)
-    extra_svgs = [(board_plot.file, _svgs([board_plot])[0])] if board_plot else []
-    ctx.estimator_plot = board_plot
-    env = environment(dirs)
-    css, js = static_text("style.css", dirs), static_text("sort.js", dirs)
-    hrefs = {r.id: f"#m-{r.id}" for t in all_tables(ctx) for r in t.rows}
-
-    # Data files first: the pages list each download with its size and hash.
-    files: dict[str, str] = {}
-    files["vram.json"] = public_json(ledger_json, ctx, ledger, base_url)
-    files["vram.schema.json"] = json.dumps(public_schema(base_url), indent=2) + "\n"
-    files["vram.csv"] = measurements_csv(ledger)
+    # The data files: the pages list each download with its size and hash.
+    ctx = replace(ctx, estimator_plot=board_plot, base_url=base_url)
+    data: dict[str, str] = {}
+    data["vram.json"] = public_json(ledger_json, ctx, ledger, base_url)
+    data["vram.schema.json"] = json.dumps(public_schema(base_url), indent=2) + "\n"
+    data["vram.csv"] = measurements_csv(ledger)
     unchanged = prev_doc is not None and prev_doc.get("ledger_sha256") == sha
     ledger_doc = None if unchanged or prev_doc is None else json.loads(ledger_json)
     history = history_for(prev_doc if not unchanged else None, prev_history, ledger_doc or {}, sha, build_date)
     if unchanged and isinstance(prev_history, dict):
         history = {**history, "history": prev_history.get("history", [])[:50]}
-    files["changes.json"] = json.dumps(history, indent=1, ensure_ascii=False) + "\n"
-    files["feed.xml"] = atom_feed(history, title=ctx.title, base_url=base_url,
-                                  updated=f"{build_date or latest_date(ledger)}T00:00:00Z")
-    ctx.base_url = base_url
-    ctx.changes = history["history"][0] if history["history"] else None
-    ctx.downloads = [download(name, files[name], base_url) for name in
-                     ("vram.json", "vram.csv", "vram.schema.json", "changes.json", "feed.xml")]
-    writer = SiteWriter(Path(out))
-    common = {"ctx": ctx, "css": css, "js": js, "hrefs": hrefs}
-    md = env.get_template("vram.md.j2").render(**common)
-    ctx.downloads.append(download("vram.md", md, base_url))
-    writer.write("index.html", env.get_template("index.html.j2").render(**common))
-    writer.write("vram.md", md)
-    writer.write("estimators.html", env.get_template("estimators.html.j2").render(**common))
-    writer.write("estimators.md", env.get_template("estimators.md.j2").render(**common))
-    for name, svg in extra_svgs:
-        writer.write(name, svg)
-    for name, text in files.items():
-        writer.write(name, text)
-    for plot, svg in zip(ctx.plots, jobs["svgs"].result()):
-        writer.write(plot.file, svg)
-    removed = writer.finish()
-    return BuildResult(out=writer.out, files=dict(writer.written), removed=removed)
+    data["changes.json"] = json.dumps(history, indent=1, ensure_ascii=False) + "\n"
+    data["feed.xml"] = atom_feed(history, title=ctx.title, base_url=base_url,
+                                 updated=f"{build_date or latest_date(ledger)}T00:00:00Z")
+    return replace(
+        ctx,
+        changes=history["history"][0] if history["history"] else None,
+        downloads=[download(name, data[name], base_url) for name in
+                   ("vram.json", "vram.csv", "vram.schema.json", "changes.json", "feed.xml")],
+        css=static_text("style.css", dirs), js=static_text("sort.js", dirs),
+        hrefs={r.id: f"#m-{r.id}" for t in all_tables(ctx) for r in t.rows},
+        data_files=data, images=images,
+    )
+
+
+# -- phase two: render -------------------------------------------------------------------------
+
+
+def render_outputs(ctx: SiteContext, env: Environment) -> dict[str, str]:
+    """Phase two: every output's text by its path, rendered from the context alone. The
+    Markdown page is itself a download the HTML page lists, so it is rendered first."""
+    md = env.get_template("vram.md.j2").render(ctx=ctx)
+    page_ctx = replace(ctx, downloads=[*ctx.downloads, download("vram.md", md, ctx.base_url)])
+    files = {
+        "index.html": env.get_template("index.html.j2").render(ctx=page_ctx),
+        "vram.md": md,
+        "estimators.html": env.get_template("estimators.html.j2").render(ctx=page_ctx),
+        "estimators.md": env.get_template("estimators.md.j2").render(ctx=page_ctx),
+    }
+    files.update(ctx.data_files)
+    files.update(ctx.images)
+    return files
