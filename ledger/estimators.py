@@ -374,7 +374,8 @@ def scoreboard(ledger: Ledger, estimators: Optional[list[Estimator]] = None, kee
                  "available": not (isinstance(est, Canifinetune) and not est.available()), "skipped": None}
         if isinstance(est, VramLedger) and len(ledger.measurements) > HELD_OUT_LIMIT:
             entry.update(skipped=f"held-out scoring refits once per row; skipped above {HELD_OUT_LIMIT} rows",
-                         n=0, median_abs_err_pct=None, median_signed_err_pct=None, slices={}, confusion={}, rows=[])
+                         n=0, median_abs_err_pct=None, median_signed_err_pct=None, slices={}, confusion=None, rows=[],
+                         rows_kept=False)
             out["estimators"].append(entry)
             continue
         cache: dict[tuple, Optional[Estimate]] = {}

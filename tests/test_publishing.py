@@ -125,3 +125,16 @@ def test_validate_public(tmp_path, capsys):
 def test_example_workflow_builds_with_a_base_url():
     text = (REPO / "examples" / "deploy" / "publish-site.yml").read_text()
     assert "build.py --base-url" in text and "--previous" in text
+
+
+def test_the_public_schema_describes_the_derived_figures(tmp_path, capsys):
+    from ledger import cli
+    from ledger.results import Calibration
+    from ledger.site.public import public_schema
+
+    defs = public_schema()["$defs"]
+    for name in ("Calibration", "Costs", "CardLimit", "LeaveOneOut", "Scoreboard", "EstimatorScore", "Confusion"):
+        assert name in defs and defs[name].get("additionalProperties") is False, name
+    assert cli.main(["calibrate", "--ledger", str(REPO / "tests" / "data" / "small-ledger.json"), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert Calibration.model_validate(doc).document() == doc  # --json prints the typed result

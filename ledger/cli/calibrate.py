@@ -13,6 +13,7 @@ from ..errors import Issue, UserError
 from ..ingest import fixes_option
 from ..predictions import make_prediction, score_predictions
 from ..recipe import fixes_key, require_gpu
+from ..results import Calibration
 from .options import Command, add_json_option, add_ledger_option, add_recipe_options, dump_json, parse_date
 
 
@@ -35,7 +36,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     ledger = store.load(args.ledger)
     result = calibrate(ledger, as_of=parse_date(args.as_of, "--as-of"), exclude=args.exclude, with_loo=not args.no_loo)
     if args.json:
-        dump_json(result)
+        dump_json(Calibration.model_validate(result).document())
         return 0
     o = result["overestimate_pct"]
     print(f"over-estimate of the probe: {o['median']}% (pairs {o['low']}–{o['high']}%)")

@@ -12,6 +12,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
+from ..results import Calibration, Scoreboard
 from ..recipe import capacity_mib, fixes_key, seq_len_of
 from ..models import Finding, Gpu, Ledger, Measurement, Prediction
 from . import filters
@@ -175,8 +176,8 @@ class SiteContext:
     predictions: list[PredictionRow]
     plots: list[Plot]
     ids: list[str]
-    fitted: Optional[dict] = None
-    scoreboard: Optional[dict] = None
+    fitted: Optional[Calibration] = None
+    scoreboard: Optional[Scoreboard] = None
     estimator_plot: Optional[Plot] = None
     base_url: Optional[str] = None
     downloads: list[dict] = field(default_factory=list)
@@ -587,7 +588,7 @@ BUILTIN_SECTIONS = ("gpu", "measurements", "cross-gpu", "plots", "predictions", 
 LOO_LIMIT = 1000
 
 
-def estimator_scoreboard(ledger: Ledger) -> dict:
+def estimator_scoreboard(ledger: Ledger) -> Scoreboard:
     """How every VRAM estimator fares against the ledger's measured peaks."""
     from ..estimators import _sort_key, scoreboard
 
@@ -606,17 +607,17 @@ def estimator_scoreboard(ledger: Ledger) -> dict:
                                              "cells": [None] * len(board["estimators"])})
             row["cells"][i] = {"estimate_mib": r["estimate_mib"], "error_pct": r["error_pct"]}
     board["table"] = list(table.values())
-    return board
+    return Scoreboard.model_validate(board)
 
 
-def estimator_plot(board: dict) -> Optional[Plot]:
+def estimator_plot(board: Scoreboard) -> Optional[Plot]:
     """Estimate vs measured, one series per estimator, with the y = x line."""
     series = []
-    for est in board["estimators"]:
-        pts = [PlotPoint(x=r["measured_mib"], y=r["estimate_mib"], id=r["id"], status=r["status"])
-               for r in est.get("rows", []) if r["measured_mib"] is not None]
+    for est in board.estimators:
+        pts = [PlotPoint(x=r.measured_mib, y=r.estimate_mib, id=r.id, status=r.status)
+               for r in est.rows if r.measured_mib is not None]
         if pts:
-            series.append(PlotSeries(f"{est['name']} (predicts {est['predicts']})",
+            series.append(PlotSeries(f"{est.name} (predicts {est.predicts})",
                                      sorted(pts, key=lambda p: (p.x, p.y, p.id))))
     if not series:
         return None
@@ -630,13 +631,13 @@ def estimator_plot(board: dict) -> Optional[Plot]:
                 markers_only=True)
 
 
-def fitted(ledger: Ledger) -> dict:
+def fitted(ledger: Ledger) -> Calibration:
     """The calibration the page shows, computed from the ledger at build time."""
     from ..calibration import calibrate
 
     doc = calibrate(ledger, with_loo=len(ledger.measurements) <= LOO_LIMIT, with_ceilings=True)
     doc["loo_skipped"] = doc["loo"] is None
-    return doc
+    return Calibration.model_validate(doc)
 
 
 def build_context(

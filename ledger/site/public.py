@@ -5,11 +5,12 @@ Its JSON Schema (``vram.schema.json``, published beside it) is generated from th
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..models import Ledger, canonical_schema
+from ..results import Calibration, Scoreboard
 from .context import Plot
 
 #: Version of the public document's format (not of the ledger inside it).
@@ -24,9 +25,9 @@ class Derived(BaseModel):
     counts: dict[str, int] = Field(description="Row counts: measurements, gpus, findings, predictions, ok, oom.")
     training_gpu: Optional[str] = Field(None, description="Key of the card the real runs ran on.")
     plots: list[Plot] = Field(default_factory=list, description="Every plot on the page with the points it draws.")
-    estimators: Optional[dict[str, Any]] = Field(
+    estimators: Optional[Scoreboard] = Field(
         None, description="How every VRAM estimator fares against the ledger's measured peaks (the scoreboard).")
-    calibration: Optional[dict[str, Any]] = Field(
+    calibration: Optional[Calibration] = Field(
         None, description="`vram calibrate --json` of the ledger at build time, plus the ceiling table.")
 
 class PublicDocument(BaseModel):

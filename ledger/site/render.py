@@ -146,7 +146,7 @@ def public_json(ledger_json: str, ctx: SiteContext, ledger: Ledger, base_url: Op
         f'{{"schema_version":{PUBLIC_SCHEMA_VERSION},"url":{json.dumps(url)},"schema_url":{json.dumps(schema)},'
         f'"ledger_sha256":{json.dumps(ctx.ledger_sha256)},'
         f'"build_date":{json.dumps(ctx.build_date)},"ledger":{ledger_json},'
-        f'"derived":{derived.model_dump_json()}}}\n'
+        f'"derived":{derived.model_dump_json(exclude_unset=True)}}}\n'
     )
 
 

@@ -1,0 +1,286 @@
+"""Typed results of the calibration and of the estimator scoreboard: what ``vram calibrate
+--json`` prints, what the site's templates read, and what ``vram.json`` publishes under
+``derived`` (so ``vram.schema.json`` describes all of it). Units live in field names; a figure
+that could not be computed is null."""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Result(BaseModel):
+    model_config = ConfigDict(extra="forbid", serialize_by_alias=True, validate_by_name=True)
+
+
+# -- calibration -------------------------------------------------------------------------------
+
+
+class ProbeRealPair(_Result):
+    """A probe and the real runs of its recipe measured after it: the probe's over-estimate."""
+
+    probe: str = Field(description="Id of the probe.")
+    reals: list[str] = Field(description="Ids of the real runs it is paired with.")
+    probe_mib: float = Field(description="The probe's peak allocated, MiB.")
+    real_mib: float = Field(description="The highest peak allocated of the real runs, MiB.")
+    overestimate_pct: float = Field(description="(probe - real) / probe x 100.")
+    key: list[Union[bool, int, str, None]] = Field(description="The recipe key: card, model, quant, rank, dropout, "
+                                                               "DoRA, memory fixes.")
+    probe_seq_len: Optional[int] = Field(description="Tokens the probe ran on.")
+    on: str = Field(description="Date of the probe.")
+
+
+class OverestimatePct(_Result):
+    """The probe's over-estimate of a real run's peak: the anchors' median and every pair's range."""
+
+    median: Optional[float] = Field(description="Median over the anchors, %.")
+    low: Optional[float] = Field(description="Lowest over every pair, %.")
+    high: Optional[float] = Field(description="Highest over every pair, %.")
+
+
+class RankCost(_Result):
+    """MiB per unit of LoRA rank for one card and group of probes."""
+
+    gpu: str
+    quant: Optional[str]
+    seq_len: Optional[int] = Field(description="Tokens.")
+    dropout: bool
+    dora: bool
+    fixes: str = Field(description="Memory fixes (canonical key).")
+    mib_per_rank: float = Field(description="Slope of peak allocated over rank, MiB per rank unit.")
+    rows: list[str] = Field(description="Ids of the probes it rests on.")
+
+
+class PairedCost(_Result):
+    """Two probes identical but for one switch (dropout or DoRA): what switching it on costs."""
+
+    gpu: str
+    rank: int
+    seq_len: Optional[int] = Field(description="Tokens.")
+    quant: Optional[str]
+    cost_mib: float = Field(description="Peak with the switch on minus off, MiB.")
+    rows: list[str] = Field(description="Ids of the two probes (off, on).")
+
+
+class CostSummary(_Result):
+    """A switch's cost over every pair."""
+
+    median_mib: Optional[float]
+    min_mib: Optional[float]
+    max_mib: Optional[float]
+    pairs: list[PairedCost]
+
+
+class SeqCoefficients(_Result):
+    """peak = c0 + c1 x tokens + c2 x tokens^2."""
+
+    c0_mib: float
+    c1_mib_per_token: float
+    c2_mib_per_token2: float
+
+
+class SeqStep(_Result):
+    """The slope between two probed lengths."""
+
+    from_tokens: int = Field(alias="from", description="Shorter length, tokens.")
+    to: int = Field(description="Longer length, tokens.")
+    mib_per_token: float
+
+
+class SeqCost(_Result):
+    """Peak allocated against sequence length for one card, quant and rank (four lengths or more)."""
+
+    gpu: str
+    quant: Optional[str]
+    rank: int
+    fit: str = Field(description="The curve fitted: quadratic.")
+    coefficients: SeqCoefficients
+    max_residual_mib: float = Field(description="Largest distance of a probe from the curve, MiB.")
+    piecewise: list[SeqStep]
+    rows: list[str]
+
+
+class RealRankCost(_Result):
+    """What a higher rank cost in real runs (mean peak per rank)."""
+
+    gpu: str
+    dropout: bool
+    from_rank: int
+    to_rank: int
+    cost_mib: float
+    mib_per_rank: float
+    rows: list[str]
+
+
+class Costs(_Result):
+    """Marginal costs from the data, each with the rows it rests on."""
+
+    rank: list[RankCost]
+    dropout: CostSummary
+    dora: CostSummary
+    seq_len: list[SeqCost]
+    real_rank: list[RealRankCost]
+
+
+class CardLimit(_Result):
+    """A card's effective limit for peak allocated: between the largest peak that fit and the
+    smallest that did not (an OOM is censored: it needed more than the card could give)."""
+
+    gpu: str
+    kind: str = Field(description="probe or real: each gets its own interval.")
+    low_mib: Optional[float] = Field(description="Largest peak allocated known to fit, MiB.")
+    high_mib: Optional[float] = Field(description="Smallest peak (or lower bound) known not to fit, MiB.")
+    fit_id: Optional[str]
+    exceeded_id: Optional[str]
+    card_mib: Optional[float] = Field(description="The card's capacity as torch reports it, MiB.")
+    note: Optional[str]
+
+
+class LooVerdict(_Result):
+    """A probe's fit verdict, predicted without it."""
+
+    id: str
+    predicted_mib: float
+    fits_predicted: bool
+    fits_actual: bool
+    limit: list[Optional[float]] = Field(description="The limit interval used, MiB (low, high).")
+
+
+class LooReal(_Result):
+    """A real run's peak, predicted without it from its probe."""
+
+    id: str
+    probe: str
+    predicted_mib: float
+    actual_mib: float
+    error_pct: float
+
+
+class LeaveOneOut(_Result):
+    """Leave-one-out scores."""
+
+    verdict_correct: int
+    verdict_total: int
+    verdict_unaddressed: int
+    verdict_pct: Optional[float]
+    real_median_abs_err_pct: Optional[float]
+    real_n: int
+    verdicts: list[LooVerdict]
+    reals: list[LooReal]
+
+
+class CeilingCell(_Result):
+    """The largest rank that fits one configuration."""
+
+    status: str
+    rank: Optional[int]
+    possible_rank: Optional[int]
+    at_least: bool = Field(description="True when the ceiling is at least the largest rank searched.")
+
+
+class CeilingRow(_Result):
+    """Rank ceilings of one card, model, quant, fixes and length: without dropout, with it, with DoRA."""
+
+    gpu: str
+    model: Optional[str]
+    quant: Optional[str]
+    fixes: str
+    seq_len: int
+    ceilings: dict[str, CeilingCell]
+
+
+class Calibration(_Result):
+    """``vram calibrate``: pairs and anchors, the over-estimate, marginal costs, card limits,
+    leave-one-out scores (and, on the site, the ceiling table)."""
+
+    ceilings: list[CeilingRow] = Field(default_factory=list, description="The site's rank-ceiling table.")
+    as_of: Optional[str] = Field(description="Rows measured on or before this date only.")
+    excluded: list[str] = Field(description="Ids left out.")
+    calibration_hash: str = Field(description="Hash of the rows the calibration rests on.")
+    anchors: list[ProbeRealPair]
+    pairs: list[ProbeRealPair]
+    overestimate_pct: OverestimatePct
+    costs: Costs
+    limits: list[CardLimit]
+    loo: Optional[LeaveOneOut]
+    loo_skipped: Optional[bool] = Field(None, description="True when the ledger was too large for leave-one-out.")
+
+    def document(self) -> dict:
+        """As ``--json`` prints it: the keys that were computed."""
+        return self.model_dump(mode="json", exclude_unset=True)
+
+
+# -- the estimator scoreboard -----------------------------------------------------------------
+
+
+class SliceScore(_Result):
+    median_abs_err_pct: float
+    n: int
+
+
+class Confusion(_Result):
+    """Fit verdicts against what happened; fits_but_oom is the costly cell."""
+
+    fits_but_oom: int
+    fits_and_fit: int
+    oom_but_fit: int
+    oom_and_oom: int
+
+
+class ScoredRow(_Result):
+    """One measured row as an estimator saw it."""
+
+    id: str
+    status: str
+    allocated_mib: Optional[float]
+    reserved_mib: Optional[float]
+    estimate_mib: float
+    low_mib: Optional[float]
+    high_mib: Optional[float]
+    measured_mib: Optional[float] = Field(description="The measured quantity the estimator claims to predict, MiB.")
+    measured_quantity: Optional[str] = Field(description="allocated or reserved.")
+    error_pct: Optional[float]
+    fits_predicted: Optional[bool]
+    fits_actual: Optional[bool]
+    slices: dict[str, str]
+
+
+class EstimatorScore(_Result):
+    """One estimator against the ledger."""
+
+    name: str
+    predicts: str = Field(description="The quantity it claims to predict.")
+    leaves_out: str
+    available: bool
+    skipped: Optional[str]
+    n: int
+    median_abs_err_pct: Optional[float]
+    median_signed_err_pct: Optional[float]
+    slices: dict[str, dict[str, SliceScore]]
+    confusion: Optional[Confusion]
+    rows: list[ScoredRow]
+    rows_kept: bool
+
+
+class TableCell(_Result):
+    estimate_mib: float
+    error_pct: Optional[float]
+
+
+class TableRow(_Result):
+    id: str
+    status: str
+    allocated_mib: Optional[float]
+    reserved_mib: Optional[float]
+    cells: list[Optional[TableCell]]
+
+
+class Scoreboard(_Result):
+    """Every VRAM estimator scored against the ledger's measured peaks."""
+
+    addressable: int = Field(description="Measured rows whose model, recipe and length are known.")
+    estimators: list[EstimatorScore]
+    fit_rule: str
+    slice_values: dict[str, list[str]]
+    table: list[TableRow] = Field(default_factory=list)
