@@ -492,8 +492,12 @@ def ceiling(ledger: Ledger, ms: list[Measurement], *, gpu: str, seq_len: int, mo
     for rank in range(step, max_rank + 1, step):
         obs = observed.get(rank)
         if obs is not None and not real:
-            fits = obs.outcome.status == "ok"
-            result.evidence.append({"rank": rank, "observed": obs.outcome.status, "id": obs.id})
+            # An ok probe ran on the card; under a budget or a margin its peak must also stay
+            # under the threshold (a probe that fit the card may not fit the budget).
+            fits = obs.outcome.status == "ok" and (
+                (budget_mib is None and margin_mib == 0) or (ok_peak(obs) or float("inf")) <= threshold)
+            result.evidence.append({"rank": rank, "observed": obs.outcome.status, "id": obs.id,
+                                    **({"peak_mib": ok_peak(obs)} if ok_peak(obs) is not None else {})})
             known_any = True
             if fits:
                 best = possible = rank
@@ -531,7 +535,8 @@ def ceiling(ledger: Ledger, ms: list[Measurement], *, gpu: str, seq_len: int, mo
     # card, without dropout, without DoRA, and every combination of those; never below a rank this
     # very configuration was seen to fit.
     if _depth == 0:
-        seen_fit = max((r for r, m in observed.items() if m.outcome.status == "ok"), default=None)
+        seen_fit = max((r for r, m in observed.items() if m.outcome.status == "ok" and (
+            (budget_mib is None and margin_mib == 0) or (ok_peak(m) or float("inf")) <= threshold)), default=None)
         seqs = sorted({s for s in peaks.seqs.get((gpu, model, quant, fixes), ()) if s <= seq_len} | {seq_len})
         for s in seqs:
             for d in sorted({False, dropout}):

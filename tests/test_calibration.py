@@ -162,3 +162,14 @@ def test_predict_stores_a_prediction_and_a_real_run_scores_it(tmp_path, capsys):
 
     assert score_predictions(lg) == [pred.id]
     assert lg.predictions[-1].score.measurement == "real-r88"
+
+
+def test_a_budget_or_margin_applies_to_observed_probes_too(capsys):
+    # sweep-r96-drop peaked at 7127.6 MiB and r88 at 7007.9: neither fits a 7000 MiB budget.
+    assert cli.main(["ceiling", "--ledger", str(BUNDLED), "--gpu", "rtx-3070-ti", "--seq-len", "7177",
+                     "--dropout", "0.1", "--budget-mib", "7000", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["rank"] is not None and doc["rank"] < 88
+    assert cli.main(["ceiling", "--ledger", str(BUNDLED), "--gpu", "rtx-3070-ti", "--seq-len", "7177",
+                     "--dropout", "0.1", "--margin-mib", "100", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rank"] == 88  # 7007.9 <= 7216.0 - 100 < 7127.6
