@@ -228,9 +228,11 @@ class Canifinetune(Estimator):
         )
         e = estimate(req).memory
         total = (e.total_estimated_gb - e.safety_margin_gb) * GIB
-        parts = {k: getattr(e, k) * GIB for k in ("static_model_gb", "quantization_overhead_gb", "gradients_gb",
-                                                   "optimizer_gb", "activations_gb", "logits_gb",
-                                                   "cuda_overhead_gb")}
+        # canifinetune's fields are GB (its GiB); here they are bytes, printed as MiB under
+        # breakdown_mib, so its "_gb" suffix is dropped from the names.
+        parts = {k.removesuffix("_gb"): getattr(e, k) * GIB
+                 for k in ("static_model_gb", "quantization_overhead_gb", "gradients_gb", "optimizer_gb",
+                           "activations_gb", "logits_gb", "cuda_overhead_gb")}
         return Estimate(self.name, total, self.predicts, breakdown=parts,
                         note="total minus the 5% safety margin, as canifinetune says to compare")
 

@@ -16,13 +16,16 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from . import store
 from .errors import Issue, UserError
 from .logs import LogError, RunEvidence, evidence_from_callback, parse_log
 from .models import Dataset, Environment, Ledger, Lora, Measurement, Outcome, Provenance
 from .recipe import capacity_mib, fixes_value, parse_fixes, require_gpu
+
+if TYPE_CHECKING:
+    from .predictions import ScoreReport
 
 
 @dataclass(frozen=True)
@@ -263,14 +266,19 @@ def ingest(paths: list[str], ledger_path: str, spec: RunSpec, *, mid: Optional[s
     return result
 
 
-def apply(ledger_path: str, found: Ingested) -> None:
-    """Write what ``ingest`` found: replacements in place, new rows appended, predictions scored."""
-    from .predictions import score_predictions
+def apply(ledger_path: str, found: Ingested) -> ScoreReport:
+    """Write what ``ingest`` found: replacements in place, new rows appended, predictions scored.
+    Returns what scoring found."""
+    from .predictions import ScoreReport, score_predictions
+
+    report = ScoreReport()
 
     def change(ledger: Ledger) -> None:
         replacing = {m.id: m for m in found.replaced}
         ledger.measurements[:] = [replacing.pop(m.id, m) for m in ledger.measurements]
         ledger.measurements.extend(found.new)
-        score_predictions(ledger)
+        result = score_predictions(ledger)
+        report.scored[:], report.unscorable[:] = result.scored, result.unscorable
 
     store.update(ledger_path, change)
+    return report

@@ -160,7 +160,7 @@ def test_predict_stores_a_prediction_and_a_real_run_scores_it(tmp_path, capsys):
         outcome=Outcome(status="ok", peak_allocated_mib=6555.0), provenance=Provenance(measured_on="2026-12-01")))
     from ledger.predictions import score_predictions
 
-    assert score_predictions(lg) == [pred.id]
+    assert score_predictions(lg).scored == [pred.id]
     assert lg.predictions[-1].score.measurement == "real-r88"
 
 
@@ -173,3 +173,34 @@ def test_a_budget_or_margin_applies_to_observed_probes_too(capsys):
     assert cli.main(["ceiling", "--ledger", str(BUNDLED), "--gpu", "rtx-3070-ti", "--seq-len", "7177",
                      "--dropout", "0.1", "--margin-mib", "100", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["rank"] == 88  # 7007.9 <= 7216.0 - 100 < 7127.6
+
+
+def test_predict_says_what_the_prediction_means_on_the_card(tmp_path, capsys):
+    path = tmp_path / "l.json"
+    path.write_bytes(BUNDLED.read_bytes())
+    assert cli.main(["predict", "--ledger", str(path), "--gpu", "rtx-3070-ti", "--rank", "256", "--seq-len", "7177",
+                     "--id", "pred-too-big"]) == 0
+    out = capsys.readouterr().out
+    assert "Verdict: will not fit" in out
+    pred = next(p for p in store.load(path).predictions if p.id == "pred-too-big")
+    assert pred.provenance.notes[-1].startswith("Verdict: will not fit")  # stored with the prediction
+    assert cli.main(["predict", "--ledger", str(path), "--gpu", "rtx-3070-ti", "--rank", "64", "--seq-len", "7177",
+                     "--dry-run"]) == 0
+    assert "Verdict: fits" in capsys.readouterr().out
+
+
+def test_a_run_with_reserved_only_says_why_it_does_not_score_a_prediction(tmp_path, capsys):
+    from conftest import DATA
+    from ledger.models import Lora, Prediction
+
+    path = tmp_path / "l.json"
+    path.write_bytes((DATA / "small-ledger.json").read_bytes())
+    lg = store.load(path)
+    lg.predictions.append(Prediction(id="pred-open", gpu="rx-7900-xtx", lora=Lora(rank=16), predicted_peak_mib=7000.0,
+                                     made_on="2026-01-01"))
+    store.save(lg, path)
+    log = DATA / "logs" / "unsloth.log"  # Unsloth prints peak reserved only
+    assert cli.main(["ingest-log", str(log), "--ledger", str(path), "--gpu", "rx-7900-xtx", "--rank", "16"]) == 0
+    err = capsys.readouterr().err
+    assert "prediction pred-open matches real-unsloth-" in err and "peak reserved only" in err
+    assert next(p for p in store.load(path).predictions if p.id == "pred-open").score is None

@@ -50,9 +50,9 @@ def test_ft01_by_hand():
 def test_canifinetune_logits_chain_by_hand():
     # Its write-up: logits = s * b * vocab * (2 + 12) bytes; for the toy at s=512: 512*32000*14 = 229,376,000 B.
     e = Canifinetune().estimate(TOY, Recipe(quant="4bit", rank=8, seq_len=512), gpu_total_mib=24 * 1024)
-    assert e.breakdown["logits_gb"] == pytest.approx(229_376_000, rel=1e-3)
+    assert e.breakdown["logits"] == pytest.approx(229_376_000, rel=1e-3)
     # Its 8% CUDA overhead of the card: 0.08 * 24 GiB.
-    assert e.breakdown["cuda_overhead_gb"] == pytest.approx(0.08 * 24 * 2**30, rel=1e-3)
+    assert e.breakdown["cuda_overhead"] == pytest.approx(0.08 * 24 * 2**30, rel=1e-3)
     assert e.predicts == "reserved"
 
 
@@ -119,3 +119,12 @@ def test_dry_run_rows_join_the_scoreboard():
     (row,) = [r for r in dry["rows"] if r["id"] == probe.id]
     assert row["estimate_mib"] == 5551.5 and row["error_pct"] == pytest.approx(-3.0, abs=0.1)
     assert b["addressable"] == 44  # the dry run itself is not a measured row
+
+
+def test_estimate_json_keys_name_the_unit_they_hold(capsys):
+    assert cli.main(["estimate", "--model", "gemma-3-4b-it", "--rank", "16", "--seq-len", "7177", "--ledger",
+                     str(BUNDLED), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    for e in doc["estimates"]:
+        for key in e.get("breakdown_mib", {}):
+            assert not key.endswith(("_gb", "_gib", "_bytes")), (e["estimator"], key)

@@ -145,6 +145,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         print(f"{pred.id}: predicted real peak {pred.predicted_peak_mib} MiB ({pred.interval_low_mib}–"
               f"{pred.interval_high_mib}) from {probe_mib} MiB ({', '.join(basis)})"
               + (" [not stored: --dry-run]" if args.dry_run else ""))
+        print(pred.provenance.notes[-1])
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from ..ingest import RunSpec, apply, ingest
 from .options import Command, add_json_option, add_ledger_option, add_recipe_options, dump_json
@@ -35,7 +36,11 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     found = ingest(args.logs, args.ledger, spec, mid=args.id, replace=args.replace)
     new, already = found.new + found.replaced, found.already
     if not args.dry_run and new:
-        apply(args.ledger, found)
+        report = apply(args.ledger, found)
+        for pid in report.scored:
+            print(f"scored prediction {pid}", file=sys.stderr)
+        for line in report.unscorable:
+            print(f"note: {line}", file=sys.stderr)
     if args.json:
         key = "would_append" if args.dry_run else "appended"
         dump_json({key: [m.model_dump(mode="json", exclude_none=True) for m in found.new],
