@@ -524,7 +524,31 @@ def ceiling(ledger: Ledger, ms: list[Measurement], *, gpu: str, seq_len: int, mo
         else:
             result.evidence.append(entry)
             break
+    seen_real = None
+    if real:
+        # Real runs of this very recipe (card, model, quant, length, dropout, DoRA, fixes) that
+        # trained to the end are measured evidence: their rank fits a real run (within a budget
+        # or a margin, only when their peak does).
+        for m in ms:
+            if (m.kind == "real" and m.gpu == gpu and m.lora is not None and m.outcome.status == "ok"
+                    and ok_peak(m) is not None and m.lora.rank % step == 0 and m.lora.rank <= max_rank
+                    and (m.model == model or model is None) and m.quant == quant and seq_len_of(m) == seq_len
+                    and bool(m.lora.dropout) == dropout and bool(m.lora.dora) == dora
+                    and fixes_key(m.memory_fixes) == fixes and ok_peak(m) <= threshold
+                    and (best is None or m.lora.rank > best)):
+                best = seen_real = m.lora.rank
+                possible = max(possible or 0, best)
+                known_any = True
+                result.evidence.append({"rank": best, "observed": "ok", "id": m.id, "peak_mib": ok_peak(m)})
+                result.note = f"a real run trained at rank {best} ({m.id}, {ok_peak(m)} MiB)"
     if not known_any:
+        if _depth == 0:
+            longer = _ceiling_at_a_longer_length(ledger, ms, gpu=gpu, seq_len=seq_len, model=model, quant=quant,
+                                                 dropout=dropout, dora=dora, fixes=fixes, budget_mib=budget_mib,
+                                                 real=real, step=step, max_rank=max_rank, margin_mib=margin_mib,
+                                                 peaks=peaks, lims=lims, over=over)
+            if longer is not None:
+                return longer
         result.note = "no probes near this configuration in the ledger"
         return result
     result.rank, result.possible_rank = best, possible
@@ -549,14 +573,31 @@ def ceiling(ledger: Ledger, ms: list[Measurement], *, gpu: str, seq_len: int, mo
                                 lims=lims, over=over, _depth=1, **e)
                     if result.rank is None:
                         break
-                    floor = seen_fit or 0
+                    floor = max(seen_fit or 0, seen_real or 0)
                     if c.status == "ok" and c.rank < result.rank and c.rank >= floor:
                         result.note = f"capped by the ceiling at {e}: {c.rank}"
                         result.rank = c.rank
-                    elif c.status == "none-fits" and seen_fit is None:
+                    elif c.status == "none-fits" and seen_fit is None and seen_real is None:
                         result.note = f"capped: nothing fits at {e}"
                         result.rank, result.status = None, "none-fits"
     return result
+
+
+def _ceiling_at_a_longer_length(ledger: Ledger, ms: list[Measurement], *, gpu: str, seq_len: int,
+                                fixes: str, peaks: "PeakModel", **kw) -> Optional[Ceiling]:
+    """A shorter sequence never needs more memory: with no data at ``seq_len``, the ceiling at
+    the nearest longer length probed on this card is a floor for it (answered as 'at least')."""
+    model, quant = kw.get("model"), kw.get("quant")
+    longer = sorted(s for (g, mo, q, f), seqs in peaks.seqs.items() if g == gpu and q == quant and f == fixes
+                    and (model is None or mo == model) for s in seqs if s > seq_len)
+    for length in longer:
+        c = ceiling(ledger, ms, gpu=gpu, seq_len=length, fixes=fixes, peaks=peaks, **kw)
+        if c.status == "ok" and c.rank is not None:
+            c.seq_len, c.possible_rank = seq_len, None
+            c.note = (f"at least {c.rank}: no data at {seq_len} tokens, and rank {c.rank} fits at {length} tokens "
+                      "(a shorter sequence never needs more memory)")
+            return c
+    return None
 
 
 def ceiling_table(ledger: Ledger, ms: list[Measurement], step: int = 8, peaks: Optional[PeakModel] = None,

@@ -204,3 +204,21 @@ def test_a_run_with_reserved_only_says_why_it_does_not_score_a_prediction(tmp_pa
     err = capsys.readouterr().err
     assert "prediction pred-open matches real-unsloth-" in err and "peak reserved only" in err
     assert next(p for p in store.load(path).predictions if p.id == "pred-open").score is None
+
+
+def test_real_runs_that_trained_are_evidence_for_a_real_ceiling(capsys):
+    # real-v13 trained at r112 on 7177 tokens (6653 MiB): the real-run ceiling is at least 112.
+    assert cli.main(["ceiling", "--ledger", str(BUNDLED), "--gpu", "rtx-3070-ti", "--seq-len", "7177", "--real",
+                     "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["rank"] >= 112 and any(e.get("id") == "real-v13" for e in doc["evidence"])
+
+
+def test_a_shorter_sequence_never_has_a_lower_ceiling(capsys):
+    def rank(seq):
+        assert cli.main(["ceiling", "--ledger", str(BUNDLED), "--gpu", "rtx-3070-ti", "--seq-len", str(seq),
+                         "--dropout", "0.1", "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    long, short = rank(7177), rank(4096)
+    assert short["status"] == "ok" and short["rank"] >= long["rank"] and "at least" in short["note"]
