@@ -456,10 +456,12 @@ def estimate_all(arch: Arch, recipe: Recipe, gpu_total_mib: Optional[float] = No
 
 
 def nearest_row(ledger: Ledger, model: str, recipe: Recipe, gpu: Optional[str]) -> Optional[Measurement]:
-    """The ledger's closest measured row: same model family and quant, nearest rank and length."""
-    best = None
+    """The ledger's closest measured row: same model family and quant, nearest rank and length;
+    on the requested card whenever it has such a row, another card's only when it has none. A
+    dry-run row is a prediction, not a measurement: never the nearest measured row."""
+    best: dict[bool, tuple[float, Measurement]] = {}
     for m in ledger.measurements:
-        if m.lora is None or m.outcome.peak_allocated_mib is None or m.quant != recipe.quant:
+        if m.kind == "dry_run" or m.lora is None or m.outcome.peak_allocated_mib is None or m.quant != recipe.quant:
             continue
         if m.model and model.split("/")[-1].replace(".json", "") not in m.model:
             continue
@@ -467,8 +469,9 @@ def nearest_row(ledger: Ledger, model: str, recipe: Recipe, gpu: Optional[str]) 
         if seq is None:
             continue
         d = (abs(seq - recipe.seq_len) / recipe.seq_len + abs(m.lora.rank - recipe.rank) / recipe.rank
-             + (bool(m.lora.dropout) != bool(recipe.dropout)) + (bool(m.lora.dora) != recipe.dora)
-             + (0 if gpu is None or m.gpu == gpu else 0.5))
-        if best is None or d < best[0]:
-            best = (d, m)
-    return best[1] if best else None
+             + (bool(m.lora.dropout) != bool(recipe.dropout)) + (bool(m.lora.dora) != recipe.dora))
+        same_card = gpu is None or m.gpu == gpu
+        if same_card not in best or d < best[same_card][0]:
+            best[same_card] = (d, m)
+    pick = best.get(True) or best.get(False)
+    return pick[1] if pick else None

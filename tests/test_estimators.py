@@ -128,3 +128,10 @@ def test_estimate_json_keys_name_the_unit_they_hold(capsys):
     for e in doc["estimates"]:
         for key in e.get("breakdown_mib", {}):
             assert not key.endswith(("_gb", "_gib", "_bytes")), (e["estimator"], key)
+
+
+def test_the_nearest_measured_row_is_on_the_requested_card(capsys):
+    assert cli.main(["estimate", "--model", "gemma-3-4b-it", "--rank", "96", "--seq-len", "7177", "--dropout", "0.1",
+                     "--gpu", "rtx-3070-ti", "--ledger", str(BUNDLED), "--json"]) == 0
+    near = json.loads(capsys.readouterr().out)["nearest_measurement"]
+    assert near["gpu"] == "rtx-3070-ti"
