@@ -369,7 +369,8 @@ def scoreboard(ledger: Ledger, estimators: Optional[list[Estimator]] = None, kee
         addressable.append((m, r, arch, cards.get(m.gpu), _slice_keys(m, r)))
     out: dict = {"addressable": len(addressable), "estimators": [], "fit_rule": (
         "an estimate fits when it is at most the card's capacity as torch reports it (its total where that is "
-        "unknown); the costly mistake is 'fits' for a row that ran out of memory")}
+        "unknown); vram-ledger's own verdict, as vram ceiling gives it, is against the largest peak known to fit "
+        "the card (learned without the row scored); the costly mistake is 'fits' for a row that ran out of memory")}
     keep = len(addressable) <= keep_rows
     for est in estimators:
         entry = {"name": est.name, "predicts": est.predicts, "leaves_out": est.leaves_out,
@@ -400,7 +401,14 @@ def scoreboard(ledger: Ledger, estimators: Optional[list[Estimator]] = None, kee
             measured, quantity = _measured(m, est.predicts) if ok else (None, None)
             estimate_mib = e.mib
             err = round((estimate_mib - measured) / measured * 100, 1) if measured else None
-            fits = (estimate_mib <= card) if card else None
+            if isinstance(est, VramLedger):
+                # This project's verdict, as `vram ceiling` gives it: a peak fits when it is at most
+                # the largest peak known to fit the card, learned without this row (an OOM is decided
+                # by reserved memory and the card's effective limit, not by its capacity).
+                limit = _held_out_limit(ledger, m)
+                fits = (estimate_mib <= limit) if limit is not None else None
+            else:
+                fits = (estimate_mib <= card) if card else None
             if err is not None:
                 errors.append(err)
                 for k, v in slices.items():
@@ -427,6 +435,18 @@ def scoreboard(ledger: Ledger, estimators: Optional[list[Estimator]] = None, kee
         )
         out["estimators"].append(entry)
     return out
+
+
+def _held_out_limit(ledger: Ledger, m: Measurement) -> Optional[float]:
+    """The low end of the card's effective limit for the row's kind, fitted without the row."""
+    from .calibration import limit_for, limits
+
+    if not m.gpu:
+        return None
+    rest = [x for x in ledger.measurements if x.id != m.id]
+    lims = limits(ledger, rest)
+    lim = limit_for(lims, m.gpu, "real" if m.kind == "real" else "probe") or limit_for(lims, m.gpu, "probe")
+    return lim.low_mib if lim is not None else None
 
 
 def _sort_key(text: object):

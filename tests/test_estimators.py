@@ -135,3 +135,10 @@ def test_the_nearest_measured_row_is_on_the_requested_card(capsys):
                      "--gpu", "rtx-3070-ti", "--ledger", str(BUNDLED), "--json"]) == 0
     near = json.loads(capsys.readouterr().out)["nearest_measurement"]
     assert near["gpu"] == "rtx-3070-ti"
+
+
+def test_this_projects_verdict_never_says_fits_for_a_row_that_ran_out_of_memory():
+    board = scoreboard(store.load(BUNDLED))
+    own = next(e for e in board["estimators"] if e["name"] == "vram-ledger")
+    c = own["confusion"]
+    assert c["fits_but_oom"] == 0 and c["oom_and_oom"] > 0  # the costly cell is empty; OOMs are caught
