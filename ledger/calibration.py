@@ -16,7 +16,8 @@ Rules (each explicit, none tuned to a held-out row):
 - **Limits**: an OOM is a censored observation. A card's effective limit for peak allocated lies
   between the largest peak that fit and the smallest predicted (or lower-bound) peak that did not,
   never above the card. Real runs get their own interval (a long run fragments the allocator).
-- **Verdict**: a predicted peak fits when it is at most the middle of the limit interval.
+- **Verdict**: a predicted peak fits when it is at most the low end of the limit interval (the
+  largest peak known to fit), as the ceiling decides: a verdict leans safe.
 - **Ceiling**: the largest rank (in steps) whose peak fits at most the low end of the limit minus a
   margin, observed outcomes overriding predictions; never above the ceiling of a shorter sequence,
   of no dropout or of no DoRA (a longer sequence, dropout or DoRA never uses less memory).
@@ -435,17 +436,14 @@ def costs(ms: list[Measurement], peaks: Optional["PeakModel"] = None) -> dict:
 
 
 def verdict(pred: Optional[float], lim: Optional[Limit]) -> Optional[bool]:
-    """Fits (True), does not (False), or unknown (None): at most the middle of the interval."""
+    """Fits (True), does not (False), or unknown (None), leaning safe as the ceiling does: a peak
+    fits when it is at most the low end of the limit (the largest peak known to fit); a card with
+    no fit known yet fits nothing for sure."""
     if pred is None or lim is None:
         return None
-    lo, hi = lim.low_mib, lim.high_mib
-    if lo is None and hi is None:
-        return None
-    if lo is None:
-        return pred <= hi
-    if hi is None:
-        return pred <= lo
-    return pred <= (lo + hi) / 2
+    if lim.low_mib is None:
+        return False if lim.high_mib is not None and pred >= lim.high_mib else None
+    return pred <= lim.low_mib
 
 
 @dataclass

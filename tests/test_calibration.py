@@ -222,3 +222,11 @@ def test_a_shorter_sequence_never_has_a_lower_ceiling(capsys):
 
     long, short = rank(7177), rank(4096)
     assert short["status"] == "ok" and short["rank"] >= long["rank"] and "at least" in short["note"]
+
+
+def test_leave_one_out_verdicts_never_say_fits_for_an_oom(ledger):
+    from ledger.calibration import calibrate
+
+    loo_doc = calibrate(ledger, with_loo=True)["loo"]
+    costly = [v["id"] for v in loo_doc["verdicts"] if v["fits_predicted"] and not v["fits_actual"]]
+    assert costly == [] and loo_doc["verdict_correct"] >= 29
