@@ -16,7 +16,9 @@ and bnb's compute: a dequantised bf16 copy of the weight in forward and again in
 What fake tensors cannot see is modelled explicitly and shown in the breakdown: the cuBLAS
 workspaces (two handles, forward and autograd threads, each of the size the card's probes recorded
 or PyTorch's default; through the caching allocator), the vision tower when the recipe
-loads a multimodal class (``--multimodal``), and reserved vs allocated (the ratio fitted from the
+loads the multimodal class (chosen from the config, as the training code loads it: a config with a
+``vision_config`` brings its tower; ``--text-only`` for a recipe that loads the text class), and
+reserved vs allocated (the ratio fitted from the
 card's ledger rows). Allocator rounding (512-byte blocks) is in the tracker.
 
 Three library behaviours are adjusted while the fake step runs, each because the real run decides
@@ -183,7 +185,16 @@ def reserved_ratio(ledger_path: Optional[str], gpu: Optional[str], exclude: str 
     return (statistics.median(ratios), len(ratios)) if ratios else (None, 0)
 
 
-def dry_run(cfg: ProbeConfig, *, multimodal: bool = False, budget_mib: Optional[float] = None) -> dict:
+def loads_multimodal(model: str) -> bool:
+    """Whether the training code loads the multimodal class, as it does for a config that declares a
+    vision tower (Gemma 3 4B/12B): the tower then sits on the card beside the text model."""
+    path = resolve_config_path(model)
+    if path is None:
+        return False
+    return bool(json.loads(path.read_text(encoding="utf-8")).get("vision_config"))
+
+
+def dry_run(cfg: ProbeConfig, *, multimodal: Optional[bool] = None, budget_mib: Optional[float] = None) -> dict:
     """One fake probe step. Returns the tracker's figures (MiB), the step's wall time and peak RSS."""
     from transformers import AutoModelForCausalLM
 
@@ -211,12 +222,15 @@ def dry_run(cfg: ProbeConfig, *, multimodal: bool = False, budget_mib: Optional[
             except torch.OutOfMemoryError as exc:
                 oom = str(exc)
         peak = meter.peak_allocated_mib()
+    if multimodal is None:
+        multimodal = loads_multimodal(cfg.model)
     extra_vision = vision_mib(cfg.model, cfg.quant) if multimodal else 0.0
     return {"after_load_mib": after_load, "pre_step_mib": pre_step, "peak_mib": peak, "vision_mib": extra_vision,
             "seconds": time.perf_counter() - t0, "rss_growth_mib": (rss_bytes() - rss0) / MIB, "oom": oom}
 
 
-def predict(cfg: ProbeConfig, *, gpu: Optional[str] = None, ledger: Optional[str] = None, multimodal: bool = False,
+def predict(cfg: ProbeConfig, *, gpu: Optional[str] = None, ledger: Optional[str] = None,
+            multimodal: Optional[bool] = None,
             budget_mib: Optional[float] = None, exclude: str = "") -> tuple[dict, dict]:
     """The dry run plus the modelled terms: (outcome figures, breakdown)."""
     raw = dry_run(cfg, multimodal=multimodal, budget_mib=budget_mib)
@@ -233,8 +247,8 @@ def predict(cfg: ProbeConfig, *, gpu: Optional[str] = None, ledger: Optional[str
         "cublas_workspace_source": f"{CUBLAS_HANDLES} handles (forward and autograd threads) x {workspace:.1f} MiB: "
                                    + workspace_source,
         "vision_tower_mib": round(raw["vision_mib"], 1),
-        "vision_tower_source": ("the config's vision_config, nf4 linears under 4-bit, else bf16 (--multimodal)"
-                                if multimodal
+        "vision_tower_source": ("the config's vision_config (the multimodal class is loaded), nf4 linears under "
+                                "4-bit, else bf16" if raw["vision_mib"]
                                 else "not loaded (text model class)"),
         "reserved_over_allocated": round(ratio, 4) if ratio else None,
         "reserved_source": (f"median of {n_ratio} ok probes on {gpu} in the ledger (fitted; excluding {exclude})"
@@ -285,7 +299,9 @@ def main(argv=None) -> int:
                                 epilog="Exit codes: 0 ok, 1 bad input, 2 bad usage.")
     add_recipe_options(p)
     p.add_argument("--gpu", help="a card in the ledger: its limit (for --find-ceiling) and reserved ratio")
-    p.add_argument("--multimodal", action="store_true", help="the recipe loads the multimodal class (vision tower)")
+    p.add_argument("--text-only", action="store_true",
+                   help="the recipe loads the text-only class of a multimodal config (default: the class the config "
+                        "declares, as the training code loads it: a vision tower when it has a vision_config)")
     p.add_argument("--ledger", help="ledger to read the card from and to append the dry run to (kind dry_run)")
     p.add_argument("--append", action="store_true", help="append the prediction to --ledger")
     p.add_argument("--find-ceiling", metavar="AXIS", help="bisect AXIS (rank) for the largest that fits --budget-mib")
@@ -310,9 +326,9 @@ def main(argv=None) -> int:
                 if args.find_ceiling != "rank":
                     raise RecipeError(f"--find-ceiling: only rank is searched, got {args.find_ceiling!r}")
                 result["doc"] = find_ceiling(cfg, budget_mib=args.budget_mib, ledger=args.ledger, gpu=gpu,
-                                             multimodal=args.multimodal)
+                                             multimodal=False if args.text_only else None)
                 return
-            outcome, breakdown = predict(cfg, gpu=gpu, ledger=args.ledger, multimodal=args.multimodal)
+            outcome, breakdown = predict(cfg, gpu=gpu, ledger=args.ledger, multimodal=False if args.text_only else None)
             m = measurement(cfg, outcome, breakdown, gpu, args.id)
             result["doc"] = {"measurement": m.model_dump(mode="json", exclude_none=True), "breakdown": breakdown}
             if args.append:
@@ -338,7 +354,7 @@ def main(argv=None) -> int:
 
 
 def find_ceiling(cfg: ProbeConfig, *, budget_mib: Optional[float] = None, ledger: Optional[str] = None,
-                 gpu: Optional[str] = None, multimodal: bool = False) -> dict:
+                 gpu: Optional[str] = None, multimodal: Optional[bool] = None) -> dict:
     """Bisect the rank (steps of 8 up to 512) for the largest whose dry-run peak fits the budget
     (``budget_mib``, else the card's calibrated limit from ``ledger``)."""
     from dataclasses import replace

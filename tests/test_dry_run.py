@@ -113,3 +113,10 @@ def test_a_real_model_config_dry_runs_without_weights():
     d = dry_run(ProbeConfig(model="gemma-3-1b-it", random_weights=True, rank=16, seq_len=512, response_len=64))
     # 1B: 4-bit linears ~ 0.35 GiB + bf16 embedding 0.56 GiB after load; a step adds activations on top
     assert 800 < d["after_load_mib"] < 1100 and d["peak_mib"] > d["pre_step_mib"] > d["after_load_mib"]
+
+
+def test_the_multimodal_class_is_chosen_from_the_config():
+    from probe_kit.dry_run import loads_multimodal
+
+    assert loads_multimodal("gemma-3-4b-it") and loads_multimodal("gemma-3-12b-it")
+    assert not loads_multimodal("gemma-3-1b-it") and not loads_multimodal("tiny-llama")
