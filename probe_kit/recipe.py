@@ -344,10 +344,34 @@ def step(model: torch.nn.Module, ids: torch.Tensor, cfg: ProbeConfig,
     """One forward and backward with the loss on the last response_len tokens. The forward runs
     inside ``forward_context`` (the save_on_cpu offload): what the forward saves goes to host
     RAM; the layers recomputed in backward keep theirs on the device, as in the trainer."""
-    with forward_context if forward_context is not None else contextlib.nullcontext():
-        loss = _forward_loss(model, ids, cfg)
-    loss.backward()
+    with gpu_dropout():
+        with forward_context if forward_context is not None else contextlib.nullcontext():
+            loss = _forward_loss(model, ids, cfg)
+        loss.backward()
     return loss.detach()
+
+
+@contextlib.contextmanager
+def gpu_dropout() -> Iterator[None]:
+    """Dropout as a GPU runs it, on every device. On CUDA and ROCm ``F.dropout`` is the fused
+    ``native_dropout``, which keeps a bool mask (1 byte per element) for backward; on the CPU it
+    multiplies by a mask of the input's dtype (2 bytes in bf16), so the CPU tracker and the dry
+    run charged dropout twice the mask memory a card keeps. Routing training-mode dropout to
+    ``native_dropout`` makes the CPU step keep what the GPU keeps (on a GPU it changes nothing)."""
+    import torch.nn.functional as F
+
+    original = F.dropout
+
+    def dropout(input, p=0.5, training=True, inplace=False):
+        if training and 0 < p < 1 and input.numel() > 0 and not inplace:
+            return torch.ops.aten.native_dropout(input, p, True)[0]
+        return original(input, p, training, inplace)
+
+    F.dropout = dropout
+    try:
+        yield
+    finally:
+        F.dropout = original
 
 
 def _forward_loss(model: torch.nn.Module, ids: torch.Tensor, cfg: ProbeConfig) -> torch.Tensor:

@@ -137,3 +137,26 @@ def test_doctor_says_plainly_there_is_no_gpu():
     assert doc["libraries"]["torch"]["imports"] and doc["libraries"]["peft"]["version"]
     if not torch.cuda.is_available():
         assert doc["gpus"] == [] and any("no CUDA or ROCm GPU" in w for w in doc["warnings"])
+
+
+def test_dropout_keeps_a_bool_mask_as_on_a_gpu():
+    # On CUDA/ROCm F.dropout is the fused native_dropout: a 1-byte mask is kept for backward. The
+    # CPU's own path keeps a mask in the input's dtype (2 bytes in bf16): the probe step uses the
+    # GPU's, so CPU and dry-run figures charge dropout what a card does.
+    import torch
+
+    from probe_kit.meters import TrackerMeter
+    from probe_kit.recipe import gpu_dropout
+
+    original = torch.nn.functional.dropout
+    x = torch.randn(1024, 1024, dtype=torch.bfloat16, requires_grad=True)
+    kept = {}
+    for name, ctx in (("cpu", None), ("gpu", gpu_dropout())):
+        with (ctx if ctx is not None else __import__("contextlib").nullcontext()):
+            with TrackerMeter() as meter:
+                y = torch.nn.functional.dropout(x, 0.1, True)
+                kept[name] = meter.allocated_mib()
+        del y
+    assert kept["cpu"] == pytest.approx(4.0, abs=0.01)  # output 2 MiB + bf16 mask 2 MiB
+    assert kept["gpu"] == pytest.approx(3.0, abs=0.01)  # output 2 MiB + bool mask 1 MiB
+    assert torch.nn.functional.dropout is original  # restored after the step
