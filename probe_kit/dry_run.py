@@ -56,11 +56,11 @@ CUBLAS_WORKSPACE_MIB = (4096 * 2 + 16 * 8) / 1024
 CUBLAS_HANDLES = 2
 
 
-def cublas_workspace_mib(ledger_path: Optional[str], gpu: Optional[str]) -> tuple[float, str]:
+def cublas_workspace_mib(rows: list[Measurement], gpu: Optional[str]) -> tuple[float, str]:
     """Per-handle workspace: the size the card's probes recorded (larger on Hopper and ROCm),
     else PyTorch's default; with where it came from."""
-    if ledger_path and gpu:
-        sizes = [m.environment.cublas_workspace_mib for m in store.load(ledger_path).measurements
+    if gpu:
+        sizes = [m.environment.cublas_workspace_mib for m in rows
                  if m.gpu == gpu and m.environment is not None and m.environment.cublas_workspace_mib]
         if sizes:
             return statistics.median(sizes), f"recorded by {len(sizes)} probes on {gpu} (median)"
@@ -175,11 +175,11 @@ def vision_mib(model: str, quant: str) -> float:
     return (linear + other) * 2 / MIB
 
 
-def reserved_ratio(ledger_path: Optional[str], gpu: Optional[str], exclude: str = "") -> tuple[Optional[float], int]:
+def reserved_ratio(rows: list[Measurement], gpu: Optional[str], exclude: str = "") -> tuple[Optional[float], int]:
     """Median peak reserved / peak allocated of the card's ok probes (fitted, leaving out one id)."""
-    if not ledger_path or not gpu:
+    if not gpu:
         return None, 0
-    ratios = [m.outcome.peak_reserved_mib / m.outcome.peak_allocated_mib for m in store.load(ledger_path).measurements
+    ratios = [m.outcome.peak_reserved_mib / m.outcome.peak_allocated_mib for m in rows
               if m.gpu == gpu and m.kind == "probe" and m.id != exclude and m.outcome.status == "ok"
               and m.outcome.peak_reserved_mib and m.outcome.peak_allocated_mib]
     return (statistics.median(ratios), len(ratios)) if ratios else (None, 0)
@@ -234,9 +234,10 @@ def predict(cfg: ProbeConfig, *, gpu: Optional[str] = None, ledger: Optional[str
             budget_mib: Optional[float] = None, exclude: str = "") -> tuple[dict, dict]:
     """The dry run plus the modelled terms: (outcome figures, breakdown)."""
     raw = dry_run(cfg, multimodal=multimodal, budget_mib=budget_mib)
-    workspace, workspace_source = cublas_workspace_mib(ledger, gpu)
+    rows = store.load(ledger).measurements if ledger and gpu else []  # read once for both fitted terms
+    workspace, workspace_source = cublas_workspace_mib(rows, gpu)
     extra = CUBLAS_HANDLES * workspace + raw["vision_mib"]
-    ratio, n_ratio = reserved_ratio(ledger, gpu, exclude)
+    ratio, n_ratio = reserved_ratio(rows, gpu, exclude)
     allocated = raw["peak_mib"] + extra
     breakdown = {
         "tracker_after_load_mib": round(raw["after_load_mib"], 1),
