@@ -9,6 +9,9 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_ROOT = PACKAGE_DIR.parent
 #: The bundled ledger: the program's measurements, migrated.
 DEFAULT_LEDGER = PACKAGE_DIR / "vram.json"
+#: Dry-run rows (kind dry_run, no card): predictions under fake tensors, computed on a CPU by the
+#: dry-run sweeps in sweeps/ and committed as data, so a build needs no torch.
+DRY_RUNS = PACKAGE_DIR / "dry-runs.json"
 #: The committed JSON Schema, generated from ledger/models.py.
 SCHEMA_FILE = REPO_ROOT / "schema" / "ledger.schema.json"
 #: Public configs of the models the ledger describes (data the ledger owns; the probe kit and the

@@ -41,6 +41,8 @@ from typing import Iterator, Optional
 import torch
 
 from ledger import store
+from ledger.paths import DEFAULT_LEDGER
+from ledger.recipe import fixes_key, fixes_value
 from ledger.models import Environment, Measurement, Outcome, Provenance
 
 from .meters import MIB, TrackerMeter
@@ -267,12 +269,28 @@ def predict(cfg: ProbeConfig, *, gpu: Optional[str] = None, ledger: Optional[str
     return outcome, breakdown
 
 
+def dry_id(cfg: ProbeConfig) -> str:
+    """A readable id, the same for the same recipe (what a dry-run sweep's --resume relies on):
+    the dry run does not depend on the card, so the card is not in it."""
+    digest = probe_id(cfg, "dry", None).rsplit("-", 1)[1]
+    parts = ["dry", cfg.model.split("/")[-1].removesuffix(".json"), cfg.quant, f"r{cfg.rank}"]
+    if cfg.dropout:
+        parts.append(f"drop{cfg.dropout:g}")
+    if cfg.dora:
+        parts.append("dora")
+    fixes = fixes_value(cfg.fixes)
+    if fixes != "all":
+        parts.append("fixes-" + fixes.replace(",", "+").replace("_", ""))
+    parts += [f"seq{cfg.seq_len}", digest]
+    return "-".join(parts)
+
+
 def measurement(cfg: ProbeConfig, outcome: dict, breakdown: dict, gpu: Optional[str], mid: Optional[str]) -> Measurement:
     from ledger.oom import parse_oom_message
 
     v = versions()
     return cfg.measurement(
-        id=mid or probe_id(cfg, "dry", gpu).replace("probe-", "dry-", 1), kind="dry_run", gpu=gpu,
+        id=mid or dry_id(cfg), kind="dry_run", gpu=gpu,
         outcome=Outcome(status=outcome["status"], after_load_mib=outcome["after_load_mib"],
                         pre_step_mib=outcome["pre_step_mib"], peak_allocated_mib=outcome["peak_allocated_mib"],
                         peak_reserved_mib=outcome["peak_reserved_mib"],
@@ -284,29 +302,33 @@ def measurement(cfg: ProbeConfig, outcome: dict, breakdown: dict, gpu: Optional[
     )
 
 
-def card_budget(ledger: Optional[str], gpu: Optional[str]) -> Optional[float]:
-    """The largest peak known to fit the card (the calibrated limit's low end), else its capacity."""
-    if not ledger or not gpu:
-        return None
-    from ledger.calibration import card_mib, limit_for, limits
+def _predictor(ledger: Optional[str]):
+    from ledger.predictor import Predictor, load_dry_runs
 
-    lg = store.load(ledger)
-    lim = limit_for(limits(lg, lg.measurements), gpu)
-    return lim.low_mib if lim and lim.low_mib else card_mib(lg, gpu)
+    return Predictor(store.load(ledger or DEFAULT_LEDGER), load_dry_runs())
+
+
+def _recipe(cfg: ProbeConfig):
+    from ledger.predictor import Recipe
+
+    return Recipe(model=cfg.model, rank=cfg.rank, quant=cfg.quant, dropout=cfg.dropout > 0, dora=cfg.dora,
+                  seq_len=cfg.seq_len, fixes=fixes_key(fixes_value(cfg.fixes)), response_len=cfg.response_len)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m probe_kit.dry_run", description=__doc__.split("\n\n")[0],
                                 epilog="Exit codes: 0 ok, 1 bad input, 2 bad usage.")
     add_recipe_options(p)
-    p.add_argument("--gpu", help="a card in the ledger: its limit (for --find-ceiling) and reserved ratio")
+    p.add_argument("--gpu", help="the card: a ledger key or a common card ('RTX 4090', a100-40gb); its remainder, "
+                                 "reserved ratio and limit")
     p.add_argument("--text-only", action="store_true",
                    help="the recipe loads the text-only class of a multimodal config (default: the class the config "
                         "declares, as the training code loads it: a vision tower when it has a vision_config)")
-    p.add_argument("--ledger", help="ledger to read the card from and to append the dry run to (kind dry_run)")
-    p.add_argument("--append", action="store_true", help="append the prediction to --ledger")
-    p.add_argument("--find-ceiling", metavar="AXIS", help="bisect AXIS (rank) for the largest that fits --budget-mib")
-    p.add_argument("--budget-mib", type=float, help="the memory to fit in (default: the card's limit from --ledger)")
+    p.add_argument("--ledger", help="ledger the calibration is fitted on (default: the bundled ledger/vram.json), and "
+                                    "the one --append writes to")
+    p.add_argument("--append", action="store_true", help="append the dry run to --ledger (kind dry_run)")
+    p.add_argument("--find-ceiling", metavar="AXIS", help="bisect AXIS (rank) for the largest whose verdict is fits")
+    p.add_argument("--budget-mib", type=float, help="the memory to fit in, MiB (default: the card's limit)")
     p.add_argument("--id", help="measurement id")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     args = p.parse_args(argv)
@@ -315,26 +337,34 @@ def main(argv=None) -> int:
 
     def work() -> None:
         cfg = config_from_args(args)
-        gpu = None
+        predictor = _predictor(args.ledger)
+        gpu = entry = None
         if args.gpu:
-            if not args.ledger:
-                raise RecipeError("--gpu needs --ledger (the card's figures come from it)")
-            from ledger.recipe import require_gpu
+            from ledger.predictor import known_card_names, resolve_card
 
-            gpu = require_gpu(store.load(args.ledger), args.gpu)
+            found = resolve_card(predictor.ledger, args.gpu)
+            if found is None:
+                raise RecipeError(f"--gpu: unknown gpu {args.gpu!r} (known: {', '.join(known_card_names(predictor.ledger))})")
+            gpu, entry = found[0], found[1]
+        if args.append and not args.ledger:
+            raise RecipeError("--append needs --ledger")
+        multimodal = False if args.text_only else None
         with contextlib.redirect_stdout(sys.stderr):
             if args.find_ceiling:
                 if args.find_ceiling != "rank":
                     raise RecipeError(f"--find-ceiling: only rank is searched, got {args.find_ceiling!r}")
-                result["doc"] = find_ceiling(cfg, budget_mib=args.budget_mib, ledger=args.ledger, gpu=gpu,
-                                             multimodal=False if args.text_only else None)
+                if args.budget_mib is None and gpu is None:
+                    raise RecipeError("--find-ceiling needs --budget-mib or --gpu")
+                result["doc"] = find_ceiling(cfg, predictor, gpu=gpu, entry=entry, budget_mib=args.budget_mib,
+                                             multimodal=multimodal)
                 return
-            outcome, breakdown = predict(cfg, gpu=gpu, ledger=args.ledger, multimodal=False if args.text_only else None)
-            m = measurement(cfg, outcome, breakdown, gpu, args.id)
-            result["doc"] = {"measurement": m.model_dump(mode="json", exclude_none=True), "breakdown": breakdown}
+            outcome, breakdown = predict(cfg, multimodal=multimodal)
+            answer = predictor.judge_dry(_recipe(cfg), outcome["peak_allocated_mib"], gpu, entry=entry,
+                                         budget_mib=args.budget_mib) if outcome["peak_allocated_mib"] else None
+            m = measurement(cfg, outcome, breakdown, None, args.id)
+            result["doc"] = {"measurement": m.model_dump(mode="json", exclude_none=True), "breakdown": breakdown,
+                             "answer": answer.model_dump(mode="json") if answer else None}
             if args.append:
-                if not args.ledger:
-                    raise RecipeError("--append needs --ledger")
                 store.append(args.ledger, [m])
 
     code = run_cli("dry_run", work)
@@ -344,37 +374,49 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(doc, indent=2))
     elif "ceiling" in doc:
-        print(f"ceiling: rank {doc['ceiling']} within {doc['budget_mib']} MiB ({doc['probes']} dry runs)")
+        print(f"ceiling: rank {doc['ceiling']} fits (tight up to {doc['tight']}) within {doc['limit']} "
+              f"({doc['probes']} dry runs; calibrated as ledger.predictor does)")
     else:
-        o, b = doc["measurement"]["outcome"], doc["breakdown"]
-        print(f"predicted peak allocated {o.get('peak_allocated_mib')} MiB (tracker {b['tracker_peak_mib']} + cuBLAS "
-              f"{b['cublas_workspace_mib']} + vision {b['vision_tower_mib']}); after load {o.get('after_load_mib')}, "
-              f"pre-step {o.get('pre_step_mib')}" + (f"; reserved {o['peak_reserved_mib']}" if o.get(
-                  "peak_reserved_mib") else "") + f"; {b['seconds']} s")
+        o, b, a = doc["measurement"]["outcome"], doc["breakdown"], doc["answer"]
+        print(f"dry run: peak allocated {o.get('peak_allocated_mib')} MiB raw (tracker {b['tracker_peak_mib']} + "
+              f"cuBLAS {b['cublas_workspace_mib']} + vision {b['vision_tower_mib']} MiB); after load "
+              f"{o.get('after_load_mib')} MiB, pre-step {o.get('pre_step_mib')} MiB; {b['seconds']} s")
+        if a:
+            iv = a["probe_allocated"]
+            print(f"predicted peak allocated {iv['mib']} MiB ({iv['low_mib']}–{iv['high_mib']} MiB): {a['method_text']}")
+            print(f"verdict{' on ' + a['gpu'] if a['gpu'] else ''}: {a['verdict']}: {a['why']}")
     return 0
 
 
-def find_ceiling(cfg: ProbeConfig, *, budget_mib: Optional[float] = None, ledger: Optional[str] = None,
-                 gpu: Optional[str] = None, multimodal: Optional[bool] = None) -> dict:
-    """Bisect the rank (steps of 8 up to 512) for the largest whose dry-run peak fits the budget
-    (``budget_mib``, else the card's calibrated limit from ``ledger``)."""
+def find_ceiling(cfg: ProbeConfig, predictor, *, gpu: Optional[str] = None, entry=None,
+                 budget_mib: Optional[float] = None, multimodal: Optional[bool] = None) -> dict:
+    """Bisect the rank (steps of 8 up to 512) for the largest whose calibrated dry run (the
+    predictor's remainder and interval) is judged "fits" against the budget or the card's limit;
+    also the largest that is at worst "tight"."""
     from dataclasses import replace
 
     from .run_sweep import find_ceiling as bisect
 
-    budget = budget_mib if budget_mib is not None else card_budget(ledger, gpu)
-    if budget is None:
-        raise RecipeError("--find-ceiling needs --budget-mib (or --gpu with --ledger)")
     ranks = list(range(8, 513, 8))
-    peaks: dict[int, Optional[float]] = {}
+    answers: dict[int, dict] = {}
 
-    def fits(rank: int) -> bool:
-        outcome, _ = predict(replace(cfg, rank=rank), multimodal=multimodal)
-        peaks[rank] = outcome["peak_allocated_mib"]
-        return outcome["peak_allocated_mib"] is not None and outcome["peak_allocated_mib"] <= budget
+    def verdict(rank: int) -> str:
+        if rank not in answers:
+            outcome, _ = predict(replace(cfg, rank=rank), multimodal=multimodal)
+            raw = outcome["peak_allocated_mib"]
+            a = predictor.judge_dry(_recipe(replace(cfg, rank=rank)), raw, gpu, entry=entry, budget_mib=budget_mib) \
+                if raw is not None else None
+            answers[rank] = {"verdict": a.verdict if a else "won't fit", "raw_mib": raw,
+                             "mib": a.probe_allocated.mib if a else None,
+                             "high_mib": a.probe_allocated.high_mib if a else None,
+                             "limit": f"{a.limit_low_mib} MiB ({a.limit_source})" if a else ""}
+        return answers[rank]["verdict"]
 
-    best, probes = bisect(ranks, fits)
-    return {"ceiling": best, "budget_mib": budget, "probes": probes, "peaks_mib": peaks}
+    best, probes = bisect(ranks, lambda r: verdict(r) == "fits")
+    tight, more = bisect([r for r in ranks if best is None or r > best], lambda r: verdict(r) != "won't fit")
+    limit = next((a["limit"] for a in answers.values() if a["limit"]), "")
+    return {"ceiling": best, "tight": tight or best, "limit": limit, "probes": len(answers),
+            "ranks": {str(k): v for k, v in sorted(answers.items())}}
 
 
 if __name__ == "__main__":

@@ -15,6 +15,9 @@ configuration) is already in the ledger (without it, a sweep whose points are th
 before probing anything); SIGINT or SIGTERM, foreground or background, ends the running probe
 unrecorded and exits 128 + the signal with one line naming ``--resume``; ``--shard K/N`` takes every N-th point from the K-th,
 so N machines split a sweep without overlap (then ``vram merge`` their ledgers).
+A sweep with ``device = "dry"`` runs the dry run (``probe_kit.dry_run``: the real step under fake
+tensors, no card) for each point, in this process, and appends rows of kind dry_run (default
+ledger: ledger/dry-runs.json); everything else (``--resume``, ``--shard``, signals) is the same.
 ``--find-ceiling rank`` bisects the rank axis (a larger rank never uses less memory) for each
 combination of the other axes, and finds the largest rank that fits in at most
 ceil(log2(steps)) + 1 probes.
@@ -33,14 +36,14 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from ledger import store
 from ledger.errors import Issue, UserError
 from ledger.models import Environment, Gpu, Measurement, Outcome, Provenance
-from ledger.paths import DEFAULT_LEDGER, shown
+from ledger.paths import DEFAULT_LEDGER, DRY_RUNS, shown
 
 from .probe_vram import EXIT_CRASHED, EXIT_REFUSED
 from .recipe import ProbeConfig, RecipeError, parse_fixes
@@ -145,7 +148,14 @@ def load_sweep(path: str) -> Sweep:
     seen: dict[str, str] = {}
     for index, (options, where) in enumerate(combos):
         cfg = _config(options, where)
-        pid = probe_id(cfg, sweep.device.split(":")[0], sweep.gpu)
+        if sweep.device == "dry":
+            from probe_kit.dry_run import dry_id
+
+            if sweep.gpu:
+                raise UserError(Issue(path, "sweep.gpu", "a dry-run sweep has no card (its rows hold for every card)"))
+            pid = dry_id(cfg)
+        else:
+            pid = probe_id(cfg, sweep.device.split(":")[0], sweep.gpu)
         if pid in seen:
             continue  # the same configuration twice (e.g. a point repeating a grid cell)
         seen[pid] = where
@@ -305,6 +315,25 @@ def run_point(point: Point, sweep: Sweep, ledger: str,
     return Result(point, "crashed", seconds, message=why)
 
 
+def run_dry_point(point: Point, sweep: Sweep, ledger: str) -> Result:
+    """One dry run in this process (fake tensors hold no memory worth isolating), appended as a
+    dry_run row with no card: the modelled terms use PyTorch's defaults, and each card's remainder
+    is fitted from its measured rows when the row is used (ledger.predictor)."""
+    from probe_kit.dry_run import measurement, predict
+
+    t0 = time.perf_counter()
+    cfg = point.config if point.config.random_weights else replace(point.config, random_weights=True)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            outcome, breakdown = predict(cfg)
+    except RecipeError as exc:
+        return Result(point, "error", time.perf_counter() - t0, message=str(exc))
+    m = measurement(cfg, outcome, breakdown, None, point.id)
+    m.provenance.source = f"probe_kit.run_sweep {sweep.path} ({point.where}): dry run under fake tensors"
+    store.append(ledger, [m], create=True)
+    return Result(point, m.outcome.status, time.perf_counter() - t0, breakdown["seconds"])
+
+
 def ceiling_groups(sweep: Sweep, axis: str) -> list[list[Point]]:
     """Points grouped by everything but the axis, each group sorted by the axis."""
     if axis != "rank":
@@ -346,6 +375,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         sweep = load_sweep(args.sweep)
+        if args.ledger is None and sweep.device == "dry":
+            args.ledger = shown(DRY_RUNS)
         if args.ledger is None:
             if sweep.device.split(":")[0] == "cpu" and not args.list:
                 raise UserError(Issue(args.sweep, "sweep.device", "a CPU sweep needs --ledger: CPU measurements "
@@ -424,7 +455,7 @@ def run_sweep(sweep: Sweep, points: list[Point], *, ledger: str, done: dict[str,
         else:
             bar.set_postfix_str(f"r{p.config.rank} seq{p.config.seq_len}")
             running["point"] = p
-            r = run_point(p, sweep, ledger)
+            r = run_dry_point(p, sweep, ledger) if sweep.device == "dry" else run_point(p, sweep, ledger)
             running.pop("point")
         results.append(r)
         bar.update(1)

@@ -8,12 +8,13 @@ import datetime as dt
 from dataclasses import asdict
 
 from .. import store
-from ..calibration import calibrate, ceiling
+from ..calibration import calibrate
 from ..errors import Issue, UserError
 from ..ingest import fixes_option
 from ..predictions import make_prediction, score_predictions
 from ..recipe import fixes_key, require_gpu
 from ..results import Calibration
+from ..paths import shown
 from .options import Command, add_json_option, add_ledger_option, add_recipe_options, dump_json, parse_date
 
 
@@ -62,45 +63,98 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 # -- ceiling ---------------------------------------------------------------------------------
 
 
+def add_card_option(p: argparse.ArgumentParser, required: bool = True) -> None:
+    p.add_argument("--gpu", required=required,
+                   help="the card: a ledger key, alias or name, or a common card from the card table "
+                        "(e.g. 'RTX 4090', a100-40gb; see `vram cards`)")
+
+
+def card_of(ledger, name: str) -> tuple[str, object]:
+    """(key, entry) of a card in the ledger or the card table, or a one-line error."""
+    from ..predictor import known_card_names, resolve_card
+
+    found = resolve_card(ledger, name)
+    if found is None:
+        raise UserError(Issue("--gpu", "", f"unknown gpu {name!r} (known: {', '.join(known_card_names(ledger))}; "
+                              "for another card give --budget-mib with any of them)"))
+    return found[0], found[1]
+
+
+def predictor_for(args: argparse.Namespace, ledger, as_of=None, exclude=()):
+    from ..predictor import Predictor, load_dry_runs
+
+    return Predictor(ledger, load_dry_runs(getattr(args, "dry_runs", None)), as_of=as_of, exclude=exclude)
+
+
+def add_dry_runs_option(p: argparse.ArgumentParser) -> None:
+    from ..paths import DRY_RUNS
+
+    p.add_argument("--dry-runs", default=shown(DRY_RUNS),
+                   help="dry-run rows the predictor may use (default: %(default)s)")
+
+
 def add_ceiling_options(p: argparse.ArgumentParser) -> None:
     add_ledger_option(p)
-    p.add_argument("--gpu", required=True, help="the card (key, alias or name)")
-    add_recipe_options(p, required=("seq-len",), skip=("rank", "alpha", "rslora", "response-len"))
-    p.add_argument("--budget-mib", type=float, help="use this limit instead of the card's")
+    add_dry_runs_option(p)
+    add_card_option(p)
+    add_recipe_options(p, required=("seq-len",), skip=("rank", "alpha", "rslora"))
+    p.add_argument("--budget-mib", type=float, help="judge against this many MiB instead of the card's limit")
     p.add_argument("--real", action="store_true", help="for a real run (calibrated), not a probe")
     p.add_argument("--step", type=int, default=8, help="rank step (default 8)")
     p.add_argument("--max-rank", type=int, default=512, help="largest rank searched (default 512)")
-    p.add_argument("--margin-mib", type=float, default=0.0, help="stay this far under the limit (default 0)")
+    p.add_argument("--margin-mib", type=float, default=0.0, help="stay this far under the limit, MiB (default 0)")
     add_json_option(p)
 
 
+def recipe_from(args: argparse.Namespace, rank: int = 16):
+    from ..predictor import Recipe
+
+    if args.seq_len is not None and args.seq_len <= 0:
+        raise UserError(Issue("--seq-len", "", f"must be > 0, got {args.seq_len}"))
+    if getattr(args, "response_len", None) is not None and (args.response_len <= 0 or (
+            args.seq_len and args.response_len >= args.seq_len)):
+        raise UserError(Issue("--response-len", "", "must be in [1, --seq-len)"))
+    if not 0 <= (args.dropout or 0) < 1:
+        raise UserError(Issue("--dropout", "", f"must be in [0, 1), got {args.dropout}"))
+    return Recipe(model=args.model, rank=rank, quant=args.quant, dropout=(args.dropout or 0) > 0, dora=args.dora,
+                  seq_len=args.seq_len, fixes=fixes_key(fixes_option(args.fixes)),
+                  response_len=getattr(args, "response_len", None))
+
+
 def cmd_ceiling(args: argparse.Namespace) -> int:
-    """The largest LoRA rank (a multiple of --step) whose predicted peak fits the card: at most the
-    largest peak known to fit there, minus --margin-mib. Observed probes of the same configuration
-    override predictions; a configuration with no data near it answers unknown."""
+    """The largest LoRA rank (a multiple of --step) whose verdict is "fits" on the card, and the
+    largest that is "tight" (the predicted interval reaches past the card's limit): from the one
+    predictor (ledger.predictor: measured real runs, probes, interpolation, the calibrated dry run,
+    other cards), judged against the low end of the card's effective limit less --margin-mib."""
     if args.step <= 0 or args.max_rank < args.step:
         raise UserError(Issue("--step", "", "needs 0 < --step <= --max-rank"))
     ledger = store.load(args.ledger)
-    gpu = require_gpu(ledger, args.gpu)
-    fixes = fixes_key(fixes_option(args.fixes))
-    c = ceiling(ledger, ledger.measurements, gpu=gpu, seq_len=args.seq_len, model=args.model, quant=args.quant,
-                dropout=args.dropout > 0, dora=args.dora, fixes=fixes, budget_mib=args.budget_mib, real=args.real,
-                step=args.step, max_rank=args.max_rank, margin_mib=args.margin_mib)
-    doc = {"rank": c.rank, "gpu": gpu, **{k: v for k, v in asdict(c).items() if k != "rank"}}
+    gpu, entry = card_of(ledger, args.gpu)
+    c = predictor_for(args, ledger).ceiling(recipe_from(args), gpu, entry=entry, run="real" if args.real else "probe",
+                                            margin_mib=args.margin_mib, budget_mib=args.budget_mib, step=args.step,
+                                            max_rank=args.max_rank)
     if args.json:
-        dump_json(doc)
+        dump_json(c.model_dump(mode="json"))
         return 0
-    what = "a real run" if args.real else "a probe"
+    what = "a real run" if args.real else "a one-step probe"
+    where = f"{gpu} at {args.seq_len} tokens"
+    limit = (f"limit {c.limit_low_mib}–{c.limit_high_mib} MiB allocated" + (f", margin {c.margin_mib} MiB"
+                                                                           if c.margin_mib else ""))
     if c.status == "unknown":
-        print(f"unknown: {c.note}")
-    elif c.rank is None:
-        print(f"no rank fits {what} on {gpu} at {args.seq_len} tokens" + (f" ({c.note})" if c.note else ""))
+        print(f"unknown: {c.note or 'no evidence near this recipe'} ({where})")
+        return 0
+    if c.fits_rank is None:
+        print(f"no rank fits {what} on {where} for sure" + (f"; up to rank {c.tight_rank} is tight"
+                                                            if c.tight_rank else "") + f" ({limit})")
     else:
-        lim = c.limit or {}
-        print(f"rank {c.rank} fits {what} on {gpu} at {args.seq_len} tokens (limit {lim.get('low_mib')}–"
-              f"{lim.get('high_mib')} MiB, margin {c.margin_mib} MiB)"
-              + (f"; up to {c.possible_rank} may fit" if c.possible_rank and c.possible_rank != c.rank else "")
-              + (f"; {c.note}" if c.note else ""))
+        print(f"rank {c.fits_rank} fits {what} on {where}" + ("" if c.tight_rank == c.fits_rank else
+                                                               f"; up to rank {c.tight_rank} is tight") + f" ({limit})")
+    for r in c.ranks:
+        if r["rank"] in (c.fits_rank, c.tight_rank) or r["verdict"] == "won't fit":
+            print(f"  r{r['rank']}: {r['verdict']}, {r['mib']} MiB (up to {r['high_mib']} MiB) by {r['method']}"
+                  + (f" [{', '.join(r['evidence'][:3])}]" if r["evidence"] else ""))
+    if c.note:
+        print(f"  {c.note}")
     return 0
 
 
@@ -109,27 +163,37 @@ def cmd_ceiling(args: argparse.Namespace) -> int:
 
 def add_predict_options(p: argparse.ArgumentParser) -> None:
     add_ledger_option(p)
-    p.add_argument("--gpu", required=True, help="the card")
-    add_recipe_options(p, required=("rank",), skip=("response-len",))
-    p.add_argument("--probe", help="predict from this probe's peak (default: the latest matching probe, "
-                                   "else the peak model)")
+    add_dry_runs_option(p)
+    p.add_argument("--gpu", required=True, help="the card (in the ledger)")
+    add_recipe_options(p, required=("rank", "seq-len"), skip=("response-len",))
     p.add_argument("--id", help="prediction id (default: from the configuration and date)")
-    p.add_argument("--date", help="the date the prediction is made (default: today)")
+    p.add_argument("--date", help="the date the prediction is made: only rows measured on or before it are used "
+                                  "(default: today)")
+    p.add_argument("--exclude", action="append", default=[], metavar="ID",
+                   help="leave this row out (repeatable): e.g. the run being predicted, to replay a prediction")
+    p.add_argument("--allow-over", action="store_true",
+                   help="store a prediction whose verdict is \"won't fit\" (refused without it)")
     p.add_argument("--dry-run", action="store_true", help="print it; do not store it")
     add_json_option(p)
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
-    """Record a prospective prediction of a real run's peak in the ledger's predictions (config,
-    predicted peak and interval, calibration hash, date). When a matching real run is ingested
+    """Record a prospective prediction of a real run's peak in the ledger's predictions: the one
+    predictor's answer for a real run (point, interval, method, evidence, verdict) from the rows
+    measured on or before --date, with the calibration hash. A prediction the predictor says
+    will not fit the card is refused unless --allow-over. When a matching real run is ingested
     later, the prediction is scored and stays in the ledger."""
     ledger = store.load(args.ledger)
     gpu = require_gpu(ledger, args.gpu)
     made_on = parse_date(args.date, "--date") or dt.date.today()
-    pred, probe_mib, basis = make_prediction(
-        ledger, gpu=gpu, rank=args.rank, made_on=made_on, quant=args.quant, model=args.model, alpha=args.alpha,
-        rslora=args.rslora, dropout=args.dropout, dora=args.dora, seq_len=args.seq_len,
-        fixes=fixes_option(args.fixes), probe_id=args.probe, pid=args.id)
+    if args.rank <= 0:
+        raise UserError(Issue("--rank", "", f"must be > 0, got {args.rank}"))
+    pred, answer = make_prediction(ledger, predictor_for(args, ledger, as_of=made_on, exclude=args.exclude), gpu=gpu,
+                                   recipe=recipe_from(args, args.rank), made_on=made_on, alpha=args.alpha,
+                                   rslora=args.rslora, dropout=args.dropout, fixes=fixes_option(args.fixes),
+                                   pid=args.id)
+    if answer.verdict == "won't fit" and not args.allow_over and not args.dry_run:
+        raise UserError(Issue("predict", "", f"won't fit: {answer.why}; not stored (give --allow-over to record it)"))
     if not args.dry_run:
         def change(lg):
             if any(p.id == pred.id for p in lg.predictions):
@@ -140,19 +204,21 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
         store.update(args.ledger, change)
     if args.json:
-        dump_json(pred.model_dump(mode="json", exclude_none=True))
+        dump_json({"prediction": pred.model_dump(mode="json", exclude_none=True),
+                   "answer": answer.model_dump(mode="json")})
     else:
-        print(f"{pred.id}: predicted real peak {pred.predicted_peak_mib} MiB ({pred.interval_low_mib}–"
-              f"{pred.interval_high_mib}) from {probe_mib} MiB ({', '.join(basis)})"
+        print(f"{pred.id}: {answer.verdict} on {gpu}: predicted real peak {pred.predicted_peak_mib} MiB allocated "
+              f"({pred.interval_low_mib}–{pred.interval_high_mib} MiB) by {answer.method}"
               + (" [not stored: --dry-run]" if args.dry_run else ""))
-        print(pred.provenance.notes[-1])
+        print(f"  {answer.method_text}")
+        print(f"  verdict: {answer.verdict}: {answer.why} ({answer.limit_source})")
     return 0
 
 
 COMMANDS = [
     Command("calibrate", "fit probe-vs-real over-estimate, marginal costs, card limits, leave-one-out",
             add_calibrate_options, cmd_calibrate),
-    Command("ceiling", "the largest LoRA rank that fits a card at a sequence length", add_ceiling_options,
-            cmd_ceiling),
+    Command("ceiling", "the largest LoRA rank that fits a card (and that is tight) at a sequence length",
+            add_ceiling_options, cmd_ceiling),
     Command("predict", "record a prospective prediction of a real run's peak", add_predict_options, cmd_predict),
 ]

@@ -1,0 +1,734 @@
+"""One answer to "will this recipe fit on this card, and what will it peak at?". Pure: no torch.
+
+Every command that answers it (``vram ceiling``, ``vram predict``, ``vram estimate``, ``vram fit``,
+the dry run's ``--find-ceiling``) and the site call :class:`Predictor`.
+
+**The evidence ladder.** For a recipe (model, quant, rank, dropout, DoRA, sequence length, memory
+fixes) on a card, the first rung that has data answers; each rung down has a wider interval:
+
+1. ``measured real run``: real runs of this recipe on this card (their longest example is the
+   probe's they were paired with when the run does not record it) - the real peak itself.
+2. ``measured probe``: a probe of this recipe on this card; a real run's peak is the probe's times
+   the calibrated probe-to-real factor (interval: the range of every probe/real pair).
+3. ``interpolated``: this card's probes of the same model, quant, dropout, DoRA and fixes, affine
+   in rank (and linear in sequence length between two probed lengths); interval: the largest
+   held-out error of that interpolation over the ledger's probes.
+4. ``dry run``: rows of the GPU-free dry run (``ledger/dry-runs.json``) of the same recipe, affine in
+   rank, plus the card's remainder (what fake tensors cannot see: workspaces, allocator and
+   context differences) fitted from pairs of measured probes and dry runs on the same card (else
+   the same vendor, else all); interval: the largest leave-one-out error of that fit.
+5. ``transferred``: another card's probes of the same group, shifted by how the cards differ on
+   shared rows; interval: the largest held-out error of such transfers.
+
+Then **dominance**: a longer sequence, dropout, DoRA or a larger rank never needs less memory, so a
+row of a harder recipe that fit caps the interval's top, and one of an easier recipe that ran out
+of memory raises its bottom.
+
+**The limit** is the card's effective limit for peak allocated (``calibration.limits``: the largest
+peak that fit and the smallest that did not), real runs' own when judging a real run. A card with
+no ledger rows gets one from the card table (``ledger/cards.json``): its usable memory less the
+CUDA context, over the reserved/allocated ratio, both as measured on the ledger's cards.
+
+**The verdict** leans safe: ``fits`` when the interval's top is at most the limit's low end minus
+the margin; ``won't fit`` when its bottom is over the limit's high end; ``tight`` between;
+``unknown`` (and why) without a prediction or a limit.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from typing import Iterable, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict
+
+from .calibration import (Limit, Overestimate, PeakModel, _exceeded_peak, _probes, before, limit_for, limits,
+                          ok_peak, overestimate, pairs)
+from .models import Gpu, Ledger, Measurement, Provenance
+from .paths import PACKAGE_DIR
+from .recipe import GroupKey, capacity_mib, fixes_key, seq_len_of
+
+CARDS_FILE = PACKAGE_DIR / "cards.json"
+
+Verdict = Literal["fits", "tight", "won't fit", "unknown"]
+Run = Literal["probe", "real"]
+METHODS = ("measured real run", "measured probe", "interpolated", "dry run", "transferred",
+           "bounded by measured rows")
+
+
+def model_name(model: Optional[str]) -> Optional[str]:
+    """A model's short name, as configs ship: 'unsloth/gemma-3-4b-it' -> 'gemma-3-4b-it'."""
+    if not model:
+        return None
+    name = model.split("/")[-1].lower()
+    return name[:-5] if name.endswith(".json") else name
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What decides a step's memory (the rank may be left open for a ceiling)."""
+
+    model: Optional[str]
+    rank: int = 16
+    quant: str = "4bit"
+    dropout: bool = False
+    dora: bool = False
+    seq_len: Optional[int] = None
+    fixes: str = "all"
+    response_len: Optional[int] = None
+
+    def group(self) -> GroupKey:
+        return GroupKey(self.model, self.quant, self.seq_len, self.dropout, self.dora, self.fixes)
+
+    def describe(self) -> str:
+        return (f"{self.model or 'the model'} {self.quant} r{self.rank}" + (" dropout" if self.dropout else "")
+                + (" DoRA" if self.dora else "") + (f" {self.seq_len} tokens" if self.seq_len else "")
+                + f" fixes {self.fixes}")
+
+
+def recipe_of(m: Measurement) -> Optional[Recipe]:
+    if m.lora is None:
+        return None
+    return Recipe(model=m.model, rank=m.lora.rank, quant=m.quant or "4bit", dropout=bool(m.lora.dropout),
+                  dora=bool(m.lora.dora), seq_len=seq_len_of(m), fixes=fixes_key(m.memory_fixes),
+                  response_len=m.response_len)
+
+
+class Interval(BaseModel):
+    """A predicted figure in MiB: the point and the interval around it (None: no bound that side)."""
+
+    model_config = ConfigDict(extra="forbid")
+    mib: Optional[float]
+    low_mib: Optional[float]
+    high_mib: Optional[float]
+
+
+def _iv(mib: Optional[float], low: Optional[float], high: Optional[float]) -> Interval:
+    r = lambda x: None if x is None else round(x, 1)  # noqa: E731
+    return Interval(mib=r(mib), low_mib=r(low), high_mib=r(high))
+
+
+def _scale(iv: Interval, factor: float, low_factor: float, high_factor: float) -> Interval:
+    return _iv(None if iv.mib is None else iv.mib * factor,
+               None if iv.low_mib is None else iv.low_mib * low_factor,
+               None if iv.high_mib is None else iv.high_mib * high_factor)
+
+
+class Answer(BaseModel):
+    """The one typed answer: peaks (allocated and reserved, probe and real, each an interval), the
+    method and evidence, the limit it was judged against, and the verdict."""
+
+    model_config = ConfigDict(extra="forbid")
+    gpu: str
+    card_source: Literal["ledger", "card table", "budget"]
+    recipe: dict
+    run: Run
+    probe_allocated: Optional[Interval]
+    real_allocated: Optional[Interval]
+    reserved: Optional[Interval]
+    method: Optional[str]
+    method_text: str
+    evidence: list[str]
+    limit_low_mib: Optional[float]
+    limit_high_mib: Optional[float]
+    limit_source: str
+    margin_mib: float
+    verdict: Verdict
+    why: str
+
+    @property
+    def allocated(self) -> Optional[Interval]:
+        """The judged figure: the real run's for a real run, else the probe's."""
+        return self.real_allocated if self.run == "real" else self.probe_allocated
+
+
+class CeilingAnswer(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    gpu: str
+    run: Run
+    seq_len: Optional[int]
+    fits_rank: Optional[int]
+    tight_rank: Optional[int]
+    status: Literal["ok", "none-fits", "unknown"]
+    step: int
+    max_rank: int
+    at_least: bool
+    note: str
+    limit_low_mib: Optional[float]
+    limit_high_mib: Optional[float]
+    margin_mib: float
+    ranks: list[dict]
+
+
+# -- the card table ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Card:
+    key: str
+    gpu: Gpu
+    source: str
+
+
+def card_table() -> dict[str, Card]:
+    """The common cards (``ledger/cards.json``) by key."""
+    doc = json.loads(CARDS_FILE.read_text(encoding="utf-8"))
+    out = {}
+    for c in doc["cards"]:
+        gpu = Gpu(name=c["name"], vendor=c["vendor"], total_mib=c["total_mib"],
+                  usable_gib_torch=c.get("usable_gib_torch"), aliases=c.get("aliases", []),
+                  provenance=Provenance(source=c["source"]))
+        out[c["key"]] = Card(c["key"], gpu, c["source"])
+    return out
+
+
+def resolve_card(ledger: Ledger, name: str) -> Optional[tuple[str, Gpu, str]]:
+    """(key, entry, 'ledger' | 'card table') for a card name, key or alias; the ledger first."""
+    from .recipe import resolve_gpu
+
+    key = resolve_gpu(ledger.gpus, name)
+    if key is not None:
+        return key, ledger.gpus[key], "ledger"
+    table = card_table()
+    key = resolve_gpu({k: c.gpu for k, c in table.items()}, name)
+    if key is not None:
+        return key, table[key].gpu, "card table"
+    return None
+
+
+def known_card_names(ledger: Ledger) -> list[str]:
+    return sorted(set(ledger.gpus) | set(card_table()))
+
+
+# -- the predictor -----------------------------------------------------------------------------
+
+
+def _harder_or_equal(a: Recipe, b: Recipe) -> bool:
+    """Whether recipe a never needs less memory than b (same model, quant, fixes)."""
+    return (model_name(a.model) == model_name(b.model) and a.quant == b.quant and a.fixes == b.fixes
+            and a.rank >= b.rank and (a.seq_len or 0) >= (b.seq_len or 0) and a.dropout >= b.dropout
+            and a.dora >= b.dora and a.seq_len is not None and b.seq_len is not None)
+
+
+@dataclass
+class Predictor:
+    """Holds one ledger's fits; ask it many questions. ``dry_runs``: dry-run rows (kind dry_run,
+    no card), e.g. ``ledger/dry-runs.json``; ``as_of``/``exclude`` limit the rows it may use."""
+
+    ledger: Ledger
+    dry_runs: list[Measurement] = field(default_factory=list)
+    as_of: Optional[dt.date] = None
+    exclude: Iterable[str] = ()
+
+    def __post_init__(self) -> None:
+        self.exclude = set(self.exclude)
+        self.ms = before(self.ledger.measurements, self.as_of, self.exclude)
+        # Dry runs are computations, not observations: any of them could have been run on any date,
+        # so only the measured rows their remainder is fitted on are limited to ``as_of``.
+        self.dry = [m for m in self.dry_runs if m.id not in self.exclude
+                    and m.kind == "dry_run" and m.lora is not None and m.outcome.status == "ok"
+                    and m.outcome.peak_allocated_mib is not None and m.seq_len]
+        self.peaks = PeakModel(self.ms)
+        self.lims = limits(self.ledger, self.ms, self.peaks)
+        self.over: Overestimate = overestimate(self.ms)
+
+    # -- fitted widths ---------------------------------------------------------------------
+
+    @cached_property
+    def widths(self) -> dict[str, Optional[float]]:
+        """Largest held-out relative error of each rung (fractions), from the ledger's own probes."""
+        interp, transfer = [], []
+        for m in _probes(self.ms):
+            peak = ok_peak(m)
+            if peak is None:
+                continue
+            rest = [x for x in self.ms if x.id != m.id]
+            pm = PeakModel(rest)
+            rows = pm.by_group.get(m_group(m), {})
+            if rows.get(m.gpu):
+                pred, _ = pm.predict(m.gpu, m_group(m), m.lora.rank)
+                if pred is not None:
+                    interp.append(abs(pred - peak) / peak)
+            others = {g: r for g, r in rows.items() if g != m.gpu}
+            if others:
+                alone = PeakModel([x for x in rest if not (x.gpu == m.gpu and m_group(x) == m_group(m))])
+                pred, _ = alone.predict(m.gpu, m_group(m), m.lora.rank)
+                if pred is not None:
+                    transfer.append(abs(pred - peak) / peak)
+        return {"interpolated": max(interp) if interp else None, "transferred": max(transfer) if transfer else None,
+                "interpolated_n": len(interp), "transferred_n": len(transfer)}
+
+    # -- real runs' sequence lengths ---------------------------------------------------------
+
+    @cached_property
+    def real_seq(self) -> dict[str, int]:
+        """A real run's longest example: its own, else that of the probe it was paired with (the
+        probe measured the worst case of the corpus the run trained on)."""
+        out = {}
+        for p in pairs(self.ms):
+            for rid in p.reals:
+                if p.probe_seq_len:
+                    out.setdefault(rid, p.probe_seq_len)
+        for m in self.ms:
+            if m.kind == "real" and seq_len_of(m):
+                out[m.id] = seq_len_of(m)
+        return out
+
+    def _recipe(self, m: Measurement) -> Optional[Recipe]:
+        r = recipe_of(m)
+        if r is not None and r.seq_len is None and m.kind == "real" and m.id in self.real_seq:
+            r = replace(r, seq_len=self.real_seq[m.id])
+        return r
+
+    # -- the dry run, calibrated ----------------------------------------------------------------
+
+    @cached_property
+    def dry_pairs(self) -> list[tuple[Measurement, float, float]]:
+        """(measured ok probe, its peak, the dry run of the same recipe) for every probe that has one."""
+        index: dict[tuple, float] = {}
+        for d in self.dry:
+            index[(model_name(d.model), d.quant, d.lora.rank, bool(d.lora.dropout), bool(d.lora.dora), d.seq_len,
+                   d.response_len, fixes_key(d.memory_fixes))] = d.outcome.peak_allocated_mib
+        out = []
+        for m in _probes(self.ms):
+            if ok_peak(m) is None or not m.seq_len or not m.response_len:
+                continue
+            key = (model_name(m.model), m.quant, m.lora.rank, bool(m.lora.dropout), bool(m.lora.dora), m.seq_len,
+                   m.response_len, fixes_key(m.memory_fixes))
+            if key in index:
+                out.append((m, ok_peak(m), index[key]))
+        return out
+
+    def remainder(self, gpu: str, vendor: Optional[str], leave_out: str = "") -> tuple[Optional[float], str]:
+        """MiB to add to a dry run for this card: the median of measured - dry run over the card's
+        pairs (at least two), else its vendor's, else all pairs."""
+        pairs_ = [(m, p, d) for m, p, d in self.dry_pairs if m.id != leave_out]
+        for scope, rows in ((gpu, [x for x in pairs_ if x[0].gpu == gpu]),
+                            (f"{vendor} cards", [x for x in pairs_ if vendor and self._vendor(x[0].gpu) == vendor]),
+                            ("all cards", pairs_)):
+            if len(rows) >= 2:
+                return statistics.median(p - d for _, p, d in rows), f"{scope} ({len(rows)} pairs)"
+        return None, "no measured probe has a dry run"
+
+    def _vendor(self, gpu: Optional[str]) -> Optional[str]:
+        g = self.ledger.gpus.get(gpu or "")
+        return g.vendor if g else None
+
+    @cached_property
+    def dry_loo(self) -> dict:
+        """Leave-one-out errors of the calibrated dry run over its pairs (signed %, by row)."""
+        rows = []
+        for m, peak, dry in self.dry_pairs:
+            rem, _ = self.remainder(m.gpu, self._vendor(m.gpu), leave_out=m.id)
+            if rem is None:
+                continue
+            rows.append({"id": m.id, "gpu": m.gpu, "measured_mib": peak, "dry_run_mib": round(dry, 1),
+                         "predicted_mib": round(dry + rem, 1), "error_pct": round((dry + rem - peak) / peak * 100, 2)})
+        errs = [abs(r["error_pct"]) for r in rows]
+        return {"rows": rows, "n": len(rows), "median_abs_err_pct": round(statistics.median(errs), 2) if errs else None,
+                "max_abs_err_pct": round(max(errs), 2) if errs else None}
+
+    def dry_raw(self, recipe: Recipe) -> tuple[Optional[float], list[str]]:
+        """The dry run's peak for a recipe: rows of the same model, quant, dropout, DoRA, fixes
+        (and response length when given), affine in rank, linear between two dry-run lengths."""
+        name = model_name(recipe.model)
+        rows = [d for d in self.dry if model_name(d.model) == name and d.quant == recipe.quant
+                and bool(d.lora.dropout) == recipe.dropout and bool(d.lora.dora) == recipe.dora
+                and fixes_key(d.memory_fixes) == recipe.fixes
+                and (recipe.response_len is None or d.response_len == recipe.response_len)]
+        if not rows or recipe.seq_len is None:
+            return None, []
+        by_seq: dict[int, dict[int, tuple[float, str]]] = defaultdict(dict)
+        for d in rows:
+            cell = by_seq[d.seq_len]
+            if d.lora.rank not in cell or d.outcome.peak_allocated_mib > cell[d.lora.rank][0]:
+                cell[d.lora.rank] = (d.outcome.peak_allocated_mib, d.id)
+
+        def at(seq: int) -> tuple[Optional[float], list[str]]:
+            cell = by_seq[seq]
+            if recipe.rank in cell:
+                return cell[recipe.rank][0], [cell[recipe.rank][1]]
+            ranks = sorted(cell)
+            if len(ranks) < 2:
+                # One rank at this length: the slope per rank of the nearest length with two.
+                others = sorted((abs(s - seq), s) for s, c in by_seq.items() if len(c) >= 2)
+                if not ranks or not others:
+                    return None, []
+                c = by_seq[others[0][1]]
+                (r1, (y1, _)), (r2, (y2, _)) = sorted(c.items())[:2]
+                y0, i0 = cell[ranks[0]]
+                return y0 + (y2 - y1) / (r2 - r1) * (recipe.rank - ranks[0]), [i0]
+            lo = [r for r in ranks if r < recipe.rank]
+            hi = [r for r in ranks if r > recipe.rank]
+            a, b = (lo[-1], hi[0]) if lo and hi else (ranks[0], ranks[1]) if not lo else (ranks[-2], ranks[-1])
+            (ya, ia), (yb, ib) = cell[a], cell[b]
+            return ya + (yb - ya) * (recipe.rank - a) / (b - a), [ia, ib]
+
+        if recipe.seq_len in by_seq:
+            return at(recipe.seq_len)
+        lower = [s for s in by_seq if s < recipe.seq_len]
+        upper = [s for s in by_seq if s > recipe.seq_len]
+        if not lower or not upper:
+            return None, []
+        s1, s2 = max(lower), min(upper)
+        (y1, i1), (y2, i2) = at(s1), at(s2)
+        if y1 is None or y2 is None:
+            return None, []
+        return y1 + (y2 - y1) * (recipe.seq_len - s1) / (s2 - s1), i1 + i2
+
+    def dry_calibrated(self, recipe: Recipe, gpu: str, vendor: Optional[str]) -> Optional[tuple[Interval, list[str], str]]:
+        raw, ids = self.dry_raw(recipe)
+        if raw is None:
+            return None
+        rem, scope = self.remainder(gpu, vendor)
+        if rem is None:
+            rem, scope = 0.0, "no remainder fitted (no measured probe has a dry run): raw dry run"
+        width = (self.dry_loo["max_abs_err_pct"] or 0.0) / 100
+        mib = raw + rem
+        text = (f"dry run {raw:.1f} MiB + remainder {rem:+.1f} MiB fitted on {scope}; interval ±{width * 100:.2f}% "
+                f"(the largest leave-one-out error over {self.dry_loo['n']} measured probes)")
+        return _iv(mib, mib * (1 - width), mib * (1 + width)), ids, text
+
+    # -- the probe figure, by the ladder ---------------------------------------------------------
+
+    def probe_figure(self, recipe: Recipe, gpu: str, vendor: Optional[str]) -> tuple[Optional[Interval], str, str, list[str]]:
+        """(interval, method, method text, evidence ids) for a one-step probe's peak allocated."""
+        group = recipe.group()
+        obs = self.peaks.observed(gpu, group).get(recipe.rank)
+        if obs is not None:
+            if obs.outcome.status == "ok":
+                p = ok_peak(obs)
+                return _iv(p, p, p), "measured probe", f"probe {obs.id} measured {p} MiB", [obs.id]
+            need = _exceeded_peak(obs, self.peaks)
+            return (_iv(need, need, None), "measured probe",
+                    f"probe {obs.id} ran out of memory ({obs.outcome.status}); it needed at least {need} MiB", [obs.id])
+        mine = self.peaks.by_group.get(group, {}).get(gpu)
+        if mine:
+            pred, ids = self.peaks.predict(gpu, group, recipe.rank)
+            w = self.widths["interpolated"] or self.widths["transferred"] or 0.0
+            if pred is not None:
+                return (_iv(pred, pred * (1 - w), pred * (1 + w)), "interpolated",
+                        f"affine in rank over this card's probes of the same recipe; ±{w * 100:.2f}% (largest held-out "
+                        f"error over {self.widths['interpolated_n']} probes)", ids)
+        by_len = self._interpolate_length(recipe, gpu)
+        if by_len is not None:
+            return by_len
+        dry = self.dry_calibrated(recipe, gpu, vendor)
+        if dry is not None:
+            iv, ids, text = dry
+            return iv, "dry run", text, ids
+        if self.peaks.by_group.get(group):
+            pred, ids = self.peaks.predict(gpu, group, recipe.rank)
+            w = self.widths["transferred"] or self.widths["interpolated"] or 0.0
+            if pred is not None:
+                return (_iv(pred, pred * (1 - w), pred * (1 + w)), "transferred",
+                        f"another card's probes of the same recipe, shifted by the cards' median difference on shared "
+                        f"rows; ±{w * 100:.2f}% (largest held-out error of such transfers)", ids)
+        return None, "", "no probe, real run or dry run of this recipe near it in the ledger", []
+
+    def _interpolate_length(self, recipe: Recipe, gpu: str):
+        if recipe.seq_len is None:
+            return None
+        seqs = sorted({g.seq_len for g, by in self.peaks.by_group.items() if gpu in by and g.seq_len
+                       and g._replace(seq_len=None) == recipe.group()._replace(seq_len=None)})
+        lower = [s for s in seqs if s < recipe.seq_len]
+        upper = [s for s in seqs if s > recipe.seq_len]
+        if not lower or not upper:
+            return None
+        s1, s2 = lower[-1], upper[0]
+        y1, i1 = self.peaks.predict(gpu, replace(recipe, seq_len=s1).group(), recipe.rank)
+        y2, i2 = self.peaks.predict(gpu, replace(recipe, seq_len=s2).group(), recipe.rank)
+        if y1 is None or y2 is None:
+            return None
+        y = y1 + (y2 - y1) * (recipe.seq_len - s1) / (s2 - s1)
+        w = self.widths["interpolated"] or 0.0
+        return (_iv(y, min(y1, y) * (1 - w), max(y2, y) * (1 + w)), "interpolated",
+                f"linear in length between this card's probes at {s1} and {s2} tokens (a longer sequence never needs "
+                f"less); ±{w * 100:.2f}%", i1 + i2)
+
+    # -- dominance ---------------------------------------------------------------------------------
+
+    def _dominance(self, recipe: Recipe, gpu: str, run: Run, iv: Optional[Interval]) -> tuple[Optional[Interval], list[str], str]:
+        """Clamp an interval by rows of harder recipes that fit (top) and easier ones that did not
+        (bottom), on this card and of this kind."""
+        cap = floor = None
+        cap_id = floor_id = None
+        for m in self.ms:
+            if m.gpu != gpu or m.kind != run or m.lora is None:
+                continue
+            r = self._recipe(m)
+            if r is None or r.seq_len is None or recipe.seq_len is None:
+                continue
+            if m.outcome.status == "ok" and ok_peak(m) is not None and _harder_or_equal(r, recipe):
+                if cap is None or ok_peak(m) < cap:
+                    cap, cap_id = ok_peak(m), m.id
+            elif m.outcome.status in ("oom", "spilled") and _harder_or_equal(recipe, r):
+                need = _exceeded_peak(m, self.peaks) if m.kind == "probe" else _real_need(m)
+                if need is not None and (floor is None or need > floor):
+                    floor, floor_id = need, m.id
+        notes, ids = [], []
+        if cap is not None:
+            ids.append(cap_id)
+            notes.append(f"at most {cap} MiB: {cap_id}, a harder or equal recipe, fit")
+        if floor is not None:
+            ids.append(floor_id)
+            notes.append(f"at least {floor} MiB: {floor_id}, an easier or equal recipe, did not fit")
+        if iv is None:
+            if cap is None and floor is None:
+                return None, [], ""
+            return _iv(cap if cap is not None else floor, floor, cap), ids, "; ".join(notes)
+        low, high, mib = iv.low_mib, iv.high_mib, iv.mib
+        if cap is not None:
+            high = cap if high is None else min(high, cap)
+            mib = None if mib is None else min(mib, cap)
+            low = None if low is None else min(low, cap)
+        if floor is not None:
+            low = floor if low is None else max(low, floor)
+            mib = None if mib is None else max(mib, floor)
+            if high is not None and high < low:
+                high = low
+        return _iv(mib, low, high), ids, "; ".join(notes)
+
+    # -- limits ------------------------------------------------------------------------------------
+
+    def card_limit(self, gpu: str, entry: Optional[Gpu], run: Run) -> tuple[Optional[float], Optional[float], str]:
+        """(low, high, where from) of the effective limit for peak allocated."""
+        lim: Optional[Limit] = None
+        if gpu in self.ledger.gpus:
+            lim = (limit_for(self.lims, gpu, "real") if run == "real" else None) or limit_for(self.lims, gpu, "probe")
+        if lim is not None and lim.low_mib is not None:
+            return lim.low_mib, lim.high_mib, (f"{gpu}'s {lim.kind} limit: largest peak that fit {lim.low_mib} MiB "
+                                               f"({lim.fit_id}), smallest that did not {lim.high_mib} MiB "
+                                               f"({lim.exceeded_id or 'the card'})")
+        usable = capacity_mib(entry)
+        if usable is None:
+            return None, None, "no limit known for this card: give --budget-mib"
+        fit = self.overheads
+        if not fit["context"]:
+            return None, None, f"no measured card to derive {gpu}'s limit from: give --budget-mib"
+        low = (usable - max(fit["context"])) / max(fit["ratio"])
+        high = (usable - min(fit["context"])) / min(fit["ratio"])
+        return round(low, 1), round(min(high, usable), 1), (
+            f"{usable} MiB usable (card table) less the CUDA context ({min(fit['context']):.0f}–"
+            f"{max(fit['context']):.0f} MiB), over reserved/allocated ({min(fit['ratio']):.3f}–{max(fit['ratio']):.3f}), "
+            f"as measured on {', '.join(fit['cards'])}")
+
+    @cached_property
+    def overheads(self) -> dict:
+        """Per measured card with both limit ends: the context (usable - limit x reserved ratio)."""
+        ctx, ratios, cards = [], [], []
+        for lim in self.lims:
+            # Only cards whose limit is pinned by an out-of-memory probe close above a fit (within 5%):
+            # a card that never ran out of memory says nothing about where its limit is.
+            exceeded = next((m for m in self.ms if m.id == lim.exceeded_id), None)
+            if (lim.kind != "probe" or lim.low_mib is None or lim.high_mib is None or exceeded is None
+                    or exceeded.outcome.status != "oom" or lim.high_mib - lim.low_mib > 0.05 * lim.high_mib):
+                continue
+            usable = capacity_mib(self.ledger.gpus.get(lim.gpu))
+            rs = [m.outcome.peak_reserved_mib / m.outcome.peak_allocated_mib for m in _probes(self.ms)
+                  if m.gpu == lim.gpu and ok_peak(m) and m.outcome.peak_reserved_mib]
+            if usable is None or not rs:
+                continue
+            ratio = statistics.median(rs)
+            ctx += [usable - lim.high_mib * ratio, usable - lim.low_mib * ratio]
+            ratios.append(ratio)
+            cards.append(lim.gpu)
+        return {"context": ctx, "ratio": ratios, "cards": cards}
+
+    def reserved_ratio(self, gpu: str) -> Optional[tuple[float, float, float]]:
+        rs = [m.outcome.peak_reserved_mib / m.outcome.peak_allocated_mib for m in _probes(self.ms)
+              if m.gpu == gpu and ok_peak(m) and m.outcome.peak_reserved_mib]
+        if not rs:
+            rs = [m.outcome.peak_reserved_mib / m.outcome.peak_allocated_mib for m in _probes(self.ms)
+                  if ok_peak(m) and m.outcome.peak_reserved_mib]
+        return (statistics.median(rs), min(rs), max(rs)) if rs else None
+
+    # -- the answer ----------------------------------------------------------------------------------
+
+    def predict(self, recipe: Recipe, gpu: str, *, entry: Optional[Gpu] = None, run: Run = "probe",
+                margin_mib: float = 0.0, budget_mib: Optional[float] = None) -> Answer:
+        """The answer for a recipe on a card (a ledger key, or a card-table entry given as ``entry``)."""
+        if recipe.model is None:
+            models = sorted({m.model for m in self.peaks.probes if m.gpu == gpu and m.model}
+                            or {m.model for m in self.peaks.probes if m.model})
+            if len(models) == 1:
+                recipe = replace(recipe, model=models[0])
+        entry = entry or self.ledger.gpus.get(gpu)
+        source = "ledger" if gpu in self.ledger.gpus else "card table"
+        vendor = entry.vendor if entry else None
+        if recipe.model and gpu in self.ledger.gpus:
+            known = {m.model for m in self.ms if model_name(m.model) == model_name(recipe.model)}
+            if known:
+                recipe = replace(recipe, model=sorted(known)[0])
+        probe, method, text, evidence = self.probe_figure(recipe, gpu, vendor)
+        probe, dom_ids, dom_text = self._dominance(recipe, gpu, "probe", probe)
+        if dom_text:
+            text = f"{text}; {dom_text}" if text else dom_text
+            evidence += [i for i in dom_ids if i not in evidence]
+            method = method or "bounded by measured rows"
+        real = None
+        if run == "real":
+            real, method, text, evidence = self._real(recipe, gpu, probe, method, text, evidence)
+        judged = real if run == "real" else probe
+        ratio = self.reserved_ratio(gpu)
+        reserved = (None if judged is None or ratio is None else
+                    _scale(judged, ratio[0], ratio[1], ratio[2]))
+        if budget_mib is not None:
+            low, high, lsrc = budget_mib, budget_mib, f"--budget-mib {budget_mib}"
+            source = "budget"
+        else:
+            low, high, lsrc = self.card_limit(gpu, entry, run)
+        verdict, why = decide(judged, low, high, margin_mib)
+        return Answer(gpu=gpu, card_source=source, recipe={k: v for k, v in recipe.__dict__.items()}, run=run,
+                      probe_allocated=probe, real_allocated=real, reserved=reserved, method=method or None,
+                      method_text=text, evidence=evidence, limit_low_mib=low, limit_high_mib=high, limit_source=lsrc,
+                      margin_mib=margin_mib, verdict=verdict, why=why)
+
+    def judge_dry(self, recipe: Recipe, raw_mib: float, gpu: Optional[str] = None, *, entry: Optional[Gpu] = None,
+                  margin_mib: float = 0.0, budget_mib: Optional[float] = None) -> Answer:
+        """The answer for a dry run just computed (``raw_mib``: its peak with PyTorch's default
+        workspaces, as the committed rows are): plus the card's remainder (all cards' without a
+        card), with the leave-one-out interval, judged against the card's limit or the budget."""
+        entry = entry or (self.ledger.gpus.get(gpu) if gpu else None)
+        rem, scope = self.remainder(gpu or "", entry.vendor if entry else None)
+        if rem is None:
+            rem, scope = 0.0, "no remainder fitted (no measured probe has a dry run)"
+        width = (self.dry_loo["max_abs_err_pct"] or 0.0) / 100
+        mib = raw_mib + rem
+        iv = _iv(mib, mib * (1 - width), mib * (1 + width))
+        text = (f"dry run {raw_mib:.1f} MiB + remainder {rem:+.1f} MiB fitted on {scope}; interval ±{width * 100:.2f}% "
+                f"(the largest leave-one-out error over {self.dry_loo['n']} measured probes)")
+        if budget_mib is not None:
+            low, high, lsrc, source = budget_mib, budget_mib, f"--budget-mib {budget_mib}", "budget"
+        elif gpu:
+            (low, high, lsrc), source = self.card_limit(gpu, entry, "probe"), (
+                "ledger" if gpu in self.ledger.gpus else "card table")
+        else:
+            low, high, lsrc, source = None, None, "no card or budget given", "budget"
+        ratio = self.reserved_ratio(gpu or "")
+        verdict, why = decide(iv, low, high, margin_mib)
+        return Answer(gpu=gpu or "", card_source=source, recipe=dict(recipe.__dict__), run="probe", probe_allocated=iv,
+                      real_allocated=None, reserved=_scale(iv, *ratio) if ratio else None, method="dry run",
+                      method_text=text, evidence=[], limit_low_mib=low, limit_high_mib=high, limit_source=lsrc,
+                      margin_mib=margin_mib, verdict=verdict, why=why)
+
+    def _real(self, recipe: Recipe, gpu: str, probe: Optional[Interval], method: str, text: str, evidence: list[str]):
+        same = []
+        for m in self.ms:
+            if m.kind == "real" and m.gpu == gpu and m.outcome.status in ("ok", "oom"):
+                r = self._recipe(m)
+                if r is not None and r.seq_len == recipe.seq_len and replace(r, response_len=None, model=model_name(
+                        r.model)) == replace(recipe, response_len=None, model=model_name(recipe.model)):
+                    same.append(m)
+        fits = [m for m in same if ok_peak(m) is not None]
+        if fits:
+            peaks_ = [ok_peak(m) for m in fits]
+            iv = _iv(max(peaks_), min(peaks_), max(peaks_))
+            return iv, "measured real run", (f"{len(fits)} real runs of this recipe peaked at {min(peaks_)}–"
+                                             f"{max(peaks_)} MiB"), [m.id for m in fits]
+        real = None
+        if probe is not None and self.over.pct is not None:
+            o = self.over
+            real = _scale(probe, 1 - o.pct / 100, 1 - o.high_pct / 100, 1 - o.low_pct / 100)
+            text = (f"{text}; real run = probe x (1 - {o.pct}%), the median over-estimate of the anchors "
+                    f"({', '.join(a.probe for a in o.anchors)}), interval from every pair ({o.low_pct}–{o.high_pct}%)")
+        elif probe is not None:
+            text += "; no probe/real pairs to calibrate a real run against"
+        real, ids, dom = self._dominance(recipe, gpu, "real", real)
+        if dom:
+            text = f"{text}; {dom}" if text else dom
+            evidence = evidence + [i for i in ids if i not in evidence]
+        return real, method, text, evidence
+
+    # -- ceilings --------------------------------------------------------------------------------------
+
+    def ceiling(self, recipe: Recipe, gpu: str, *, entry: Optional[Gpu] = None, run: Run = "probe",
+                margin_mib: float = 0.0, budget_mib: Optional[float] = None, step: int = 8,
+                max_rank: int = 512) -> CeilingAnswer:
+        """The largest rank (a multiple of ``step``) whose verdict is ``fits``, and the largest that
+        is ``tight`` or better, below the first rank that will not fit."""
+        ranks: list[dict] = []
+        fits_rank = tight_rank = None
+        known = False
+        low = high = None
+        for rank in range(step, max_rank + 1, step):
+            a = self.predict(replace(recipe, rank=rank), gpu, entry=entry, run=run, margin_mib=margin_mib,
+                             budget_mib=budget_mib)
+            low, high = a.limit_low_mib, a.limit_high_mib
+            fig = a.allocated
+            ranks.append({"rank": rank, "verdict": a.verdict, "method": a.method,
+                          "mib": fig.mib if fig else None, "high_mib": fig.high_mib if fig else None,
+                          "evidence": a.evidence})
+            if a.verdict == "unknown":
+                continue
+            known = True
+            if a.verdict == "won't fit":
+                break
+            if a.verdict == "fits" and tight_rank == fits_rank:
+                fits_rank = rank
+            tight_rank = rank
+        if not known:
+            status, note = "unknown", (ranks[0]["method"] and "" or self.predict(
+                replace(recipe, rank=step), gpu, entry=entry, run=run, budget_mib=budget_mib).why)
+        else:
+            status, note = ("ok" if fits_rank is not None or tight_rank is not None else "none-fits"), ""
+        at_least = fits_rank is not None and fits_rank + step > max_rank
+        if at_least:
+            note = f"at least {fits_rank}: the search stops at rank {max_rank}"
+        return CeilingAnswer(gpu=gpu, run=run, seq_len=recipe.seq_len, fits_rank=fits_rank, tight_rank=tight_rank,
+                             status=status, step=step, max_rank=max_rank, at_least=at_least, note=note,
+                             limit_low_mib=low, limit_high_mib=high, margin_mib=margin_mib,
+                             ranks=[r for r in ranks if r["verdict"] != "unknown"] or ranks[:1])
+
+
+def m_group(m: Measurement) -> GroupKey:
+    from .recipe import group_key
+
+    return group_key(m)
+
+
+def _real_need(m: Measurement) -> Optional[float]:
+    o = m.outcome
+    if o.oom is None:
+        return None
+    if o.oom.max_allocated_mib is not None:
+        return o.oom.max_allocated_mib
+    if o.oom.allocated_mib is not None:
+        return o.oom.allocated_mib + (o.oom.tried_mib or 0.0)
+    return None
+
+
+def decide(iv: Optional[Interval], low: Optional[float], high: Optional[float], margin: float) -> tuple[Verdict, str]:
+    """The verdict for a predicted interval against a limit interval, leaning safe."""
+    if iv is None or (iv.high_mib is None and iv.low_mib is None):
+        return "unknown", "no prediction: nothing measured or dry-run near this recipe"
+    if low is None:
+        return "unknown", "no limit known for this card: give --budget-mib"
+    top = iv.high_mib
+    if top is not None and top <= low - margin:
+        return "fits", (f"the interval's top, {top} MiB, is at most the limit's low end {low} MiB"
+                        + (f" less the {margin} MiB margin" if margin else ""))
+    if iv.low_mib is not None and iv.low_mib > (high if high is not None else low) - margin:
+        return "won't fit", (f"even the interval's bottom, {iv.low_mib} MiB, is over the limit's high end "
+                             f"{high if high is not None else low} MiB" + (f" less the {margin} MiB margin" if margin else ""))
+    if top is None:
+        return "tight", f"only a lower bound is known ({iv.low_mib} MiB), under the limit's high end {high} MiB"
+    return "tight", (f"the interval {iv.low_mib}–{top} MiB reaches past the limit's low end {low} MiB"
+                     + (f" less the {margin} MiB margin" if margin else ""))
+
+
+def load_dry_runs(path=None) -> list[Measurement]:
+    """The committed dry-run rows (``ledger/dry-runs.json``), or none when the file is absent."""
+    from . import store
+    from .paths import DRY_RUNS
+
+    path = path or DRY_RUNS
+    try:
+        return store.load(path).measurements
+    except FileNotFoundError:
+        return []
+
