@@ -598,50 +598,35 @@ def _ceiling_at_a_longer_length(ledger: Ledger, ms: list[Measurement], *, gpu: s
     return None
 
 
-def ceiling_table(ledger: Ledger, ms: list[Measurement], step: int = 8, peaks: Optional[PeakModel] = None,
-                  lims: Optional[list[Limit]] = None) -> list[dict]:
-    """Rank ceilings per card x probed sequence length x (no dropout, dropout, DoRA), for the site."""
-    peaks = peaks or PeakModel(ms)
-    lims = lims if lims is not None else limits(ledger, ms, peaks)
-    rows = []
-    for gpu in ledger.gpus:
-        combos = sorted({(model, quant, fixes, seq) for (g, model, quant, fixes), seqs in peaks.seqs.items()
-                         if g == gpu for seq in seqs},
-                        key=lambda c: (str(c[0]), str(c[1]), str(c[2]), c[3]))
-        for model, quant, fixes, seq in combos:
-            cells = {}
-            for label, d, k in (("no dropout", False, False), ("dropout", True, False), ("DoRA", False, True)):
-                c = ceiling(ledger, ms, gpu=gpu, seq_len=seq, model=model, quant=quant, dropout=d, dora=k,
-                            fixes=fixes, step=step, peaks=peaks, lims=lims)
-                cells[label] = {"rank": c.rank, "status": c.status, "possible_rank": c.possible_rank,
-                                "at_least": c.rank is not None and c.rank + step > 512}
-            rows.append({"gpu": gpu, "model": model, "quant": quant, "fixes": fixes, "seq_len": seq, "ceilings": cells})
-    return rows
-
-
 # -- leave-one-out --------------------------------------------------------------------------------
 
 
-def loo(ledger: Ledger, ms: list[Measurement]) -> dict:
-    """Held-out scores: each probe's fit/no-fit verdict and each real run's peak, refit without it."""
+def loo(ledger: Ledger, ms: list[Measurement], dry_runs: Iterable[Measurement] = ()) -> dict:
+    """Held-out scores: each probe's verdict (the one predictor, ``ledger.predictor``, fitted
+    without it) and each real run's peak from its probe and the over-estimate, refit without it."""
+    from .predictor import Predictor, recipe_of
+
     rows = []
-    correct = total = unaddressed = 0
+    correct = total = unaddressed = tight = costly = 0
+    dry_runs = list(dry_runs)
     for m in _probes(ms):
-        if m.outcome.status not in ("ok", "oom"):
+        if m.outcome.status not in ("ok", "oom") or recipe_of(m) is None:
             continue
-        rest = [x for x in ms if x.id != m.id]
-        peaks = PeakModel(rest)
-        pred, _ = peaks.predict(m.gpu, group_key(m), m.lora.rank)
-        lim = limit_for(limits(ledger, rest, peaks), m.gpu, "probe")
-        v = verdict(pred, lim)
-        if v is None:
-            unaddressed += 1
-            continue
+        p = Predictor(ledger, dry_runs, exclude=[*(x.id for x in ledger.measurements if x not in ms), m.id])
+        a = p.predict(recipe_of(m), m.gpu)
         actual = m.outcome.status == "ok"
-        total += 1
-        correct += int(v == actual)
-        rows.append({"id": m.id, "predicted_mib": pred, "fits_predicted": v, "fits_actual": actual,
-                     "limit": [lim.low_mib, lim.high_mib]})
+        fig = a.probe_allocated
+        rows.append({"id": m.id, "verdict": a.verdict, "method": a.method, "predicted_mib": fig.mib if fig else None,
+                     "high_mib": fig.high_mib if fig else None, "fits_actual": actual,
+                     "limit": [a.limit_low_mib, a.limit_high_mib]})
+        if a.verdict == "unknown":
+            unaddressed += 1
+        elif a.verdict == "tight":
+            tight += 1
+        else:
+            total += 1
+            correct += int((a.verdict == "fits") == actual)
+            costly += int(a.verdict == "fits" and not actual)
     errors = []
     real_rows = []
     for r in ms:
@@ -662,6 +647,7 @@ def loo(ledger: Ledger, ms: list[Measurement]) -> dict:
                           "actual_mib": ok_peak(r), "error_pct": round(err, 2)})
     return {
         "verdict_correct": correct, "verdict_total": total, "verdict_unaddressed": unaddressed,
+        "verdict_tight": tight, "verdict_costly": costly,
         "verdict_pct": round(correct / total * 100, 1) if total else None,
         "real_median_abs_err_pct": round(statistics.median(errors), 2) if errors else None,
         "real_n": len(errors), "verdicts": rows, "reals": real_rows,
@@ -679,13 +665,17 @@ def calibration_hash(ms: list[Measurement]) -> str:
 
 
 def calibrate(ledger: Ledger, *, as_of: Optional[dt.date] = None, exclude: Iterable[str] = (),
-              with_loo: bool = True, with_ceilings: bool = False) -> dict:
+              with_loo: bool = True, with_ceilings: bool = False, dry_runs: Iterable[Measurement] = ()) -> dict:
     """Everything ``vram calibrate --json`` prints (and, for the site, the ceiling table)."""
+    from .predictor import Predictor, ceiling_table
+
+    dry_runs = list(dry_runs)
     ms = before(ledger.measurements, as_of, exclude)
     over = overestimate(ms)
     peaks = PeakModel(ms)
     lims = limits(ledger, ms, peaks)
-    extra = {"ceilings": ceiling_table(ledger, ms, peaks=peaks, lims=lims)} if with_ceilings else {}
+    extra = ({"ceilings": ceiling_table(Predictor(ledger, dry_runs, as_of=as_of, exclude=exclude))}
+             if with_ceilings else {})
     return {**extra, 
         "as_of": as_of.isoformat() if as_of else None,
         "excluded": sorted(exclude),
@@ -695,5 +685,5 @@ def calibrate(ledger: Ledger, *, as_of: Optional[dt.date] = None, exclude: Itera
         "overestimate_pct": {"median": over.pct, "low": over.low_pct, "high": over.high_pct},
         "costs": costs(ms, peaks),
         "limits": [asdict(lim) for lim in lims],
-        "loo": loo(ledger, ms) if with_loo else None,
+        "loo": loo(ledger, ms, dry_runs) if with_loo else None,
     }

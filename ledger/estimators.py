@@ -24,7 +24,7 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
 from .paths import MODEL_CONFIGS
 from .recipe import capacity_mib, fixes_key, seq_len_of
@@ -241,59 +241,50 @@ class Canifinetune(Estimator):
 
 
 class VramLedger(Estimator):
-    """This project's prediction: the ledger's probes (peak model, card offset) and, for a real run,
-    the calibrated probe-to-real over-estimate. Scored held out: a row never predicts itself."""
+    """This project's answer (``ledger.predictor``), held out: each row is predicted by a predictor
+    fitted without it, and its verdict (fits / tight / won't fit / unknown) is the one
+    ``vram ceiling`` and ``vram predict`` give."""
 
     name = "vram-ledger"
     predicts = "allocated"
-    leaves_out = ("configurations far from any probe (it says unknown instead), and what one forward+backward "
-                  "does not see in a long run: allocator fragmentation and optimizer state.")
+    leaves_out = ("configurations far from any probe, real run or dry run (it says unknown instead), and what one "
+                  "forward+backward does not see in a long run: allocator fragmentation and optimizer state.")
 
-    def predict_row(self, m: Measurement, rest: list[Measurement]) -> Optional[float]:
-        from .calibration import PeakModel, ok_peak, overestimate, predict_real
-        from .recipe import group_key, recipe_key
+    def __init__(self, dry_runs: Iterable[Measurement] = ()):
+        self.dry_runs = list(dry_runs)
+
+    def answer(self, ledger: Ledger, m: Measurement):
+        from .predictor import Predictor
 
         if m.lora is None or not m.gpu:
             return None
-        if m.kind == "probe":
-            pred, _ = PeakModel(rest).predict(m.gpu, group_key(m), m.lora.rank)
-            return pred
-        # A real run: the matching probe's peak, then the calibrated probe -> real over-estimate.
-        same = [p for p in rest if p.kind == "probe" and p.lora and recipe_key(p) == recipe_key(m)
-                and ok_peak(p) is not None]
-        if not same:
+        p = Predictor(ledger, self.dry_runs, exclude=[m.id])
+        full = Predictor(ledger, [])
+        recipe = full._recipe(m)  # a real run's longest example, from its pairing, is a fact of the row
+        if recipe is None or recipe.seq_len is None:
             return None
-        probe = max(same, key=lambda p: (p.provenance.measured_on or dt.date.min, p.id))
-        return predict_real(ok_peak(probe), overestimate(rest))["predicted_mib"]
+        return p.predict(recipe, m.gpu, run="real" if m.kind == "real" else "probe")
 
     def estimate(self, arch, recipe, gpu_total_mib=None):
-        return None  # needs a ledger row's context: see predict_row and vram estimate
+        return None  # needs a ledger row's context: see answer and vram estimate
 
 
 class DryRunRows(Estimator):
-    """The dry runs stored in the ledger (kind dry_run, ``python -m probe_kit.dry_run --append``):
-    a measured row is predicted by the dry run of the same model, quant, rank, dropout, DoRA,
-    sequence and response length and memory fixes, where one exists."""
+    """The dry run as the command line answers it: the committed dry-run row of the measured row's
+    recipe (``ledger/dry-runs.json``) plus the card's remainder fitted without the row."""
 
     name = "dry-run"
     predicts = "allocated"
-    leaves_out = ("kernel workspaces beyond cuBLAS's, the CUDA context and allocator fragmentation (allocated, "
-                  "not reserved), and anything the model's code does not do on the device.")
+    leaves_out = ("what a one-step probe's tracker cannot see beyond the fitted remainder: a long run's "
+                  "fragmentation and optimizer state.")
 
-    def __init__(self, ledger: Ledger):
-        self.by_key: dict[tuple, float] = {}
-        for m in ledger.measurements:
-            if m.kind == "dry_run" and m.lora and m.outcome.peak_allocated_mib is not None:
-                self.by_key[self.key(m)] = m.outcome.peak_allocated_mib
+    def __init__(self, ledger: Ledger, dry_runs: Iterable[Measurement]):
+        from .predictor import Predictor
 
-    @staticmethod
-    def key(m: Measurement) -> tuple:
-        name = (m.model or "").split("/")[-1]
-        return (name, m.quant, m.lora.rank, bool(m.lora.dropout), bool(m.lora.dora), m.seq_len, m.response_len,
-                fixes_key(m.memory_fixes))
+        self.by_id = {r["id"]: r["predicted_mib"] for r in Predictor(ledger, list(dry_runs)).dry_loo["rows"]}
 
     def predict_row(self, m: Measurement) -> Optional[float]:
-        return self.by_key.get(self.key(m)) if m.lora else None
+        return self.by_id.get(m.id)
 
     def estimate(self, arch, recipe, gpu_total_mib=None):
         return None
@@ -343,14 +334,16 @@ def _slice_keys(m: Measurement, r: Recipe) -> dict[str, str]:
             "dora": "yes" if r.dora else "no", "fixes": r.fixes, "kind": m.kind, "gpu": m.gpu or "", "quant": r.quant}
 
 
-def scoreboard(ledger: Ledger, estimators: Optional[list[Estimator]] = None, keep_rows: int = 2000) -> dict:
+def scoreboard(ledger: Ledger, estimators: Optional[list[Estimator]] = None, keep_rows: int = 2000,
+               dry_runs: Iterable[Measurement] = ()) -> dict:
     """Every addressable measurement scored by every estimator: medians overall and per slice, and
     the fit / no-fit confusion at each card's capacity. Per-row detail is kept up to ``keep_rows``
     rows (every row is in the ledger)."""
     if estimators is None:
-        estimators = [*ESTIMATORS, VramLedger()]
-        dry = DryRunRows(ledger)
-        if dry.by_key:
+        dry_runs = list(dry_runs) + [m for m in ledger.measurements if m.kind == "dry_run"]
+        estimators = [*ESTIMATORS, VramLedger(dry_runs)]
+        dry = DryRunRows(ledger, dry_runs)
+        if dry.by_id:
             estimators.append(dry)
     arch_cache: dict[Optional[str], Optional[Arch]] = {}
     cards = {key: _card_mib(ledger, key) for key in ledger.gpus}
@@ -369,8 +362,10 @@ def scoreboard(ledger: Ledger, estimators: Optional[list[Estimator]] = None, kee
         addressable.append((m, r, arch, cards.get(m.gpu), _slice_keys(m, r)))
     out: dict = {"addressable": len(addressable), "estimators": [], "fit_rule": (
         "an estimate fits when it is at most the card's capacity as torch reports it (its total where that is "
-        "unknown); vram-ledger's own verdict, as vram ceiling gives it, is against the largest peak known to fit "
-        "the card (learned without the row scored); the costly mistake is 'fits' for a row that ran out of memory")}
+        "unknown); vram-ledger's own verdict is the one vram ceiling and vram predict give (ledger.predictor, "
+        "fitted without the row scored): 'fits' only when the predicted interval's top is under the low end of the "
+        "card's effective limit, and 'tight' or 'won't fit' count as not fitting; the costly mistake is 'fits' for "
+        "a row that ran out of memory")}
     keep = len(addressable) <= keep_rows
     for est in estimators:
         entry = {"name": est.name, "predicts": est.predicts, "leaves_out": est.leaves_out,
@@ -386,9 +381,16 @@ def scoreboard(ledger: Ledger, estimators: Optional[list[Estimator]] = None, kee
         by_slice: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         confusion = {"fits_and_fit": 0, "fits_but_oom": 0, "oom_but_fit": 0, "oom_and_oom": 0}
         for m, r, arch, card, slices in addressable:
-            if isinstance(est, (VramLedger, DryRunRows)):
-                pred = (est.predict_row(m, [x for x in ledger.measurements if x.id != m.id])
-                        if isinstance(est, VramLedger) else est.predict_row(m))
+            answer = None
+            if isinstance(est, VramLedger):
+                answer = est.answer(ledger, m)
+                fig = answer.allocated if answer else None
+                pred = fig.mib if fig is not None else None
+                e = None if pred is None else Estimate(est.name, pred * MIB, est.predicts,
+                                                       low_bytes=(fig.low_mib or 0) * MIB or None,
+                                                       high_bytes=(fig.high_mib or 0) * MIB or None)
+            elif isinstance(est, DryRunRows):
+                pred = est.predict_row(m)
                 e = None if pred is None else Estimate(est.name, pred * MIB, est.predicts)
             else:
                 key = (arch.name, r.quant, r.rank, r.seq_len, r.dropout, r.dora, r.batch, card)
@@ -402,11 +404,9 @@ def scoreboard(ledger: Ledger, estimators: Optional[list[Estimator]] = None, kee
             estimate_mib = e.mib
             err = round((estimate_mib - measured) / measured * 100, 1) if measured else None
             if isinstance(est, VramLedger):
-                # This project's verdict, as `vram ceiling` gives it: a peak fits when it is at most
-                # the largest peak known to fit the card, learned without this row (an OOM is decided
-                # by reserved memory and the card's effective limit, not by its capacity).
-                limit = _held_out_limit(ledger, m)
-                fits = (estimate_mib <= limit) if limit is not None else None
+                # This project's verdict, as `vram ceiling` gives it (an OOM is decided by reserved
+                # memory and the card's effective limit, not by its capacity).
+                fits = None if answer is None or answer.verdict == "unknown" else answer.verdict == "fits"
             else:
                 fits = (estimate_mib <= card) if card else None
             if err is not None:
@@ -423,7 +423,8 @@ def scoreboard(ledger: Ledger, estimators: Optional[list[Estimator]] = None, kee
                              "measured_mib": measured, "measured_quantity": quantity,
                              "allocated_mib": m.outcome.peak_allocated_mib, "reserved_mib": m.outcome.peak_reserved_mib,
                              "status": m.outcome.status, "slices": slices, "error_pct": err,
-                             "fits_predicted": fits, "fits_actual": ok})
+                             "fits_predicted": fits, "fits_actual": ok,
+                             **({"verdict": answer.verdict} if answer is not None else {})})
         entry.update(
             n=len(errors),
             median_abs_err_pct=round(statistics.median(abs(x) for x in errors), 1) if errors else None,
@@ -435,18 +436,6 @@ def scoreboard(ledger: Ledger, estimators: Optional[list[Estimator]] = None, kee
         )
         out["estimators"].append(entry)
     return out
-
-
-def _held_out_limit(ledger: Ledger, m: Measurement) -> Optional[float]:
-    """The low end of the card's effective limit for the row's kind, fitted without the row."""
-    from .calibration import limit_for, limits
-
-    if not m.gpu:
-        return None
-    rest = [x for x in ledger.measurements if x.id != m.id]
-    lims = limits(ledger, rest)
-    lim = limit_for(lims, m.gpu, "real" if m.kind == "real" else "probe") or limit_for(lims, m.gpu, "probe")
-    return lim.low_mib if lim is not None else None
 
 
 def _sort_key(text: object):

@@ -685,6 +685,24 @@ class Predictor:
                              ranks=[r for r in ranks if r["verdict"] != "unknown"] or ranks[:1])
 
 
+def ceiling_table(p: Predictor, step: int = 8) -> list[dict]:
+    """Rank ceilings (fits and tight) per card x model x quant x fixes x probed length x (no
+    dropout, dropout, DoRA), for the site."""
+    rows = []
+    for gpu in p.ledger.gpus:
+        combos = sorted({(model, quant, fixes, seq) for (g, model, quant, fixes), seqs in p.peaks.seqs.items()
+                         if g == gpu for seq in seqs}, key=lambda c: (str(c[0]), str(c[1]), str(c[2]), c[3]))
+        for model, quant, fixes, seq in combos:
+            cells = {}
+            for label, d, k in (("no dropout", False, False), ("dropout", True, False), ("DoRA", False, True)):
+                c = p.ceiling(Recipe(model=model, quant=quant or "4bit", dropout=d, dora=k, seq_len=seq, fixes=fixes),
+                              gpu, step=step)
+                cells[label] = {"rank": c.fits_rank, "tight_rank": c.tight_rank, "status": c.status,
+                                "at_least": c.at_least}
+            rows.append({"gpu": gpu, "model": model, "quant": quant, "fixes": fixes, "seq_len": seq, "ceilings": cells})
+    return rows
+
+
 def m_group(m: Measurement) -> GroupKey:
     from .recipe import group_key
 

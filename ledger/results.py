@@ -138,11 +138,13 @@ class CardLimit(_Result):
 
 
 class LooVerdict(_Result):
-    """A probe's fit verdict, predicted without it."""
+    """A probe's verdict, predicted without it by the one predictor (ledger.predictor)."""
 
     id: str
-    predicted_mib: float
-    fits_predicted: bool
+    verdict: str = Field(description="fits, tight, won't fit or unknown.")
+    method: Optional[str] = Field(description="The evidence-ladder rung that answered.")
+    predicted_mib: Optional[float]
+    high_mib: Optional[float] = Field(description="The predicted interval's top, MiB.")
     fits_actual: bool
     limit: list[Optional[float]] = Field(description="The limit interval used, MiB (low, high).")
 
@@ -160,10 +162,13 @@ class LooReal(_Result):
 class LeaveOneOut(_Result):
     """Leave-one-out scores."""
 
-    verdict_correct: int
-    verdict_total: int
-    verdict_unaddressed: int
-    verdict_pct: Optional[float]
+    verdict_correct: int = Field(description="Decisive verdicts that were right: fits for a probe that fit, won't "
+                                             "fit for one that ran out of memory.")
+    verdict_total: int = Field(description="Decisive verdicts (fits or won't fit).")
+    verdict_tight: int = Field(description="Probes answered tight (the interval crosses the limit): safe, not decisive.")
+    verdict_costly: int = Field(description="Probes answered fits that ran out of memory (the costly mistake).")
+    verdict_unaddressed: int = Field(description="Probes answered unknown.")
+    verdict_pct: Optional[float] = Field(description="verdict_correct / verdict_total, %.")
     real_median_abs_err_pct: Optional[float]
     real_n: int
     verdicts: list[LooVerdict]
@@ -171,11 +176,11 @@ class LeaveOneOut(_Result):
 
 
 class CeilingCell(_Result):
-    """The largest rank that fits one configuration."""
+    """The largest rank that fits one configuration, and the largest that is tight."""
 
     status: str
-    rank: Optional[int]
-    possible_rank: Optional[int]
+    rank: Optional[int] = Field(description="The largest rank whose verdict is fits.")
+    tight_rank: Optional[int] = Field(description="The largest rank whose verdict is tight or fits.")
     at_least: bool = Field(description="True when the ceiling is at least the largest rank searched.")
 
 
@@ -243,6 +248,7 @@ class ScoredRow(_Result):
     error_pct: Optional[float]
     fits_predicted: Optional[bool]
     fits_actual: Optional[bool]
+    verdict: Optional[str] = Field(None, description="vram-ledger only: fits, tight, won't fit or unknown.")
     slices: dict[str, str]
 
 

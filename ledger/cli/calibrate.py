@@ -26,6 +26,7 @@ def add_calibrate_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--as-of", help="use only rows measured on or before this date (YYYY-MM-DD)")
     p.add_argument("--exclude", action="append", default=[], metavar="ID", help="leave this row out (repeatable)")
     p.add_argument("--no-loo", action="store_true", help="skip the leave-one-out scores")
+    add_dry_runs_option(p)
     add_json_option(p)
 
 
@@ -35,7 +36,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     real-run rank cost) with the rows each rests on, each card's effective limit, and
     leave-one-out scores (fit/no-fit verdicts of probes; real-run peak errors)."""
     ledger = store.load(args.ledger)
-    result = calibrate(ledger, as_of=parse_date(args.as_of, "--as-of"), exclude=args.exclude, with_loo=not args.no_loo)
+    from ..predictor import load_dry_runs
+
+    result = calibrate(ledger, as_of=parse_date(args.as_of, "--as-of"), exclude=args.exclude, with_loo=not args.no_loo,
+                       dry_runs=load_dry_runs(args.dry_runs))
     if args.json:
         dump_json(Calibration.model_validate(result).document())
         return 0
@@ -54,8 +58,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         print(f"limit {lim['gpu']} ({lim['kind']}s): {lim['low_mib']}–{lim['high_mib']} MiB allocated")
     loo = result["loo"]
     if loo:
-        print(f"leave-one-out: verdicts {loo['verdict_correct']}/{loo['verdict_total']} correct "
-              f"({loo['verdict_unaddressed']} probes unaddressable); real runs median |error| "
+        print(f"leave-one-out: {loo['verdict_correct']}/{loo['verdict_total']} decisive verdicts correct, "
+              f"{loo['verdict_costly']} 'fits' for a probe that ran out of memory, {loo['verdict_tight']} tight, "
+              f"{loo['verdict_unaddressed']} unknown; real runs median |error| "
               f"{loo['real_median_abs_err_pct']}% over {loo['real_n']}")
     return 0
 

@@ -8,54 +8,90 @@ from .. import store
 from ..errors import Issue, UserError
 from ..estimators import Recipe, estimate_all, load_arch, nearest_row
 from ..ingest import fixes_option
-from ..recipe import capacity_mib, fixes_key, require_gpu, seq_len_of
+from ..recipe import capacity_mib, fixes_key, seq_len_of
+from .calibrate import add_dry_runs_option, card_of, predictor_for, recipe_from
 from .options import Command, add_json_option, add_ledger_option, add_recipe_options, dump_json
 
 
 def add_estimate_options(p: argparse.ArgumentParser) -> None:
     add_recipe_options(p, required=("model", "rank", "seq-len"), skip=("alpha", "rslora"))
     p.add_argument("--batch-size", type=int, default=1, help="sequences per step (default 1)")
-    p.add_argument("--gpu", help="a card in the ledger (its capacity; the nearest measurement on it)")
+    p.add_argument("--gpu", help="the card: a ledger key, alias or name, or a common card ('RTX 4090', a100-40gb); "
+                                 "this project's verdict is for it")
+    p.add_argument("--real", action="store_true", help="this project's answer for a real run, not a one-step probe")
     add_ledger_option(p)
+    add_dry_runs_option(p)
     add_json_option(p)
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    """Print every estimator's figure (canifinetune, Unsloth Studio's formula, the FT01 rule of
-    thumb) with its breakdown and the quantity it claims to predict, and the ledger's nearest
-    measured row. How each estimator fares against the ledger is on the site's estimator page."""
+    """The answer first: this project's predicted peak (ledger.predictor: measured runs, probes,
+    interpolation, the calibrated dry run, other cards), its interval, method, evidence and, with
+    --gpu, its verdict on that card (fits / tight / won't fit / unknown). Then, as a comparison,
+    every outside estimator's figure (canifinetune, Unsloth Studio's formula, the FT01 rule of
+    thumb) with the quantity it claims to predict, and the ledger's nearest measured row (on the
+    requested card when it has one). How each fares against the ledger is on the estimator page."""
     arch = load_arch(args.model)
     if arch is None:
         raise UserError(Issue(args.model, "", "no such config (give a config JSON or a model whose config ships)"))
     if args.rank <= 0 or args.seq_len <= 0 or args.batch_size <= 0:
         raise UserError(Issue("--rank", "", "rank, seq-len and batch size must be > 0"))
     ledger = store.load(args.ledger)
-    gpu = require_gpu(ledger, args.gpu) if args.gpu else None
-    card = None
-    if gpu:
-        g = ledger.gpus[gpu]
-        card = capacity_mib(g)
+    gpu = entry = None
+    if args.gpu:
+        gpu, entry = card_of(ledger, args.gpu)
+    card = capacity_mib(entry) if entry is not None else None
     recipe = Recipe(quant=args.quant, rank=args.rank, seq_len=args.seq_len, dropout=args.dropout, dora=args.dora,
                     batch=args.batch_size, fixes=fixes_key(fixes_option(args.fixes)))
+    predictor = predictor_for(args, ledger)
+    answer = None
+    if args.batch_size == 1:
+        question = recipe_from(args, args.rank)
+        if gpu is not None:
+            answer = predictor.predict(question, gpu, entry=entry, run="real" if args.real else "probe")
+        else:
+            raw, ids = predictor.dry_raw(question)
+            if raw is not None:
+                answer = predictor.judge_dry(question, raw)
+                answer.evidence = ids
     figures = estimate_all(arch, recipe, card)
     near = nearest_row(ledger, args.model, recipe, gpu)
-    doc = {"model": arch.name, "params": arch.total_params, "recipe": {**recipe.__dict__, "response_len": args.response_len},
-           "gpu": gpu,
-           "card_mib": card, "estimates": figures,
+    doc = {"model": arch.name, "params": arch.total_params,
+           "recipe": {**recipe.__dict__, "response_len": args.response_len}, "gpu": gpu, "card_mib": card,
+           "answer": answer.model_dump(mode="json") if answer else None, "estimates": figures,
            "nearest_measurement": None if near is None else {
-               "id": near.id, "gpu": near.gpu, "kind": near.kind, "rank": near.lora.rank,
-               "seq_len": seq_len_of(near),
-               "peak_allocated_mib": near.outcome.peak_allocated_mib, "peak_reserved_mib": near.outcome.peak_reserved_mib}}
+               "id": near.id, "gpu": near.gpu, "kind": near.kind, "rank": near.lora.rank, "seq_len": seq_len_of(near),
+               "peak_allocated_mib": near.outcome.peak_allocated_mib,
+               "peak_reserved_mib": near.outcome.peak_reserved_mib}}
     if args.json:
         dump_json(doc)
         return 0
     print(f"{arch.name} ({arch.total_params / 1e9:.2f}B params), {args.quant}, r{args.rank}, {args.seq_len} tokens"
-          + (f", dropout {args.dropout:g}" if args.dropout else "") + (", DoRA" if args.dora else ""))
+          + (f", dropout {args.dropout:g}" if args.dropout else "") + (", DoRA" if args.dora else "")
+          + (f", batch {args.batch_size}" if args.batch_size != 1 else "") + (f", on {gpu}" if gpu else ""))
+    if answer is not None and answer.allocated is not None:
+        iv = answer.allocated
+        what = "a real run" if args.real else "a one-step probe"
+        print(f"  vram-ledger: {answer.verdict.upper() if gpu else 'no card given'}: {what} peaks at {iv.mib} MiB "
+              f"allocated ({iv.low_mib}–{iv.high_mib} MiB)"
+              + (f", {answer.reserved.mib} MiB reserved" if answer.reserved and answer.reserved.mib else "")
+              + f", by {answer.method}")
+        print(f"    {answer.method_text}")
+        if gpu:
+            print(f"    {answer.why} ({answer.limit_source})")
+        else:
+            print("    give --gpu for a verdict on a card")
+    elif answer is not None:
+        print(f"  vram-ledger: {answer.verdict}: {answer.why}")
+    else:
+        print("  vram-ledger: unknown: " + ("batch sizes above 1 are not in the ledger" if args.batch_size != 1 else
+                                          "no measured row or dry run of this recipe (run python -m probe_kit.dry_run)"))
+    print("  outside estimators, for comparison:")
     for f in figures:
         if not f["available"]:
             print(f"  {f['estimator']:>15}: not installed (pip install canifinetune)")
             continue
-        rng = f" (range {f['low_mib']:,.0f}–{f['high_mib']:,.0f})" if f["low_mib"] else ""
+        rng = f" (range {f['low_mib']:,.0f}–{f['high_mib']:,.0f} MiB)" if f["low_mib"] else ""
         print(f"  {f['estimator']:>15}: {f['estimate_mib']:>9,.1f} MiB {f['predicts']}{rng}")
     if near is not None:
         n = doc["nearest_measurement"]
@@ -65,5 +101,5 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = [Command("estimate", "every VRAM estimator's figure for one configuration, beside the ledger's nearest row",
+COMMANDS = [Command("estimate", "this project's answer for one configuration, then every outside estimator's figure",
                     add_estimate_options, cmd_estimate)]

@@ -592,7 +592,9 @@ def estimator_scoreboard(ledger: Ledger) -> Scoreboard:
     """How every VRAM estimator fares against the ledger's measured peaks."""
     from ..estimators import _sort_key, scoreboard
 
-    board = scoreboard(ledger, keep_rows=ROW_LIMIT)
+    from ..predictor import load_dry_runs
+
+    board = scoreboard(ledger, keep_rows=ROW_LIMIT, dry_runs=load_dry_runs())
     # Views the pages show: each slice's values, and one row per measurement across estimators.
     board["slice_values"] = {}
     for est in board["estimators"]:
@@ -635,7 +637,10 @@ def fitted(ledger: Ledger) -> Calibration:
     """The calibration the page shows, computed from the ledger at build time."""
     from ..calibration import calibrate
 
-    doc = calibrate(ledger, with_loo=len(ledger.measurements) <= LOO_LIMIT, with_ceilings=True)
+    from ..predictor import load_dry_runs
+
+    doc = calibrate(ledger, with_loo=len(ledger.measurements) <= LOO_LIMIT, with_ceilings=True,
+                    dry_runs=load_dry_runs())
     doc["loo_skipped"] = doc["loo"] is None
     return Calibration.model_validate(doc)
 
