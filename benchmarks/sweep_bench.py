@@ -4,8 +4,9 @@
 
 1. Isolation: a sweep over the ranks runs each probe in a fresh process; its wall time is printed
    against the sum of the probes' step times (what the probes themselves measured).
-2. Bisection: with a budget between two ranks' peaks, --find-ceiling's probe count against the
-   full grid's.
+2. Ceiling: with a budget between two ranks' peaks (the tracker meter raises an OOM above it),
+   --find-ceiling's probe count against the full grid's, by plain bisection and confirm-first
+   from the ceiling the dry run predicts (two ranks dry-run, affine in rank, under the budget).
 """
 
 from __future__ import annotations
@@ -54,18 +55,29 @@ def main() -> None:
         mid = ranks[len(ranks) // 2 - 1]
         nxt = ranks[len(ranks) // 2]
         budget = (peaks[mid] + peaks[nxt]) / 2
+        from probe_kit.dry_run import dry_run
+
+        with contextlib.redirect_stdout(sys.stderr):
+            d = {r: dry_run(run_sweep.replace(sweep.points[0].config, rank=r))["peak_mib"] for r in (ranks[0], ranks[-1])}
+        slope = (d[ranks[-1]] - d[ranks[0]]) / (ranks[-1] - ranks[0])
+        predicted = max([r for r in ranks if d[ranks[0]] + slope * (r - ranks[0]) <= budget], default=ranks[0])
         real = run_sweep.probe_command
         run_sweep.probe_command = lambda p, s, l: real(p, s, l) + ["--budget-mib", str(budget)]
-        out = io.StringIO()
+        results = {}
         try:
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
-                run_sweep.main([str(sweep_file), "--ledger", str(Path(tmp, "ceil.json")), "--find-ceiling", "rank",
-                                "--no-progress"])
+            for label, extra in (("bisection", []), ("confirm-first", ["--start-rank", str(predicted)])):
+                out = io.StringIO()
+                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+                    run_sweep.main([str(sweep_file), "--ledger", str(Path(tmp, f"{label}.json")), "--find-ceiling",
+                                    "rank", "--no-progress", *extra])
+                results[label] = re.search(r"ceiling: rank (\S+) .*\((\d+) probes", out.getvalue())
         finally:
             run_sweep.probe_command = real
-        m = re.search(r"ceiling: rank (\S+) .*\((\d+) probes", out.getvalue())
-        print(f"bisection: ceiling rank {m[1]} (budget {budget:.1f} MiB) in {m[2]} probes vs {len(ranks)} for the "
-              f"full grid (promised at most {math.ceil(math.log2(len(ranks))) + 1})")
+        b, c = results["bisection"], results["confirm-first"]
+        print(f"ceiling: rank {b[1]} (budget {budget:.1f} MiB): plain bisection {b[2]} probes (promised at most "
+              f"{math.ceil(math.log2(len(ranks))) + 1}); confirm-first from the dry run's predicted rank {predicted}: "
+              f"rank {c[1]} in {c[2]} probes; the full grid: {len(ranks)} probes. Ratios: grid/confirm-first "
+              f"{len(ranks) / int(c[2]):.1f}x, bisection/confirm-first {int(b[2]) / int(c[2]):.1f}x")
 
 
 if __name__ == "__main__":

@@ -16,11 +16,8 @@ Rules (each explicit, none tuned to a held-out row):
 - **Limits**: an OOM is a censored observation. A card's effective limit for peak allocated lies
   between the largest peak that fit and the smallest predicted (or lower-bound) peak that did not,
   never above the card. Real runs get their own interval (a long run fragments the allocator).
-- **Verdict**: a predicted peak fits when it is at most the low end of the limit interval (the
-  largest peak known to fit), as the ceiling decides: a verdict leans safe.
-- **Ceiling**: the largest rank (in steps) whose peak fits at most the low end of the limit minus a
-  margin, observed outcomes overriding predictions; never above the ceiling of a shorter sequence,
-  of no dropout or of no DoRA (a longer sequence, dropout or DoRA never uses less memory).
+
+Verdicts and ceilings are the one predictor's (``ledger.predictor``), built on these fits.
 """
 
 from __future__ import annotations
@@ -30,7 +27,7 @@ import datetime as dt
 import hashlib
 import statistics
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Iterable, Optional
 
 from .models import Ledger, Measurement
@@ -430,172 +427,6 @@ def costs(ms: list[Measurement], peaks: Optional["PeakModel"] = None) -> dict:
         "seq_len": seq,
         "real_rank": real,
     }
-
-
-# -- verdicts and ceilings ---------------------------------------------------------------------
-
-
-def verdict(pred: Optional[float], lim: Optional[Limit]) -> Optional[bool]:
-    """Fits (True), does not (False), or unknown (None), leaning safe as the ceiling does: a peak
-    fits when it is at most the low end of the limit (the largest peak known to fit); a card with
-    no fit known yet fits nothing for sure."""
-    if pred is None or lim is None:
-        return None
-    if lim.low_mib is None:
-        return False if lim.high_mib is not None and pred >= lim.high_mib else None
-    return pred <= lim.low_mib
-
-
-@dataclass
-class Ceiling:
-    rank: Optional[int]
-    status: str  # "ok" | "unknown" | "none-fits"
-    limit: Optional[dict]
-    margin_mib: float
-    seq_len: int
-    evidence: list[dict] = field(default_factory=list)
-    note: str = ""
-    possible_rank: Optional[int] = None
-
-
-def ceiling(ledger: Ledger, ms: list[Measurement], *, gpu: str, seq_len: int, model: Optional[str] = None,
-            quant: str = "4bit", dropout: bool = False, dora: bool = False, fixes: str = "all",
-            budget_mib: Optional[float] = None, real: bool = False, step: int = 8, max_rank: int = 512,
-            margin_mib: float = 0.0, peaks: Optional[PeakModel] = None, lims: Optional[list[Limit]] = None,
-            over: Optional[Overestimate] = None, _depth: int = 0) -> Ceiling:
-    """The largest rank (multiple of step) that fits; see the module's rules. ``peaks``, ``lims``
-    and ``over`` may be passed in when many ceilings are asked of the same data."""
-    peaks = peaks or PeakModel(ms)
-    lims = lims if lims is not None else limits(ledger, ms, peaks)
-    lim = limit_for(lims, gpu, "real" if real else "probe")
-    if budget_mib is not None:
-        lim = Limit(gpu=gpu, kind="budget", low_mib=budget_mib, high_mib=budget_mib, fit_id=None, exceeded_id=None,
-                    card_mib=budget_mib, note="--budget-mib")
-    if model is None:
-        models = sorted({m.model for m in peaks.probes if m.gpu == gpu and m.model} or
-                        {m.model for m in peaks.probes if m.model})
-        model = models[0] if len(models) == 1 else model
-    if real and over is None:
-        over = overestimate(ms)
-    group = (model, quant, seq_len, dropout, dora, fixes)
-    observed = peaks.observed(gpu, group)
-    result = Ceiling(rank=None, status="unknown", limit=asdict(lim) if lim else None, margin_mib=margin_mib,
-                     seq_len=seq_len)
-    if lim is None or lim.low_mib is None:
-        result.note = f"no limit known for {gpu}: give --budget-mib"
-        return result
-    threshold = lim.low_mib - margin_mib
-    best = possible = None
-    known_any = False
-    for rank in range(step, max_rank + 1, step):
-        obs = observed.get(rank)
-        if obs is not None and not real:
-            # An ok probe ran on the card; under a budget or a margin its peak must also stay
-            # under the threshold (a probe that fit the card may not fit the budget).
-            fits = obs.outcome.status == "ok" and (
-                (budget_mib is None and margin_mib == 0) or (ok_peak(obs) or float("inf")) <= threshold)
-            result.evidence.append({"rank": rank, "observed": obs.outcome.status, "id": obs.id,
-                                    **({"peak_mib": ok_peak(obs)} if ok_peak(obs) is not None else {})})
-            known_any = True
-            if fits:
-                best = possible = rank
-                continue
-            break
-        pred, rows = peaks.predict(gpu, group, rank)
-        if pred is None:
-            continue
-        known_any = True
-        if real:
-            pr = predict_real(pred, over)
-            if pr["predicted_mib"] is None:
-                known_any = False
-                break
-            pred = pr["predicted_mib"]
-        entry = {"rank": rank, "predicted_mib": pred, "rows": rows}
-        if pred <= threshold:
-            best = rank
-            possible = rank
-            result.evidence.append(entry)
-        elif lim.high_mib is not None and pred <= lim.high_mib - margin_mib:
-            possible = rank
-            result.evidence.append({**entry, "uncertain": True})
-        else:
-            result.evidence.append(entry)
-            break
-    seen_real = None
-    if real:
-        # Real runs of this very recipe (card, model, quant, length, dropout, DoRA, fixes) that
-        # trained to the end are measured evidence: their rank fits a real run (within a budget
-        # or a margin, only when their peak does).
-        for m in ms:
-            if (m.kind == "real" and m.gpu == gpu and m.lora is not None and m.outcome.status == "ok"
-                    and ok_peak(m) is not None and m.lora.rank % step == 0 and m.lora.rank <= max_rank
-                    and (m.model == model or model is None) and m.quant == quant and seq_len_of(m) == seq_len
-                    and bool(m.lora.dropout) == dropout and bool(m.lora.dora) == dora
-                    and fixes_key(m.memory_fixes) == fixes and ok_peak(m) <= threshold
-                    and (best is None or m.lora.rank > best)):
-                best = seen_real = m.lora.rank
-                possible = max(possible or 0, best)
-                known_any = True
-                result.evidence.append({"rank": best, "observed": "ok", "id": m.id, "peak_mib": ok_peak(m)})
-                result.note = f"a real run trained at rank {best} ({m.id}, {ok_peak(m)} MiB)"
-    if not known_any:
-        if _depth == 0:
-            longer = _ceiling_at_a_longer_length(ledger, ms, gpu=gpu, seq_len=seq_len, model=model, quant=quant,
-                                                 dropout=dropout, dora=dora, fixes=fixes, budget_mib=budget_mib,
-                                                 real=real, step=step, max_rank=max_rank, margin_mib=margin_mib,
-                                                 peaks=peaks, lims=lims, over=over)
-            if longer is not None:
-                return longer
-        result.note = "no probes near this configuration in the ledger"
-        return result
-    result.rank, result.possible_rank = best, possible
-    result.status = "ok" if best is not None else "none-fits"
-    if best is not None and best + step > max_rank:
-        result.note = f"at least {best}: the search stops at rank {max_rank}"
-    # Never above an easier configuration's ceiling: any shorter (or equal) sequence probed on this
-    # card, without dropout, without DoRA, and every combination of those; never below a rank this
-    # very configuration was seen to fit.
-    if _depth == 0:
-        seen_fit = max((r for r, m in observed.items() if m.outcome.status == "ok" and (
-            (budget_mib is None and margin_mib == 0) or (ok_peak(m) or float("inf")) <= threshold)), default=None)
-        seqs = sorted({s for s in peaks.seqs.get((gpu, model, quant, fixes), ()) if s <= seq_len} | {seq_len})
-        for s in seqs:
-            for d in sorted({False, dropout}):
-                for k in sorted({False, dora}):
-                    if (s, d, k) == (seq_len, dropout, dora):
-                        continue
-                    e = dict(seq_len=s, dropout=d, dora=k)
-                    c = ceiling(ledger, ms, gpu=gpu, model=model, quant=quant, fixes=fixes, budget_mib=budget_mib,
-                                real=real, step=step, max_rank=max_rank, margin_mib=margin_mib, peaks=peaks,
-                                lims=lims, over=over, _depth=1, **e)
-                    if result.rank is None:
-                        break
-                    floor = max(seen_fit or 0, seen_real or 0)
-                    if c.status == "ok" and c.rank < result.rank and c.rank >= floor:
-                        result.note = f"capped by the ceiling at {e}: {c.rank}"
-                        result.rank = c.rank
-                    elif c.status == "none-fits" and seen_fit is None and seen_real is None:
-                        result.note = f"capped: nothing fits at {e}"
-                        result.rank, result.status = None, "none-fits"
-    return result
-
-
-def _ceiling_at_a_longer_length(ledger: Ledger, ms: list[Measurement], *, gpu: str, seq_len: int,
-                                fixes: str, peaks: "PeakModel", **kw) -> Optional[Ceiling]:
-    """A shorter sequence never needs more memory: with no data at ``seq_len``, the ceiling at
-    the nearest longer length probed on this card is a floor for it (answered as 'at least')."""
-    model, quant = kw.get("model"), kw.get("quant")
-    longer = sorted(s for (g, mo, q, f), seqs in peaks.seqs.items() if g == gpu and q == quant and f == fixes
-                    and (model is None or mo == model) for s in seqs if s > seq_len)
-    for length in longer:
-        c = ceiling(ledger, ms, gpu=gpu, seq_len=length, fixes=fixes, peaks=peaks, **kw)
-        if c.status == "ok" and c.rank is not None:
-            c.seq_len, c.possible_rank = seq_len, None
-            c.note = (f"at least {c.rank}: no data at {seq_len} tokens, and rank {c.rank} fits at {length} tokens "
-                      "(a shorter sequence never needs more memory)")
-            return c
-    return None
 
 
 # -- leave-one-out --------------------------------------------------------------------------------

@@ -18,7 +18,6 @@ peak reserved, nearest to what a card must hold). No torch.
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import statistics
 from collections import defaultdict

@@ -8,7 +8,7 @@ from typing import Optional
 
 from .errors import Issue, UserError
 from .models import Ledger, Lora, Measurement, Prediction, PredictionScore, Provenance
-from .recipe import GroupKey, RecipeKey, capacity_mib, fixes_key, recipe_key, seq_len_of
+from .recipe import seq_len_of
 
 
 def _same(a, b) -> bool:

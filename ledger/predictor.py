@@ -235,6 +235,7 @@ class Predictor:
         self.peaks = PeakModel(self.ms)
         self.lims = limits(self.ledger, self.ms, self.peaks)
         self.over: Overestimate = overestimate(self.ms)
+        self._sub: dict = {}
 
     # -- fitted widths ---------------------------------------------------------------------
 
@@ -549,14 +550,19 @@ class Predictor:
 
     # -- the answer ----------------------------------------------------------------------------------
 
-    def predict(self, recipe: Recipe, gpu: str, *, entry: Optional[Gpu] = None, run: Run = "probe",
-                margin_mib: float = 0.0, budget_mib: Optional[float] = None) -> Answer:
-        """The answer for a recipe on a card (a ledger key, or a card-table entry given as ``entry``)."""
+    def resolve_model(self, recipe: Recipe, gpu: str) -> Recipe:
+        """A recipe that names no model: the one model this card's probes (else all probes) are of."""
         if recipe.model is None:
             models = sorted({m.model for m in self.peaks.probes if m.gpu == gpu and m.model}
                             or {m.model for m in self.peaks.probes if m.model})
             if len(models) == 1:
                 recipe = replace(recipe, model=models[0])
+        return recipe
+
+    def predict(self, recipe: Recipe, gpu: str, *, entry: Optional[Gpu] = None, run: Run = "probe",
+                margin_mib: float = 0.0, budget_mib: Optional[float] = None) -> Answer:
+        """The answer for a recipe on a card (a ledger key, or a card-table entry given as ``entry``)."""
+        recipe = self.resolve_model(recipe, gpu)
         entry = entry or self.ledger.gpus.get(gpu)
         source = "ledger" if gpu in self.ledger.gpus else "card table"
         vendor = entry.vendor if entry else None
@@ -644,13 +650,53 @@ class Predictor:
             evidence = evidence + [i for i in ids if i not in evidence]
         return real, method, text, evidence
 
+    def _consistent(self, recipe, gpu, entry, run, margin_mib, budget_mib, step, max_rank, fits_rank, tight_rank):
+        """Ceilings that respect the physics across recipes: never above an easier recipe's (a
+        shorter sequence probed on this card, no dropout, no DoRA), never below a harder one's."""
+        seqs = sorted({g.seq_len for g, by in self.peaks.by_group.items() if gpu in by and g.seq_len
+                       and model_name(g.model) == model_name(recipe.model) and g.quant == recipe.quant
+                       and g.fixes == recipe.fixes} | {recipe.seq_len})
+        cap = floor = None
+        cap_from = floor_from = ""
+        for s in seqs:
+            for d in (False, True):
+                for k in (False, True):
+                    other = replace(recipe, seq_len=s, dropout=d, dora=k)
+                    if other == recipe:
+                        continue
+                    easier = s <= recipe.seq_len and d <= recipe.dropout and k <= recipe.dora
+                    harder = s >= recipe.seq_len and d >= recipe.dropout and k >= recipe.dora
+                    if not (easier or harder):
+                        continue
+                    key = (other, gpu, run, margin_mib, budget_mib, step, max_rank)
+                    if key not in self._sub:
+                        self._sub[key] = self.ceiling(other, gpu, entry=entry, run=run, margin_mib=margin_mib,
+                                                      budget_mib=budget_mib, step=step, max_rank=max_rank, _depth=1)
+                    c = self._sub[key]
+                    if c.status != "ok" or c.fits_rank is None:
+                        continue
+                    what = f"{s} tokens{', dropout' if d else ''}{', DoRA' if k else ''}"
+                    if easier and (cap is None or c.fits_rank < cap):
+                        cap, cap_from = c.fits_rank, what
+                    if harder and (floor is None or c.fits_rank > floor):
+                        floor, floor_from = c.fits_rank, what
+        why = ""
+        if floor is not None and (fits_rank is None or floor > fits_rank):
+            fits_rank, why = floor, f"at least {floor}: rank {floor} fits the harder recipe at {floor_from}"
+        if cap is not None and fits_rank is not None and cap < fits_rank:
+            fits_rank, why = cap, f"capped at {cap}: the easier recipe at {cap_from} fits no more"
+        if fits_rank is not None and (tight_rank is None or tight_rank < fits_rank):
+            tight_rank = fits_rank
+        return fits_rank, tight_rank, why
+
     # -- ceilings --------------------------------------------------------------------------------------
 
     def ceiling(self, recipe: Recipe, gpu: str, *, entry: Optional[Gpu] = None, run: Run = "probe",
                 margin_mib: float = 0.0, budget_mib: Optional[float] = None, step: int = 8,
-                max_rank: int = 512) -> CeilingAnswer:
+                max_rank: int = 512, _depth: int = 0) -> CeilingAnswer:
         """The largest rank (a multiple of ``step``) whose verdict is ``fits``, and the largest that
         is ``tight`` or better, below the first rank that will not fit."""
+        recipe = self.resolve_model(recipe, gpu)
         ranks: list[dict] = []
         fits_rank = tight_rank = None
         known = False
@@ -671,11 +717,19 @@ class Predictor:
             if a.verdict == "fits" and tight_rank == fits_rank:
                 fits_rank = rank
             tight_rank = rank
+        first_known = next((r["rank"] for r in ranks if r["verdict"] != "unknown"), None)
         if not known:
-            status, note = "unknown", (ranks[0]["method"] and "" or self.predict(
-                replace(recipe, rank=step), gpu, entry=entry, run=run, budget_mib=budget_mib).why)
+            status, note = "unknown", self.predict(replace(recipe, rank=step), gpu, entry=entry, run=run,
+                                                   budget_mib=budget_mib).why
+        elif fits_rank is None and tight_rank is None and first_known != step:
+            status, note = "unknown", (f"nothing is known below rank {first_known}, and rank {first_known} "
+                                       f"{ranks[-1]['verdict'] if ranks[-1]['rank'] == first_known else 'is known'}")
         else:
             status, note = ("ok" if fits_rank is not None or tight_rank is not None else "none-fits"), ""
+        if _depth == 0 and status == "ok":
+            fits_rank, tight_rank, why = self._consistent(recipe, gpu, entry, run, margin_mib, budget_mib, step,
+                                                          max_rank, fits_rank, tight_rank)
+            note = why or note
         at_least = fits_rank is not None and fits_rank + step > max_rank
         if at_least:
             note = f"at least {fits_rank}: the search stops at rank {max_rank}"

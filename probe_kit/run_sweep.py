@@ -18,9 +18,10 @@ so N machines split a sweep without overlap (then ``vram merge`` their ledgers).
 A sweep with ``device = "dry"`` runs the dry run (``probe_kit.dry_run``: the real step under fake
 tensors, no card) for each point, in this process, and appends rows of kind dry_run (default
 ledger: ledger/dry-runs.json); everything else (``--resume``, ``--shard``, signals) is the same.
-``--find-ceiling rank`` bisects the rank axis (a larger rank never uses less memory) for each
-combination of the other axes, and finds the largest rank that fits in at most
-ceil(log2(steps)) + 1 probes.
+``--find-ceiling rank`` finds the largest rank that fits for each combination of the other axes (a
+larger rank never uses less memory): it probes the predicted ceiling (the one predictor's, for the
+sweep's card, or ``--start-rank``) and the rank above it first - two probes when the prediction is
+right - and bisects only what they leave open (plain bisection: at most ceil(log2(steps)) + 1).
 """
 
 from __future__ import annotations
@@ -345,11 +346,31 @@ def ceiling_groups(sweep: Sweep, axis: str) -> list[list[Point]]:
     return [sorted(g, key=lambda p: p.config.rank) for g in groups.values()]
 
 
-def find_ceiling(points: list[Point], fits: Callable[[Point], bool]) -> tuple[Optional[Point], int]:
-    """Bisect points sorted by rank (monotone: a larger rank never uses less). Returns the
-    largest point that fits (None if none does) and how many probes it took:
-    at most ceil(log2(len + 1)) <= ceil(log2(len)) + 1."""
+def find_ceiling(points: list[Point], fits: Callable[[Point], bool],
+                 start: Optional[int] = None) -> tuple[Optional[Point], int]:
+    """The largest point that fits, in points sorted by rank (monotone: a larger rank never uses
+    less), and how many probes it took. With ``start`` (the index of the predicted ceiling), confirm
+    first: probe it and the point above (2 probes when the prediction is right), then bisect only
+    what the two left open. Plain bisection takes at most ceil(log2(len + 1)) <= ceil(log2(len)) + 1."""
     lo, hi, probes = -1, len(points), 0  # invariant: points[lo] fits (or lo = -1); points[hi] does not
+    if start is not None and 0 <= start < len(points):
+        probes += 1
+        if fits(points[start]):
+            lo = start
+            if start + 1 < len(points):
+                probes += 1
+                if fits(points[start + 1]):
+                    lo = start + 1
+                else:
+                    hi = start + 1
+        else:
+            hi = start
+            if start > 0:
+                probes += 1
+                if fits(points[start - 1]):
+                    lo = start - 1
+                else:
+                    hi = start - 1
     while hi - lo > 1:
         mid = (lo + hi) // 2
         probes += 1
@@ -358,6 +379,35 @@ def find_ceiling(points: list[Point], fits: Callable[[Point], bool]) -> tuple[Op
         else:
             hi = mid
     return (points[lo] if lo >= 0 else None), probes
+
+
+def predicted_start(group: list[Point], sweep: Sweep, ledger: str, start_rank: Optional[int]) -> tuple[Optional[int], str]:
+    """Index of the predicted ceiling in a group: ``start_rank`` when given, else the one
+    predictor's ceiling (ledger.predictor) for the sweep's card; (None, why) when it cannot say."""
+    if start_rank is None:
+        if not sweep.gpu:
+            return None, "no card to predict for: plain bisection"
+        from ledger.paths import DEFAULT_LEDGER as BUNDLED
+        from ledger.predictor import Predictor, Recipe, load_dry_runs, resolve_card
+        from ledger.recipe import fixes_key, fixes_value
+
+        path = ledger if Path(ledger).exists() else str(BUNDLED)
+        lg = store.load(path)
+        found = resolve_card(lg, sweep.gpu)
+        if found is None:
+            return None, f"{sweep.gpu} is not a known card: plain bisection"
+        cfg = group[0].config
+        recipe = Recipe(model=cfg.model, quant=cfg.quant, dropout=cfg.dropout > 0, dora=cfg.dora, seq_len=cfg.seq_len,
+                        fixes=fixes_key(fixes_value(cfg.fixes)), response_len=cfg.response_len)
+        p = Predictor(lg, load_dry_runs() + [m for m in lg.measurements if m.kind == "dry_run"])
+        c = p.ceiling(recipe, found[0], entry=found[1])
+        if c.fits_rank is None:
+            return None, f"the predictor has no ceiling ({c.status}): plain bisection"
+        start_rank, source = c.fits_rank, f"the predictor's ceiling, rank {c.fits_rank}"
+    else:
+        source = f"--start-rank {start_rank}"
+    below = [i for i, p in enumerate(group) if p.config.rank <= start_rank]
+    return (below[-1] if below else 0), source
 
 
 def main(argv=None) -> int:
@@ -369,7 +419,10 @@ def main(argv=None) -> int:
     ap.add_argument("--shard", help="K/N: run every N-th point from the K-th (1-based)")
     ap.add_argument("--resume", action="store_true", help="skip points already in the ledger")
     ap.add_argument("--list", action="store_true", help="print the points and run nothing")
-    ap.add_argument("--find-ceiling", metavar="AXIS", help="bisect AXIS (rank) for the largest value that fits")
+    ap.add_argument("--find-ceiling", metavar="AXIS", help="find the largest AXIS (rank) that fits: confirm the "
+                    "predicted ceiling and the rank above it first, bisect only when the prediction was wrong")
+    ap.add_argument("--start-rank", type=int, help="with --find-ceiling: the rank to confirm first (default: the "
+                    "predictor's ceiling for the sweep's card; none: plain bisection)")
     ap.add_argument("--timeout", type=float, help="seconds per probe (default: the sweep's timeout_s or 1800)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
@@ -404,7 +457,7 @@ def main(argv=None) -> int:
                                           f"ledger already (first: {present[0]}): run again with --resume to skip "
                                           "them"))
         return run_sweep(sweep, points, ledger=args.ledger, done=done, ceiling_axis=args.find_ceiling,
-                         progress=not args.no_progress)
+                         progress=not args.no_progress, start_rank=args.start_rank)
     except UserError as exc:
         for issue in exc.issues:
             print(str(issue), file=sys.stderr)
@@ -440,7 +493,7 @@ def fits(status: str, point: Point) -> bool:
 
 
 def run_sweep(sweep: Sweep, points: list[Point], *, ledger: str, done: dict[str, str],
-              ceiling_axis: Optional[str] = None, progress: bool = True) -> int:
+              ceiling_axis: Optional[str] = None, progress: bool = True, start_rank: Optional[int] = None) -> int:
     """Run the points (or bisect ``ceiling_axis`` within each group of them), appending to
     ``ledger``; points in ``done`` are skipped. Returns the exit code."""
     from tqdm import tqdm
@@ -472,14 +525,17 @@ def run_sweep(sweep: Sweep, points: list[Point], *, ledger: str, done: dict[str,
                         continue
                     bar.total = None
                     ranks = [p.config.rank for p in group]
+                    start, source = predicted_start(group, sweep, ledger, start_rank)
                     try:
-                        best, probes = find_ceiling(group, lambda p: fits(done.get(p.id) or run(p).status, p))
+                        best, probes = find_ceiling(group, lambda p: fits(done.get(p.id) or run(p).status, p), start)
                     except CeilingUnknown as exc:
                         print(f"ceiling: unknown for {ranks}: {exc}")
                         continue
                     limit = math.ceil(math.log2(len(group))) + 1 if len(group) > 1 else 1
+                    confirmed = (start is not None and best is not None and group.index(best) == start)
                     print(f"ceiling: rank {best.config.rank if best else 'none'} of {ranks} "
-                          f"({probes} probes; at most {limit})")
+                          f"({probes} probes; plain bisection takes at most {limit}; started from {source}"
+                          + (", confirmed" if confirmed else "") + ")")
             else:
                 for p in points:
                     run(p)

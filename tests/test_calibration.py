@@ -11,13 +11,23 @@ from hypothesis import strategies as st
 
 from conftest import FROZEN as BUNDLED
 from ledger import cli, store
-from ledger.calibration import (before, calibrate, ceiling, loo, overestimate, predict_real, rank_slope)
+from ledger.calibration import before, calibrate, loo, overestimate, predict_real, rank_slope
+from ledger.predictor import Predictor, Recipe, load_dry_runs
 from ledger.models import SCHEMA_VERSION, Gpu, Ledger, Lora, Measurement, Outcome, Provenance
 
 
 @pytest.fixture(scope="module")
 def ledger():
     return store.load(BUNDLED)
+
+
+@pytest.fixture(scope="module")
+def predictor(ledger):
+    return Predictor(ledger, load_dry_runs())
+
+
+def ceiling(p, gpu, seq_len, dropout=False, dora=False, **kw):
+    return p.ceiling(Recipe(None, seq_len=seq_len, dropout=dropout, dora=dora), gpu, **kw)
 
 
 def test_the_program_case_is_reproduced(ledger):
@@ -32,36 +42,38 @@ def test_the_program_case_is_reproduced(ledger):
     assert round((pred - 6629) / 6629 * 100, 1) == 2.5
 
 
-def test_rank_ceiling_of_the_training_card(ledger, capsys):
-    c = ceiling(ledger, ledger.measurements, gpu="rtx-3070-ti", seq_len=7177, dropout=True)
-    assert c.rank == 96
-    observed = {e["rank"]: e.get("observed") for e in c.evidence if "observed" in e}
-    assert observed[96] == "ok" and observed[104] == "oom"
+def test_rank_ceiling_of_the_training_card(predictor, capsys):
+    c = ceiling(predictor, "rtx-3070-ti", 7177, dropout=True)
+    assert c.fits_rank == 96 and c.status == "ok"
+    by_rank = {r["rank"]: r for r in c.ranks}
+    assert by_rank[96]["method"] == "measured probe" and "sweep-r96-drop" in by_rank[96]["evidence"]
+    assert by_rank[104]["verdict"] in ("tight", "won't fit")  # r104 ran out of memory
     assert cli.main(["ceiling", "--ledger", str(BUNDLED), "--gpu", "RTX 3070 Ti", "--seq-len", "7177",
                      "--dropout", "0.1", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["rank"] == 96
+    assert json.loads(capsys.readouterr().out)["fits_rank"] == 96
 
 
-def test_an_observed_fit_is_never_capped_away(ledger):
-    c = ceiling(ledger, ledger.measurements, gpu="rtx-3060-ti", seq_len=7177)
-    assert c.rank == 64  # r64 fit there, r96 OOMed
+def test_an_observed_fit_is_never_capped_away(predictor):
+    assert ceiling(predictor, "rtx-3060-ti", 7177).fits_rank >= 64  # r64 fit there, r96 OOMed
 
 
-def test_unknown_rather_than_a_guess(ledger, capsys):
-    c = ceiling(ledger, ledger.measurements, gpu="rtx-3070-ti", seq_len=30000)
-    assert c.rank is None and c.status == "unknown"
+def test_unknown_rather_than_a_guess(predictor, capsys):
+    c = ceiling(predictor, "rtx-3070-ti", 30000)
+    assert c.fits_rank is None and c.status == "unknown"
     assert cli.main(["ceiling", "--ledger", str(BUNDLED), "--gpu", "rtx-3070-ti", "--seq-len", "30000", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["rank"] is None
+    assert json.loads(capsys.readouterr().out)["fits_rank"] is None
+    assert cli.main(["ceiling", "--ledger", str(BUNDLED), "--gpu", "rtx-3070-ti", "--seq-len", "30000"]) == 0
+    assert capsys.readouterr().out.startswith("unknown")
 
 
 @pytest.mark.parametrize("gpu", ["rtx-3070-ti", "rx-7900-xtx", "rtx-3060-ti"])
-def test_ceiling_never_rises_with_seq_len_dropout_or_dora(ledger, gpu):
-    # Over the lengths probed on the card (other cards' rows only fill gaps in its own data).
+def test_ceiling_never_rises_with_seq_len_dropout_or_dora(ledger, predictor, gpu):
+    # Over the lengths probed on the card.
     SEQS = sorted({m.seq_len for m in ledger.measurements if m.gpu == gpu and m.kind == "probe" and m.seq_len})
 
     def rank(**kw):
-        c = ceiling(ledger, ledger.measurements, gpu=gpu, **kw)
-        return c.rank if c.status == "ok" else (0 if c.status == "none-fits" else None)
+        c = ceiling(predictor, gpu, **kw)
+        return c.fits_rank if c.status == "ok" else (0 if c.status == "none-fits" else None)
 
     for dropout in (False, True):
         for dora in (False, True):
@@ -148,8 +160,8 @@ def test_predict_stores_a_prediction_and_a_real_run_scores_it(tmp_path, capsys):
     path.write_bytes(BUNDLED.read_bytes())
     assert cli.main(["predict", "--ledger", str(path), "--gpu", "rtx-3070-ti", "--rank", "88", "--dropout", "0.1",
                      "--seq-len", "7177", "--date", "2026-11-30", "--json"]) == 0
-    doc = json.loads(capsys.readouterr().out)
-    assert doc["basis"] == ["sweep-r88-drop"] and doc["interval_low_mib"] <= doc["predicted_peak_mib"]
+    doc = json.loads(capsys.readouterr().out)["prediction"]
+    assert doc["basis"][0] == "sweep-r88-drop" and doc["interval_low_mib"] <= doc["predicted_peak_mib"]
     assert doc["predicted_peak_mib"] <= doc["interval_high_mib"] and len(doc["calibration_hash"]) == 16
     lg = store.load(path)
     assert lg.predictions[0].id == "pred-real-v15"  # the program's prediction stays first
@@ -169,24 +181,36 @@ def test_a_budget_or_margin_applies_to_observed_probes_too(capsys):
     assert cli.main(["ceiling", "--ledger", str(BUNDLED), "--gpu", "rtx-3070-ti", "--seq-len", "7177",
                      "--dropout", "0.1", "--budget-mib", "7000", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["rank"] is not None and doc["rank"] < 88
+    assert doc["fits_rank"] is not None and doc["fits_rank"] < 88
     assert cli.main(["ceiling", "--ledger", str(BUNDLED), "--gpu", "rtx-3070-ti", "--seq-len", "7177",
                      "--dropout", "0.1", "--margin-mib", "100", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["rank"] == 88  # 7007.9 <= 7216.0 - 100 < 7127.6
+    assert json.loads(capsys.readouterr().out)["fits_rank"] == 88  # 7007.9 <= 7216.0 - 100 < 7127.6
 
 
 def test_predict_says_what_the_prediction_means_on_the_card(tmp_path, capsys):
     path = tmp_path / "l.json"
     path.write_bytes(BUNDLED.read_bytes())
-    assert cli.main(["predict", "--ledger", str(path), "--gpu", "rtx-3070-ti", "--rank", "256", "--seq-len", "7177",
-                     "--id", "pred-too-big"]) == 0
-    out = capsys.readouterr().out
-    assert "Verdict: will not fit" in out
+    argv = ["predict", "--ledger", str(path), "--gpu", "rtx-3070-ti", "--rank", "256", "--seq-len", "7177",
+            "--id", "pred-too-big"]
+    assert cli.main(argv) == 1  # refused: over the card
+    assert "won't fit" in capsys.readouterr().err
+    assert not any(p.id == "pred-too-big" for p in store.load(path).predictions)
+    assert cli.main(argv + ["--allow-over"]) == 0
+    assert "won't fit" in capsys.readouterr().out
     pred = next(p for p in store.load(path).predictions if p.id == "pred-too-big")
-    assert pred.provenance.notes[-1].startswith("Verdict: will not fit")  # stored with the prediction
+    assert pred.provenance.notes[-1].startswith("Verdict: won't fit")  # stored with the prediction
     assert cli.main(["predict", "--ledger", str(path), "--gpu", "rtx-3070-ti", "--rank", "64", "--seq-len", "7177",
                      "--dry-run"]) == 0
-    assert "Verdict: fits" in capsys.readouterr().out
+    assert "verdict: fits" in capsys.readouterr().out
+
+
+def test_predict_replays_the_program_prediction_from_what_was_known(capsys):
+    # As the program stood on 2026-09-23, before v15 ran: the r96 + dropout probe x (1 - 4.685%).
+    assert cli.main(["predict", "--ledger", str(BUNDLED), "--gpu", "rtx-3070-ti", "--rank", "96", "--dropout", "0.1",
+                     "--seq-len", "7177", "--date", "2026-09-23", "--exclude", "real-v15", "--dry-run", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["prediction"]["predicted_peak_mib"] == pytest.approx(6793.7, abs=0.1)
+    assert doc["answer"]["method"] == "measured probe"
 
 
 def test_a_run_with_reserved_only_says_why_it_does_not_score_a_prediction(tmp_path, capsys):
@@ -211,7 +235,7 @@ def test_real_runs_that_trained_are_evidence_for_a_real_ceiling(capsys):
     assert cli.main(["ceiling", "--ledger", str(BUNDLED), "--gpu", "rtx-3070-ti", "--seq-len", "7177", "--real",
                      "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["rank"] >= 112 and any(e.get("id") == "real-v13" for e in doc["evidence"])
+    assert doc["fits_rank"] >= 112 and any("real-v13" in r["evidence"] for r in doc["ranks"])
 
 
 def test_a_shorter_sequence_never_has_a_lower_ceiling(capsys):
@@ -221,12 +245,13 @@ def test_a_shorter_sequence_never_has_a_lower_ceiling(capsys):
         return json.loads(capsys.readouterr().out)
 
     long, short = rank(7177), rank(4096)
-    assert short["status"] == "ok" and short["rank"] >= long["rank"] and "at least" in short["note"]
+    assert short["status"] == "ok" and short["fits_rank"] >= long["fits_rank"]
 
 
 def test_leave_one_out_verdicts_never_say_fits_for_an_oom(ledger):
     from ledger.calibration import calibrate
 
-    loo_doc = calibrate(ledger, with_loo=True)["loo"]
-    costly = [v["id"] for v in loo_doc["verdicts"] if v["fits_predicted"] and not v["fits_actual"]]
-    assert costly == [] and loo_doc["verdict_correct"] >= 29
+    loo_doc = calibrate(ledger, with_loo=True, dry_runs=load_dry_runs())["loo"]
+    costly = [v["id"] for v in loo_doc["verdicts"] if v["verdict"] == "fits" and not v["fits_actual"]]
+    assert costly == [] and loo_doc["verdict_costly"] == 0
+    assert loo_doc["verdict_correct"] == loo_doc["verdict_total"] >= 30

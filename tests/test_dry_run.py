@@ -81,18 +81,26 @@ def test_cli_appends_a_dry_run_kind(tmp_path, capsys):
     doc = json.loads(capsys.readouterr().out)
     m = store.load(ledger).measurements[-1]
     assert m.kind == "dry_run" and m.id == doc["measurement"]["id"] and m.provenance.inferred
-    b = doc["breakdown"]
-    assert b["cublas_workspace_mib"] > 0 and "fitted" in b["reserved_source"]
-    assert m.outcome.peak_reserved_mib > m.outcome.peak_allocated_mib
+    assert m.gpu is None  # a dry run holds for every card; the card's terms are in the answer
+    assert doc["breakdown"]["cublas_workspace_mib"] > 0
+    a = doc["answer"]
+    assert a["gpu"] == "rx-7900-xtx" and a["method"] == "dry run" and "remainder" in a["method_text"]
+    assert a["reserved"]["mib"] > a["probe_allocated"]["mib"] > m.outcome.peak_allocated_mib
 
 
 def test_find_ceiling_without_measurements(capsys):
+    from ledger.paths import DEFAULT_LEDGER
+    from ledger.predictor import Predictor, Recipe, load_dry_runs
+
     outcome, _ = predict(ProbeConfig(**{**BASE, "rank": 64}))
-    budget = outcome["peak_allocated_mib"]  # whatever rank 64 needs: the ceiling is 64
+    # Whatever rank 64 needs, calibrated as the command line calibrates it: the ceiling is 64.
+    answer = Predictor(store.load(DEFAULT_LEDGER), load_dry_runs()).judge_dry(
+        Recipe("tiny-llama", rank=64, seq_len=1024), outcome["peak_allocated_mib"])
+    budget = answer.probe_allocated.high_mib
     assert dry_main(["--model", "tiny-llama", "--rank", "8", "--seq-len", "1024", "--response-len", "237",
                      "--find-ceiling", "rank", "--budget-mib", str(budget + 0.01), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["ceiling"] == 64 and doc["probes"] <= 7
+    assert doc["ceiling"] == 64 and doc["probes"] <= 14  # two bisections of 64 ranks: fits, then tight
 
 
 def test_bad_input_is_one_line(capsys):

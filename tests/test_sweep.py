@@ -138,6 +138,24 @@ def test_find_ceiling_is_exact_within_the_promised_probes(n):
         assert probes == len(asked) <= math.ceil(math.log2(n)) + 1
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 8, 33])
+def test_confirm_first_takes_two_probes_when_the_prediction_is_right(n):
+    for ceiling in range(-1, n):
+        for start in range(n):
+            asked = []
+
+            def fits(p):
+                asked.append(p)
+                return p <= ceiling
+
+            best, probes = find_ceiling(list(range(n)), fits, start)
+            assert best == (ceiling if ceiling >= 0 else None)  # exact whatever the start
+            assert probes == len(asked) == len(set(asked))  # no point probed twice
+            if start == ceiling:
+                assert probes <= 2
+            assert probes <= math.ceil(math.log2(n)) + 3
+
+
 def test_find_ceiling_end_to_end_on_cpu(tmp_path, capsys, monkeypatch):
     # A budget makes the ceiling real: ranks above it OOM in the tracker meter.
     text = SWEEP.split("[axes]")[0] + "[axes]\nrank = [4, 8, 16, 32, 64, 128, 256, 512]\n"
@@ -156,8 +174,12 @@ def test_find_ceiling_end_to_end_on_cpu(tmp_path, capsys, monkeypatch):
     assert run_sweep.main([path, "--ledger", str(tmp_path / "l.json"), "--find-ceiling", "rank",
                            "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert "ceiling: rank 32 of [4, 8, 16, 32, 64, 128, 256, 512] (3 probes; at most 4)" in out
+    assert "ceiling: rank 32 of [4, 8, 16, 32, 64, 128, 256, 512] (3 probes; plain bisection takes at most 4" in out
     assert len(store.load(tmp_path / "l.json").measurements) == 3
+    # Confirm-first from a predicted ceiling: the prediction and the rank above it.
+    assert run_sweep.main([path, "--ledger", str(tmp_path / "m.json"), "--find-ceiling", "rank", "--start-rank", "32",
+                           "--no-progress"]) == 0
+    assert "ceiling: rank 32 of [4, 8, 16, 32, 64, 128, 256, 512] (2 probes;" in capsys.readouterr().out
 
 
 def test_running_again_without_resume_stops_at_once(tmp_path, capsys):

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-from dataclasses import asdict
 
 from .. import store
 from ..calibration import calibrate
 from ..errors import Issue, UserError
 from ..ingest import fixes_option
 from ..predictions import make_prediction, score_predictions
-from ..recipe import fixes_key, require_gpu
+from ..recipe import capacity_mib, fixes_key, require_gpu
 from ..results import Calibration
 from ..paths import shown
 from .options import Command, add_json_option, add_ledger_option, add_recipe_options, dump_json, parse_date
@@ -220,10 +219,43 @@ def cmd_predict(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_cards_options(p: argparse.ArgumentParser) -> None:
+    add_ledger_option(p)
+    add_dry_runs_option(p)
+    add_json_option(p)
+
+
+def cmd_cards(args: argparse.Namespace) -> int:
+    """The cards --gpu accepts: the ledger's (limit measured there) and the common cards of the
+    card table (ledger/cards.json: total MiB, what PyTorch reports as usable, where that figure
+    comes from), each with the effective limit for peak allocated the predictor judges against."""
+    from ..predictor import card_table
+
+    ledger = store.load(args.ledger)
+    p = predictor_for(args, ledger)
+    rows = []
+    table = card_table()
+    for key in sorted(set(ledger.gpus) | set(table)):
+        entry = ledger.gpus.get(key) or table[key].gpu
+        low, high, source = p.card_limit(key, entry, "probe")
+        rows.append({"key": key, "name": entry.name, "aliases": list(entry.aliases), "total_mib": entry.total_mib,
+                     "usable_mib": capacity_mib(entry), "in_ledger": key in ledger.gpus, "limit_low_mib": low,
+                     "limit_high_mib": high, "limit_source": source,
+                     "usable_source": None if key in ledger.gpus else table[key].source})
+    if args.json:
+        dump_json(rows)
+        return 0
+    for r in rows:
+        print(f"{r['key']:<14} {r['name']:<32} usable {r['usable_mib']} MiB; limit {r['limit_low_mib']}–"
+              f"{r['limit_high_mib']} MiB allocated ({'measured in the ledger' if r['in_ledger'] else 'derived'})")
+    return 0
+
+
 COMMANDS = [
     Command("calibrate", "fit probe-vs-real over-estimate, marginal costs, card limits, leave-one-out",
             add_calibrate_options, cmd_calibrate),
     Command("ceiling", "the largest LoRA rank that fits a card (and that is tight) at a sequence length",
             add_ceiling_options, cmd_ceiling),
     Command("predict", "record a prospective prediction of a real run's peak", add_predict_options, cmd_predict),
+    Command("cards", "the cards --gpu accepts, with the limit each is judged against", add_cards_options, cmd_cards),
 ]
