@@ -236,6 +236,11 @@ class Predictor:
         self.lims = limits(self.ledger, self.ms, self.peaks)
         self.over: Overestimate = overestimate(self.ms)
         self._sub: dict = {}
+        self._tables: dict = {}
+        self._ratios: dict = {}
+        self._remainders: dict = {}
+        self._limits: dict = {}
+        self._by_model: Optional[dict] = None
 
     # -- fitted widths ---------------------------------------------------------------------
 
@@ -307,6 +312,12 @@ class Predictor:
     def remainder(self, gpu: str, vendor: Optional[str], leave_out: str = "") -> tuple[Optional[float], str]:
         """MiB to add to a dry run for this card: the median of measured - dry run over the card's
         pairs (at least two), else its vendor's, else all pairs."""
+        key = (gpu, vendor, leave_out)
+        if key not in self._remainders:
+            self._remainders[key] = self._remainder(gpu, vendor, leave_out)
+        return self._remainders[key]
+
+    def _remainder(self, gpu: str, vendor: Optional[str], leave_out: str) -> tuple[Optional[float], str]:
         pairs_ = [(m, p, d) for m, p, d in self.dry_pairs if m.id != leave_out]
         for scope, rows in ((gpu, [x for x in pairs_ if x[0].gpu == gpu]),
                             (f"{vendor} cards", [x for x in pairs_ if vendor and self._vendor(x[0].gpu) == vendor]),
@@ -333,53 +344,93 @@ class Predictor:
         return {"rows": rows, "n": len(rows), "median_abs_err_pct": round(statistics.median(errs), 2) if errs else None,
                 "max_abs_err_pct": round(max(errs), 2) if errs else None}
 
-    def dry_raw(self, recipe: Recipe) -> tuple[Optional[float], list[str]]:
-        """The dry run's peak for a recipe: rows of the same model, quant, dropout, DoRA, fixes
-        (and response length when given), affine in rank, linear between two dry-run lengths."""
-        name = model_name(recipe.model)
-        rows = [d for d in self.dry if model_name(d.model) == name and d.quant == recipe.quant
-                and bool(d.lora.dropout) == recipe.dropout and bool(d.lora.dora) == recipe.dora
-                and fixes_key(d.memory_fixes) == recipe.fixes
-                and (recipe.response_len is None or d.response_len == recipe.response_len)]
-        if not rows or recipe.seq_len is None:
-            return None, []
-        by_seq: dict[int, dict[int, tuple[float, str]]] = defaultdict(dict)
-        for d in rows:
-            cell = by_seq[d.seq_len]
-            if d.lora.rank not in cell or d.outcome.peak_allocated_mib > cell[d.lora.rank][0]:
-                cell[d.lora.rank] = (d.outcome.peak_allocated_mib, d.id)
+    def _dry_table(self, name: Optional[str], quant: str, fixes: str, dropout: bool, dora: bool,
+                   response_len: Optional[int]) -> dict[int, dict[int, tuple[float, str]]]:
+        """Dry-run peaks by length and rank for one model, quant, fixes, dropout and DoRA (the
+        highest where several response lengths match)."""
+        key = (name, quant, fixes, dropout, dora, response_len)
+        if key not in self._tables:
+            if self._by_model is None:
+                self._by_model = defaultdict(list)
+                for d in self.dry:
+                    self._by_model[model_name(d.model)].append(d)
+            table: dict[int, dict[int, tuple[float, str]]] = defaultdict(dict)
+            for d in self._by_model.get(name, []):
+                if (d.quant == quant and bool(d.lora.dropout) == dropout and bool(d.lora.dora) == dora
+                        and fixes_key(d.memory_fixes) == fixes and (response_len is None or d.response_len == response_len)):
+                    cell = table[d.seq_len]
+                    if d.lora.rank not in cell or d.outcome.peak_allocated_mib > cell[d.lora.rank][0]:
+                        cell[d.lora.rank] = (d.outcome.peak_allocated_mib, d.id)
+            self._tables[key] = dict(table)
+        return self._tables[key]
 
-        def at(seq: int) -> tuple[Optional[float], list[str]]:
-            cell = by_seq[seq]
-            if recipe.rank in cell:
-                return cell[recipe.rank][0], [cell[recipe.rank][1]]
-            ranks = sorted(cell)
-            if len(ranks) < 2:
-                # One rank at this length: the slope per rank of the nearest length with two.
-                others = sorted((abs(s - seq), s) for s, c in by_seq.items() if len(c) >= 2)
-                if not ranks or not others:
-                    return None, []
-                c = by_seq[others[0][1]]
-                (r1, (y1, _)), (r2, (y2, _)) = sorted(c.items())[:2]
-                y0, i0 = cell[ranks[0]]
-                return y0 + (y2 - y1) / (r2 - r1) * (recipe.rank - ranks[0]), [i0]
-            lo = [r for r in ranks if r < recipe.rank]
-            hi = [r for r in ranks if r > recipe.rank]
+    @staticmethod
+    def _slope(table: dict, seq: int) -> Optional[float]:
+        """MiB per rank at a length: from its two ranks, else linear in length between the nearest
+        lengths that have two (LoRA's saved activations are tokens x rank), else the nearest's."""
+        def at(s):
+            (r1, (y1, _)), (r2, (y2, _)) = sorted(table[s].items())[0], sorted(table[s].items())[-1]
+            return (y2 - y1) / (r2 - r1)
+        two = sorted(s for s, c in table.items() if len(c) >= 2)
+        if not two:
+            return None
+        if seq in two:
+            return at(seq)
+        lower, upper = [s for s in two if s < seq], [s for s in two if s > seq]
+        if lower and upper:
+            s1, s2 = lower[-1], upper[0]
+            return at(s1) + (at(s2) - at(s1)) * (seq - s1) / (s2 - s1)
+        return at(min(two, key=lambda s: abs(s - seq)))
+
+    def _dry_at(self, table: dict, seq: int, rank: int, slope_table: dict) -> tuple[Optional[float], list[str]]:
+        cell = table.get(seq)
+        if not cell:
+            return None, []
+        if rank in cell:
+            return cell[rank][0], [cell[rank][1]]
+        ranks = sorted(cell)
+        if len(ranks) >= 2:
+            lo = [r for r in ranks if r < rank]
+            hi = [r for r in ranks if r > rank]
             a, b = (lo[-1], hi[0]) if lo and hi else (ranks[0], ranks[1]) if not lo else (ranks[-2], ranks[-1])
             (ya, ia), (yb, ib) = cell[a], cell[b]
-            return ya + (yb - ya) * (recipe.rank - a) / (b - a), [ia, ib]
+            return ya + (yb - ya) * (rank - a) / (b - a), [ia, ib]
+        slope = self._slope(table, seq)
+        if slope is None:
+            slope = self._slope(slope_table, seq)
+        if slope is None:
+            return None, []
+        y0, i0 = cell[ranks[0]]
+        return y0 + slope * (rank - ranks[0]), [i0]
 
-        if recipe.seq_len in by_seq:
-            return at(recipe.seq_len)
-        lower = [s for s in by_seq if s < recipe.seq_len]
-        upper = [s for s in by_seq if s > recipe.seq_len]
+    def dry_raw(self, recipe: Recipe) -> tuple[Optional[float], list[str]]:
+        """The dry run's peak for a recipe from the committed rows of the same model, quant and fixes
+        (and response length when given): affine in rank (a length with one rank takes its slope
+        per rank from the lengths with two, linear in length); between two dry-run lengths, linear
+        in length - for dropout or DoRA, the plain recipe at this length plus their cost over it,
+        interpolated in length."""
+        if recipe.seq_len is None:
+            return None, []
+        name, seq, rank = model_name(recipe.model), recipe.seq_len, recipe.rank
+        args = (name, recipe.quant, recipe.fixes)
+        own = self._dry_table(*args, recipe.dropout, recipe.dora, recipe.response_len)
+        plain = self._dry_table(*args, False, False, recipe.response_len)
+        if seq in own:
+            return self._dry_at(own, seq, rank, plain)
+        lower = [s for s in own if s < seq]
+        upper = [s for s in own if s > seq]
         if not lower or not upper:
             return None, []
         s1, s2 = max(lower), min(upper)
-        (y1, i1), (y2, i2) = at(s1), at(s2)
+        (y1, i1), (y2, i2) = self._dry_at(own, s1, rank, plain), self._dry_at(own, s2, rank, plain)
         if y1 is None or y2 is None:
             return None, []
-        return y1 + (y2 - y1) * (recipe.seq_len - s1) / (s2 - s1), i1 + i2
+        if (recipe.dropout or recipe.dora) and seq in plain and s1 in plain and s2 in plain:
+            (p0, i0), (p1, _), (p2, _) = (self._dry_at(plain, s, rank, plain) for s in (seq, s1, s2))
+            if None not in (p0, p1, p2):
+                d1, d2 = y1 - p1, y2 - p2
+                return p0 + d1 + (d2 - d1) * (seq - s1) / (s2 - s1), i0 + i1 + i2
+        return y1 + (y2 - y1) * (seq - s1) / (s2 - s1), i1 + i2
 
     def dry_calibrated(self, recipe: Recipe, gpu: str, vendor: Optional[str]) -> Optional[tuple[Interval, list[str], str]]:
         raw, ids = self.dry_raw(recipe)
@@ -391,8 +442,17 @@ class Predictor:
         width = (self.dry_loo["max_abs_err_pct"] or 0.0) / 100
         mib = raw + rem
         text = (f"dry run {raw:.1f} MiB + remainder {rem:+.1f} MiB fitted on {scope}; interval ±{width * 100:.2f}% "
-                f"(the largest leave-one-out error over {self.dry_loo['n']} measured probes)")
+                f"(the largest leave-one-out error over {self.dry_loo['n']} measured probes)"
+                + self._family_note(recipe))
         return _iv(mib, mib * (1 - width), mib * (1 + width)), ids, text
+
+    def _family_note(self, recipe: Recipe) -> str:
+        """Says so when the remainder and its error come from another model's measured rows."""
+        fitted = sorted({model_name(m.model) for m, _, _ in self.dry_pairs})
+        if not fitted or model_name(recipe.model) in fitted:
+            return ""
+        return (f"; the remainder and its error are measured on {', '.join(fitted)} only, not on "
+                f"{model_name(recipe.model)}")
 
     # -- the probe figure, by the ladder ---------------------------------------------------------
 
@@ -458,19 +518,17 @@ class Predictor:
         (bottom), on this card and of this kind."""
         cap = floor = None
         cap_id = floor_id = None
-        for m in self.ms:
-            if m.gpu != gpu or m.kind != run or m.lora is None:
-                continue
-            r = self._recipe(m)
-            if r is None or r.seq_len is None or recipe.seq_len is None:
-                continue
-            if m.outcome.status == "ok" and ok_peak(m) is not None and _harder_or_equal(r, recipe):
-                if cap is None or ok_peak(m) < cap:
-                    cap, cap_id = ok_peak(m), m.id
-            elif m.outcome.status in ("oom", "spilled") and _harder_or_equal(recipe, r):
-                need = _exceeded_peak(m, self.peaks) if m.kind == "probe" else _real_need(m)
-                if need is not None and (floor is None or need > floor):
-                    floor, floor_id = need, m.id
+        if recipe.seq_len is not None:
+            for r, status, peak, need, mid in self._dominance_rows.get((gpu, run, model_name(recipe.model),
+                                                                       recipe.quant, recipe.fixes), ()):
+                if status == "ok" and (r.rank >= recipe.rank and r.seq_len >= recipe.seq_len
+                                       and r.dropout >= recipe.dropout and r.dora >= recipe.dora):
+                    if cap is None or peak < cap:
+                        cap, cap_id = peak, mid
+                elif status != "ok" and need is not None and (r.rank <= recipe.rank and r.seq_len <= recipe.seq_len
+                                                             and r.dropout <= recipe.dropout and r.dora <= recipe.dora):
+                    if floor is None or need > floor:
+                        floor, floor_id = need, mid
         notes, ids = [], []
         if cap is not None:
             ids.append(cap_id)
@@ -494,10 +552,36 @@ class Predictor:
                 high = low
         return _iv(mib, low, high), ids, "; ".join(notes)
 
+    @cached_property
+    def _dominance_rows(self) -> dict[tuple, list]:
+        """Rows that bound others, by (card, kind, model, quant, fixes): (recipe, status, ok peak,
+        what an OOM needed at least, id)."""
+        out: dict[tuple, list] = defaultdict(list)
+        for m in self.ms:
+            if m.kind not in ("probe", "real") or m.lora is None or not m.gpu:
+                continue
+            r = self._recipe(m)
+            if r is None or r.seq_len is None:
+                continue
+            status = m.outcome.status
+            if status == "ok" and ok_peak(m) is not None:
+                out[(m.gpu, m.kind, model_name(r.model), r.quant, r.fixes)].append((r, "ok", ok_peak(m), None, m.id))
+            elif status in ("oom", "spilled"):
+                need = _exceeded_peak(m, self.peaks) if m.kind == "probe" else _real_need(m)
+                if need is not None:
+                    out[(m.gpu, m.kind, model_name(r.model), r.quant, r.fixes)].append((r, status, None, need, m.id))
+        return dict(out)
+
     # -- limits ------------------------------------------------------------------------------------
 
     def card_limit(self, gpu: str, entry: Optional[Gpu], run: Run) -> tuple[Optional[float], Optional[float], str]:
         """(low, high, where from) of the effective limit for peak allocated."""
+        key = (gpu, entry.model_dump_json() if entry is not None else None, run)
+        if key not in self._limits:
+            self._limits[key] = self._card_limit(gpu, entry, run)
+        return self._limits[key]
+
+    def _card_limit(self, gpu: str, entry: Optional[Gpu], run: Run) -> tuple[Optional[float], Optional[float], str]:
         lim: Optional[Limit] = None
         if gpu in self.ledger.gpus:
             lim = (limit_for(self.lims, gpu, "real") if run == "real" else None) or limit_for(self.lims, gpu, "probe")
@@ -541,12 +625,14 @@ class Predictor:
         return {"context": ctx, "ratio": ratios, "cards": cards}
 
     def reserved_ratio(self, gpu: str) -> Optional[tuple[float, float, float]]:
-        rs = [m.outcome.peak_reserved_mib / m.outcome.peak_allocated_mib for m in _probes(self.ms)
-              if m.gpu == gpu and ok_peak(m) and m.outcome.peak_reserved_mib]
-        if not rs:
-            rs = [m.outcome.peak_reserved_mib / m.outcome.peak_allocated_mib for m in _probes(self.ms)
-                  if ok_peak(m) and m.outcome.peak_reserved_mib]
-        return (statistics.median(rs), min(rs), max(rs)) if rs else None
+        """(median, min, max) of peak reserved / peak allocated over the card's ok probes, else
+        every card's; None when no probe has both."""
+        if gpu not in self._ratios:
+            probes = [m for m in self.peaks.probes if ok_peak(m) and m.outcome.peak_reserved_mib]
+            rs = [m.outcome.peak_reserved_mib / ok_peak(m) for m in probes if m.gpu == gpu] or \
+                [m.outcome.peak_reserved_mib / ok_peak(m) for m in probes]
+            self._ratios[gpu] = (statistics.median(rs), min(rs), max(rs)) if rs else None
+        return self._ratios[gpu]
 
     # -- the answer ----------------------------------------------------------------------------------
 
@@ -607,7 +693,7 @@ class Predictor:
         mib = raw_mib + rem
         iv = _iv(mib, mib * (1 - width), mib * (1 + width))
         text = (f"dry run {raw_mib:.1f} MiB + remainder {rem:+.1f} MiB fitted on {scope}; interval ±{width * 100:.2f}% "
-                f"(the largest leave-one-out error over {self.dry_loo['n']} measured probes)")
+                f"(the largest leave-one-out error over {self.dry_loo['n']} measured probes)" + self._family_note(recipe))
         if budget_mib is not None:
             low, high, lsrc, source = budget_mib, budget_mib, f"--budget-mib {budget_mib}", "budget"
         elif gpu:

@@ -290,3 +290,49 @@ class Scoreboard(_Result):
     fit_rule: str
     slice_values: dict[str, list[str]]
     table: list[TableRow] = Field(default_factory=list)
+
+
+class FitCellResult(_Result):
+    """One cell of the fit table: the largest rank that fits and the largest that is tight."""
+
+    model: str
+    gpu: str
+    quant: str
+    fixes: str
+    setting: str = Field(description="plain, dropout or DoRA.")
+    seq_len: int = Field(description="Tokens in the longest example.")
+    fits_rank: Optional[int]
+    tight_rank: Optional[int]
+    status: str = Field(description="ok, none-fits or unknown.")
+    at_least: bool = Field(description="True when the ceiling is at least the largest rank searched (512).")
+    method: str = Field(description="'dry run' (the calibrated dry run) or 'ledger' (the whole evidence ladder, "
+                                    "with measured rows).")
+    measured: list[str] = Field(description="Ids of the ledger's probes of this card, model, quant, fixes and setting "
+                                            "with a length in (the previous column's, this column's].")
+    label: str = Field(description="The cell as the pages show it.")
+
+
+class FitCard(_Result):
+    key: str
+    name: str
+    usable_mib: Optional[float] = Field(description="What PyTorch reports as usable, MiB.")
+    limit_low_mib: Optional[float] = Field(description="Low end of the effective limit for peak allocated, MiB.")
+    limit_high_mib: Optional[float]
+    in_ledger: bool
+    source: str = Field(description="Where the limit comes from.")
+
+
+class Fits(_Result):
+    """The fit table (site/fits.html, fits.md, fits.csv): models x cards x quant x fixes x setting x length."""
+
+    lengths: list[int]
+    models: list[str]
+    cards: list[FitCard]
+    cells: list[FitCellResult]
+    dry_run_median_abs_err_pct: Optional[float] = Field(
+        description="The calibrated dry run's leave-one-out median |error| over the ledger's measured probes, %.")
+    dry_run_max_abs_err_pct: Optional[float] = Field(description="Its largest |error|, %.")
+    dry_run_n: int = Field(description="Measured probes the dry run's accuracy rests on.")
+    dry_run_fitted_on: list[str] = Field(description="Models whose measured probes the remainder is fitted on.")
+    stale: list[str] = Field(default_factory=list, description="Dry-run rows computed with other library versions "
+                                                               "than the build's (none when the build has no torch).")

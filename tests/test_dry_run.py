@@ -109,7 +109,10 @@ def test_bad_input_is_one_line(capsys):
 
 
 @pytest.mark.parametrize("name,billions", [("gemma-3-4b-it", 3.88), ("gemma-3-1b-it", 1.0), ("gemma-3-12b-it", 11.77),
-                                           ("llama-3.1-8b", 8.03), ("qwen2.5-7b", 7.62), ("mistral-7b", 7.25)])
+                                           ("llama-3.1-8b", 8.03), ("qwen2.5-7b", 7.62), ("mistral-7b", 7.25),
+                                           ("llama-3.2-1b", 1.24), ("llama-3.2-3b", 3.21), ("qwen2.5-0.5b", 0.49),
+                                           ("qwen2.5-1.5b", 1.54), ("qwen2.5-3b", 3.09), ("qwen2.5-14b", 14.77),
+                                           ("qwen3-4b", 4.02), ("qwen3-8b", 8.19), ("phi-3.5-mini", 3.82)])
 def test_shipped_configs_have_the_published_sizes(name, billions):
     from ledger.estimators import load_arch
 

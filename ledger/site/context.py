@@ -12,7 +12,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-from ..results import Calibration, Scoreboard
+from ..results import Calibration, Fits, Scoreboard
 from ..recipe import capacity_mib, fixes_key, seq_len_of
 from ..models import Finding, Gpu, Ledger, Measurement, Prediction
 from . import filters
@@ -178,6 +178,7 @@ class SiteContext:
     ids: list[str]
     fitted: Optional[Calibration] = None
     scoreboard: Optional[Scoreboard] = None
+    fits: Optional[Fits] = None
     estimator_plot: Optional[Plot] = None
     base_url: Optional[str] = None
     downloads: list[dict] = field(default_factory=list)
@@ -633,14 +634,26 @@ def estimator_plot(board: Scoreboard) -> Optional[Plot]:
                 markers_only=True)
 
 
+def fit_table_doc(ledger: Ledger) -> Optional[Fits]:
+    """The fit table (site/fits.html) from the committed dry-run rows; None without any."""
+    from ..fits import fits_document
+    from ..predictor import Predictor, load_dry_runs
+
+    p = Predictor(ledger, load_dry_runs())
+    if not p.dry:
+        return None
+    # Above LOO_LIMIT rows the whole ladder per cell is too slow for a build: the dry run answers.
+    return Fits.model_validate(fits_document(p, ladder=len(ledger.measurements) <= LOO_LIMIT))
+
+
 def fitted(ledger: Ledger) -> Calibration:
     """The calibration the page shows, computed from the ledger at build time."""
     from ..calibration import calibrate
 
     from ..predictor import load_dry_runs
 
-    doc = calibrate(ledger, with_loo=len(ledger.measurements) <= LOO_LIMIT, with_ceilings=True,
-                    dry_runs=load_dry_runs())
+    small = len(ledger.measurements) <= LOO_LIMIT
+    doc = calibrate(ledger, with_loo=small, with_ceilings=small, dry_runs=load_dry_runs())
     doc["loo_skipped"] = doc["loo"] is None
     return Calibration.model_validate(doc)
 

@@ -65,3 +65,18 @@ def measurements_csv(ledger: Ledger) -> str:
     writer.writerow(COLUMNS)
     writer.writerows(map(csv_row, ledger.measurements))
     return buf.getvalue()
+
+
+def fits_csv(fits) -> str:
+    """The fit table as CSV (``ledger.fits.CSV_FIELDS``), text cells spreadsheet-safe."""
+    import csv
+    import io
+
+    from ..fits import CSV_FIELDS
+
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(CSV_FIELDS)
+    for c in fits.cells:
+        w.writerow([_v(" ".join(c.measured) if k == "measured" else getattr(c, k)) for k in CSV_FIELDS])
+    return buf.getvalue()

@@ -120,7 +120,15 @@ def md_cell(value: object) -> str:
     return md_text(text).replace("|", "\\|")
 
 
+def anchor(text: object) -> str:
+    """An HTML id fragment from any text: lower case, a-z0-9 and '-'."""
+    import re
+
+    return re.sub(r"[^a-z0-9]+", "-", str(text).lower()).strip("-") or "section"
+
+
 FILTERS = {
+    "anchor": anchor,
     "markdown": markdown,
     "markdown_inline": markdown_inline,
     "num": num,

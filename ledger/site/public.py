@@ -10,7 +10,7 @@ from typing import Optional
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..models import Ledger, canonical_schema
-from ..results import Calibration, Scoreboard
+from ..results import Calibration, Fits, Scoreboard
 from .context import Plot
 
 #: Version of the public document's format (not of the ledger inside it).
@@ -29,6 +29,8 @@ class Derived(BaseModel):
         None, description="How every VRAM estimator fares against the ledger's measured peaks (the scoreboard).")
     calibration: Optional[Calibration] = Field(
         None, description="`vram calibrate --json` of the ledger at build time, plus the ceiling table.")
+    fits: Optional[Fits] = Field(
+        None, description="The fit table (fits.html): rank ceilings per model, card, quant, fixes, setting and length.")
 
 class PublicDocument(BaseModel):
     """vram.json as published."""

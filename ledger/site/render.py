@@ -27,10 +27,10 @@ from ..errors import Issue, UserError
 from ..models import Ledger
 from ..store import atomic_write_text, gc_paused
 from . import filters
-from .context import (SiteContext, all_tables, build_context, canonical_json, estimator_plot, estimator_scoreboard,
+from .context import (SiteContext, all_tables, build_context, canonical_json, estimator_plot, estimator_scoreboard, fit_table_doc,
                       fitted, ledger_hash, make_plots, training_gpu_key)
 from .changes import atom_feed, history_for, load_previous
-from .downloads import measurements_csv
+from .downloads import fits_csv, measurements_csv
 from .public import PUBLIC_SCHEMA_VERSION, Derived, public_schema
 
 MANIFEST = ".vram-build-manifest"
@@ -139,7 +139,8 @@ class BuildResult:
 def public_json(ledger_json: str, ctx: SiteContext, ledger: Ledger, base_url: Optional[str] = None) -> str:
     """vram.json text, assembled around the ledger's canonical JSON (serialised only once)."""
     derived = Derived(counts=ctx.counts, training_gpu=training_gpu_key(ledger), plots=ctx.plots,
-                      calibration=ctx.fitted, estimators=ctx.scoreboard)
+                      calibration=ctx.fitted, estimators=ctx.scoreboard,
+                      **({"fits": ctx.fits} if ctx.fits is not None else {}))
     url = f"{base_url}/vram.json" if base_url else None
     schema = f"{base_url}/vram.schema.json" if base_url else "vram.schema.json"
     return (
@@ -163,8 +164,8 @@ def latest_date(ledger: Ledger) -> str:
 
 
 #: Names a build writes at the top of its output folder (plots go under plots/).
-OUTPUT_NAMES = ("index.html", "vram.md", "estimators.html", "estimators.md", "vram.json", "vram.schema.json",
-                "vram.csv", "changes.json", "feed.xml", MANIFEST)
+OUTPUT_NAMES = ("index.html", "vram.md", "estimators.html", "estimators.md", "fits.html", "fits.md", "vram.json",
+                "vram.schema.json", "vram.csv", "fits.csv", "changes.json", "feed.xml", MANIFEST)
 
 
 def check_output_folder(out: Path, protect: Sequence[Path] = ()) -> None:
@@ -230,6 +231,10 @@ def _scoreboard() -> dict:
     return estimator_scoreboard(_WORKER_LEDGER)
 
 
+def _fits():
+    return fit_table_doc(_WORKER_LEDGER)
+
+
 class _Inline:
     """Runs the work in this process when forking is not available (same results)."""
 
@@ -264,13 +269,14 @@ def compute_site(ledger: Ledger, out: Path, *, build_date: Optional[str], base_u
         pool = _Inline(ledger)
     try:
         jobs = {"scoreboard": pool.submit(_scoreboard), "fitted": pool.submit(_fitted),
-                "svgs": pool.submit(_svgs, plot_list)}
+                "svgs": pool.submit(_svgs, plot_list), "fits": pool.submit(_fits)}
         ledger_json = canonical_json(ledger)
         sha = ledger_hash(ledger, ledger_json)
         ctx = build_context(ledger, build_date=build_date, ledger_sha256=sha, plots=plot_list,
                             fitted_doc=jobs["fitted"], scoreboard_doc=jobs["scoreboard"])
         board_plot = estimator_plot(ctx.scoreboard)
         images = dict(zip((p.file for p in ctx.plots), jobs["svgs"].result()))
+        ctx = replace(ctx, fits=jobs["fits"].result())
     finally:
         pool.shutdown(cancel_futures=True)
     if board_plot:
@@ -282,6 +288,8 @@ def compute_site(ledger: Ledger, out: Path, *, build_date: Optional[str], base_u
     data["vram.json"] = public_json(ledger_json, ctx, ledger, base_url)
     data["vram.schema.json"] = json.dumps(public_schema(base_url), indent=2) + "\n"
     data["vram.csv"] = measurements_csv(ledger)
+    if ctx.fits is not None:
+        data["fits.csv"] = fits_csv(ctx.fits)
     unchanged = prev_doc is not None and prev_doc.get("ledger_sha256") == sha
     ledger_doc = None if unchanged or prev_doc is None else json.loads(ledger_json)
     history = history_for(prev_doc if not unchanged else None, prev_history, ledger_doc or {}, sha, build_date)
@@ -294,7 +302,8 @@ def compute_site(ledger: Ledger, out: Path, *, build_date: Optional[str], base_u
         ctx,
         changes=history["history"][0] if history["history"] else None,
         downloads=[download(name, data[name], base_url) for name in
-                   ("vram.json", "vram.csv", "vram.schema.json", "changes.json", "feed.xml")],
+                   ("vram.json", "vram.csv", "fits.csv", "vram.schema.json", "changes.json", "feed.xml")
+                   if name in data],
         css=static_text("style.css", dirs), js=static_text("sort.js", dirs),
         hrefs={r.id: f"#m-{r.id}" for t in all_tables(ctx) for r in t.rows},
         data_files=data, images=images,
@@ -315,6 +324,9 @@ def render_outputs(ctx: SiteContext, env: Environment) -> dict[str, str]:
         "estimators.html": env.get_template("estimators.html.j2").render(ctx=page_ctx),
         "estimators.md": env.get_template("estimators.md.j2").render(ctx=page_ctx),
     }
+    if ctx.fits is not None:
+        files["fits.html"] = env.get_template("fits.html.j2").render(ctx=page_ctx)
+        files["fits.md"] = env.get_template("fits.md.j2").render(ctx=page_ctx)
     files.update(ctx.data_files)
     files.update(ctx.images)
     return files

@@ -1,0 +1,254 @@
+"""The fit table: for each model with dry-run rows, each card, quant, memory fixes, dropout / DoRA
+and sequence length, the largest LoRA rank that fits and the largest that is tight. Pure: no torch.
+
+Every cell is the one predictor's answer (``ledger.predictor``). Where the ledger measured the
+model on the card, the whole evidence ladder answers (``Predictor.ceiling``) and the cell names
+its measured rows; elsewhere the calibrated dry run does, and its ceiling is found by bisection
+over ranks (a larger rank never needs less), a handful of evaluations of arithmetic on the
+committed dry-run rows per cell.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Iterable, Optional
+
+from .models import Gpu
+from .predictor import Predictor, Recipe, card_table, model_name
+from .recipe import fixes_key
+
+LENGTHS = (512, 2048, 4096, 8192, 16384)
+#: The fit grid's models (shipped configs, ledger/model_configs/), smallest first.
+GRID_MODELS = ("qwen2.5-0.5b", "gemma-3-1b-it", "llama-3.2-1b", "qwen2.5-1.5b", "qwen2.5-3b", "llama-3.2-3b",
+               "phi-3.5-mini", "gemma-3-4b-it", "qwen3-4b", "mistral-7b", "qwen2.5-7b", "llama-3.1-8b", "qwen3-8b",
+               "gemma-3-12b-it", "qwen2.5-14b")
+GRID_RESPONSE_LEN = 256
+#: Projections LoRA targets where a model's differ from the default seven (Phi-3 fuses them).
+GRID_TARGETS = {"phi-3.5-mini": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
+SETTINGS = (("plain", False, False), ("dropout", True, False), ("DoRA", False, True))
+STEP, MAX_RANK = 8, 512
+
+
+@dataclass(frozen=True)
+class FitCell:
+    model: str
+    gpu: str
+    quant: str
+    fixes: str
+    setting: str  # plain | dropout | DoRA
+    seq_len: int
+    fits_rank: Optional[int]
+    tight_rank: Optional[int]
+    status: str  # ok | none-fits | unknown
+    at_least: bool
+    method: str  # "dry run" | "ledger" (the whole ladder, with measured rows)
+    #: The ledger's probes of this card, model, quant, fixes and setting whose length is in
+    #: (the previous column's length, this one's]: the measured rows nearest the cell.
+    measured: tuple[str, ...]
+
+    def label(self) -> str:
+        if self.status == "unknown":
+            return "unknown"
+        if self.fits_rank is None:
+            return "none" + (f" (tight ≤ {self.tight_rank})" if self.tight_rank else "")
+        text = ("≥ " if self.at_least else "") + str(self.fits_rank)
+        if self.tight_rank and self.tight_rank != self.fits_rank:
+            text += f" (tight ≤ {self.tight_rank})"
+        return text
+
+
+def grid_points(model: str, lengths: Iterable[int] = LENGTHS) -> list[dict]:
+    """A model's dry-run points for the fit table (sweep options): rank 8 at every length; rank
+    64, dropout and DoRA at the shortest and longest (see ``Predictor.dry_raw`` for how the rest
+    is derived)."""
+    lengths = sorted(lengths)
+    out = []
+    key = model.split("/")[-1].removesuffix(".json")
+    for quant in ("4bit", "bf16"):
+        for fixes in ("none", "all"):
+            base = {"model": model, "quant": quant, "fixes": fixes, "response_len": GRID_RESPONSE_LEN,
+                    **({"target_modules": GRID_TARGETS[key]} if key in GRID_TARGETS else {})}
+            out += [{**base, "seq_len": seq, "rank": 8} for seq in lengths]
+            for seq in (lengths[0], lengths[-1]):
+                out += [{**base, "seq_len": seq, "rank": 64}, {**base, "seq_len": seq, "rank": 8, "dropout": 0.1},
+                        {**base, "seq_len": seq, "rank": 8, "dora": True}]
+    return out
+
+
+def sweep_toml(points: list[dict], name: str, header: str = "") -> str:
+    """A dry-run sweep file (device = "dry") with these points."""
+    def value(v) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, list):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        return str(v)
+
+    lines = [header, "[sweep]", f"name = {value(name)}", 'device = "dry"', "", "[base]", "random_weights = true", ""]
+    for p in points:
+        lines += ["[[points]]", *(f"{k} = {value(v)}" for k, v in p.items()), ""]
+    return "\n".join(lines)
+
+
+def dry_models(p: Predictor) -> list[str]:
+    """Models with committed dry-run rows, smallest first by their rows' rank-8 peak at 512 tokens."""
+    names = sorted({model_name(d.model) for d in p.dry if d.model})
+    return names
+
+
+def cards(p: Predictor) -> dict[str, Gpu]:
+    """The ledger's cards and the card table's, by key (the ledger's entry wins)."""
+    out = {k: c.gpu for k, c in card_table().items()}
+    out.update(p.ledger.gpus)
+    return dict(sorted(out.items(), key=lambda kv: (kv[1].total_mib or 0, kv[0])))
+
+
+def _dry_ceiling(p: Predictor, recipe: Recipe, gpu: str, entry: Gpu) -> tuple[Optional[int], Optional[int], str, bool]:
+    """(fits, tight, status, at least) from the calibrated dry run alone, by bisection over ranks."""
+    cache: dict[int, str] = {}
+
+    def verdict(rank: int) -> str:
+        if rank not in cache:
+            r = replace(recipe, rank=rank)
+            raw, _ = p.dry_raw(r)
+            cache[rank] = "unknown" if raw is None else p.judge_dry(r, raw, gpu, entry=entry).verdict
+        return cache[rank]
+
+    if verdict(STEP) == "unknown":
+        return None, None, "unknown", False
+    ranks = list(range(STEP, MAX_RANK + 1, STEP))
+
+    def largest(ok) -> Optional[int]:
+        lo, hi = -1, len(ranks)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if ok(verdict(ranks[mid])):
+                lo = mid
+            else:
+                hi = mid
+        return ranks[lo] if lo >= 0 else None
+
+    fits = largest(lambda v: v == "fits")
+    tight = largest(lambda v: v in ("fits", "tight"))
+    top = tight or fits
+    # Past the last rank known to fit only unknowns (no slope to extrapolate with): "at least".
+    at_least = top is not None and top + STEP <= MAX_RANK and verdict(top + STEP) == "unknown"
+    return fits, tight, "ok" if (fits or tight) else "none-fits", at_least
+
+
+def fit_table(p: Predictor, *, models: Optional[Iterable[str]] = None, gpus: Optional[Iterable[str]] = None,
+              lengths: Iterable[int] = LENGTHS, ladder: bool = True) -> list[FitCell]:
+    lengths = sorted(lengths)
+    """Every cell of the fit table (see the module docstring). ``ladder=False``: the calibrated
+    dry run answers every cell (a site built from a very large ledger)."""
+    all_cards = cards(p)
+    models = list(models) if models is not None else dry_models(p)
+    gpus = list(gpus) if gpus is not None else list(all_cards)
+    measured_models = {(m.gpu, model_name(m.model)) for m in p.ms if m.kind in ("probe", "real") and m.lora}
+    out = []
+    for model in models:
+        for gpu in gpus:
+            entry = all_cards[gpu]
+            use_ladder = ladder and (gpu, model) in measured_models
+            for quant in ("4bit", "bf16"):
+                for fixes in ("none", "all"):
+                    for setting, dropout, dora in SETTINGS:
+                        for seq in lengths:
+                            recipe = Recipe(model=model, quant=quant, dropout=dropout, dora=dora, seq_len=seq,
+                                            fixes=fixes_key(fixes))
+                            if use_ladder:
+                                known = {m.model for m in p.ms if model_name(m.model) == model}
+                                c = p.ceiling(replace(recipe, model=sorted(known)[0]), gpu, entry=entry)
+                                fits, tight, status, more = c.fits_rank, c.tight_rank, c.status, c.at_least
+                                lower = max([s for s in lengths if s < seq], default=0)
+                                rows = tuple(sorted({m.id for m in p.ms if m.gpu == gpu and m.kind == "probe"
+                                                     and m.lora and model_name(m.model) == model and m.quant == quant
+                                                     and fixes_key(m.memory_fixes) == fixes and m.seq_len
+                                                     and lower < m.seq_len <= seq
+                                                     and bool(m.lora.dropout) == dropout
+                                                     and bool(m.lora.dora) == dora}))
+                            else:
+                                fits, tight, status, more = _dry_ceiling(p, recipe, gpu, entry)
+                                rows = ()
+                            out.append(FitCell(model=model, gpu=gpu, quant=quant, fixes=fixes, setting=setting,
+                                               seq_len=seq, fits_rank=fits, tight_rank=tight, status=status,
+                                               at_least=more or (fits is not None and fits + STEP > MAX_RANK),
+                                               method="ledger" if use_ladder else "dry run", measured=rows))
+    return monotone(out)
+
+
+def monotone(cells: list[FitCell]) -> list[FitCell]:
+    """What fits a harder recipe fits an easier one: a cell is raised (and says "at least") to the
+    ceiling of a longer sequence, and the plain recipe's to its dropout's or DoRA's, same card."""
+    index = {(c.model, c.gpu, c.quant, c.fixes, c.setting, c.seq_len): i for i, c in enumerate(cells)}
+
+    def raise_to(i: int, floor: Optional[int]) -> None:
+        c = cells[i]
+        if floor is not None and (c.fits_rank is None or c.fits_rank < floor):
+            cells[i] = replace(c, fits_rank=floor, tight_rank=max(floor, c.tight_rank or 0), status="ok",
+                               at_least=True)
+
+    for key, i in index.items():
+        if key[4] == "plain":
+            for other in ("dropout", "DoRA"):
+                j = index.get((*key[:4], other, key[5]))
+                if j is not None:
+                    raise_to(i, cells[j].fits_rank)
+    groups = sorted({k[:5] for k in index})
+    for g in groups:
+        floor = None
+        for seq in sorted((k[5] for k in index if k[:5] == g), reverse=True):
+            i = index[(*g, seq)]
+            raise_to(i, floor)
+            floor = cells[i].fits_rank if cells[i].fits_rank is not None else floor
+    return cells
+
+
+CSV_FIELDS = ("model", "gpu", "quant", "fixes", "setting", "seq_len", "fits_rank", "tight_rank", "status", "at_least",
+              "method", "measured")
+
+
+def fits_document(p: Predictor, cells: Optional[list[FitCell]] = None, ladder: bool = True) -> dict:
+    """The fit table as ``results.Fits`` validates it (derived.fits in vram.json)."""
+    cells = cells if cells is not None else fit_table(p, ladder=ladder)
+    all_cards = cards(p)
+    used = list(dict.fromkeys(c.gpu for c in cells))
+    card_rows = []
+    for key in used:
+        low, high, source = p.card_limit(key, all_cards[key], "probe")
+        from .recipe import capacity_mib
+
+        card_rows.append({"key": key, "name": all_cards[key].name, "usable_mib": capacity_mib(all_cards[key]),
+                          "limit_low_mib": low, "limit_high_mib": high, "in_ledger": key in p.ledger.gpus,
+                          "source": source})
+    acc = p.dry_loo
+    return {"lengths": sorted({c.seq_len for c in cells}), "models": list(dict.fromkeys(c.model for c in cells)),
+            "cards": card_rows,
+            "cells": [{**{k: getattr(c, k) for k in CSV_FIELDS}, "measured": list(c.measured), "label": c.label()}
+                      for c in cells],
+            "dry_run_median_abs_err_pct": acc["median_abs_err_pct"], "dry_run_max_abs_err_pct": acc["max_abs_err_pct"],
+            "dry_run_n": acc["n"], "dry_run_fitted_on": sorted({model_name(m.model) for m, _, _ in p.dry_pairs}),
+            "stale": stale_rows(p.dry)}
+
+
+def stale_rows(rows) -> list[str]:
+    """Ids of dry-run rows whose torch / transformers / peft versions differ from the installed
+    ones (read from the package metadata: torch is not imported). None installed: nothing to say."""
+    from importlib import metadata
+
+    installed = {}
+    for name in ("torch", "transformers", "peft"):
+        try:
+            installed[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return []
+    out = []
+    for m in rows:
+        env = m.environment
+        if env is None:
+            continue
+        if any(getattr(env, k) not in (None, v) for k, v in installed.items()):
+            out.append(m.id)
+    return out

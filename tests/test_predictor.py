@@ -1,0 +1,176 @@
+"""The one predictor (ledger.predictor), the card table and the fit table, on the frozen ledger."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import FROZEN as BUNDLED
+from ledger import cli, store
+from ledger.fits import LENGTHS, fit_table, grid_points, monotone
+from ledger.models import Gpu
+from ledger.predictor import Interval, Predictor, Recipe, card_table, decide, load_dry_runs, resolve_card
+
+
+@pytest.fixture(scope="module")
+def ledger():
+    return store.load(BUNDLED)
+
+
+@pytest.fixture(scope="module")
+def p(ledger):
+    return Predictor(ledger, load_dry_runs())
+
+
+def test_the_card_table_is_valid_and_resolves_names(ledger):
+    table = card_table()
+    assert len(table) >= 8 and {c.gpu.vendor for c in table.values()} == {"nvidia", "amd"}
+    for key, card in table.items():
+        assert card.source and card.gpu.total_mib > 0
+        usable = (card.gpu.usable_gib_torch or 0) * 1024
+        assert usable <= card.gpu.total_mib  # PyTorch never reports more than the card has
+    assert resolve_card(ledger, "RTX 4090")[0] == "rtx-4090"
+    assert resolve_card(ledger, "a100-40gb")[:3:2] == ("a100-40gb", "card table")
+    assert resolve_card(ledger, "RTX 3070 Ti")[2] == "ledger"  # the ledger's own entry wins
+    assert resolve_card(ledger, "GTX 480") is None
+
+
+@pytest.mark.parametrize("iv,limit,margin,want", [
+    ((7000, 6900, 7100), (7216, 7246), 0, "fits"),
+    ((7000, 6900, 7100), (7216, 7246), 200, "tight"),  # 7100 > 7216 - 200
+    ((7300, 7260, 7400), (7216, 7246), 0, "won't fit"),
+    ((7200, 7150, 7250), (7216, 7246), 0, "tight"),
+    ((7000, 6900, 7100), (None, None), 0, "unknown"),
+])
+def test_the_verdict_leans_safe(iv, limit, margin, want):
+    verdict, why = decide(Interval(mib=iv[0], low_mib=iv[1], high_mib=iv[2]), *limit, margin)
+    assert verdict == want and why
+
+
+def test_the_evidence_ladder_picks_the_closest_evidence(p):
+    real = p.predict(Recipe(None, rank=112, seq_len=7177), "rtx-3070-ti", run="real")
+    assert real.method == "measured real run" and "real-v13" in real.evidence and real.verdict == "fits"
+    probe = p.predict(Recipe(None, rank=96, dropout=True, seq_len=7177), "rtx-3070-ti")
+    assert probe.method == "measured probe" and probe.probe_allocated.mib == 7127.6 and probe.verdict == "fits"
+    oom = p.predict(Recipe(None, rank=104, dropout=True, seq_len=7177), "rtx-3070-ti")
+    assert oom.verdict in ("won't fit", "tight") and "sweep-r104-drop" in oom.evidence
+    interp = p.predict(Recipe(None, rank=72, seq_len=7177), "rx-7900-xtx")
+    assert interp.method == "interpolated" and interp.probe_allocated.low_mib < interp.probe_allocated.high_mib
+    table_card = card_table()["rtx-4090"].gpu
+    dry = p.predict(Recipe("gemma-3-4b-it", rank=64, seq_len=4096), "rtx-4090", entry=table_card)
+    assert dry.method == "dry run" and dry.card_source == "card table" and dry.verdict == "fits"
+    far = p.predict(Recipe("gemma-3-4b-it", rank=64, seq_len=30000), "rtx-4090", entry=table_card)
+    assert far.verdict == "unknown" and far.why
+
+
+def test_every_figure_has_an_interval_around_it(p):
+    for recipe, gpu in ((Recipe(None, rank=88, seq_len=7288), "rtx-3070-ti"),
+                        (Recipe(None, rank=200, seq_len=7177), "rx-7900-xtx")):
+        a = p.predict(recipe, gpu, run="real")
+        for iv in (a.probe_allocated, a.real_allocated):
+            assert iv.low_mib <= iv.mib <= iv.high_mib
+        assert a.reserved is None or a.reserved.mib >= a.allocated.mib
+
+
+def test_a_prediction_fitted_without_a_row_does_not_see_it(ledger):
+    row = next(m for m in ledger.measurements if m.id == "sweep-r96-drop")
+    p = Predictor(ledger, load_dry_runs(), exclude=[row.id])
+    a = p.predict(Recipe(None, rank=96, dropout=True, seq_len=7177), "rtx-3070-ti")
+    assert row.id not in a.evidence and a.method != "measured probe"
+
+
+def test_ceilings_answer_fits_and_tight(p, capsys):
+    c = p.ceiling(Recipe(None, seq_len=7177), "rtx-3070-ti", run="real")
+    assert c.fits_rank >= 112 and c.tight_rank >= c.fits_rank
+    assert cli.main(["ceiling", "--ledger", str(BUNDLED), "--gpu", "RTX 4090", "--model", "gemma-3-4b-it",
+                     "--seq-len", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("rank ") and "rtx-4090" in out and "by dry run" in out
+
+
+def test_estimate_answers_first_and_names_units(capsys):
+    assert cli.main(["estimate", "--ledger", str(BUNDLED), "--model", "gemma-3-4b-it", "--rank", "16", "--seq-len",
+                     "7177", "--gpu", "rtx-3070-ti"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    ours = next(i for i, line in enumerate(lines) if "vram-ledger:" in line)
+    theirs = next(i for i, line in enumerate(lines) if "unsloth-studio" in line)
+    assert ours < theirs and "FITS" in lines[ours] and "MiB" in lines[ours]
+    near = next(line for line in lines if "nearest measured" in line)
+    assert "rtx-3070-ti" in near  # the nearest row is on the requested card
+    assert cli.main(["estimate", "--ledger", str(BUNDLED), "--model", "gemma-3-4b-it", "--rank", "16", "--seq-len",
+                     "7177", "--gpu", "rtx-3070-ti", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["answer"]["verdict"] == "fits"
+
+    def keys(o, path=""):
+        if isinstance(o, dict):
+            for k, v in o.items():
+                yield f"{path}.{k}", k, v
+                yield from keys(v, f"{path}.{k}")
+        elif isinstance(o, list):
+            for v in o:
+                yield from keys(v, path)
+
+    for where, k, v in keys(doc):
+        assert not k.endswith("_gb"), where  # every figure is in MiB, and says so
+        if k.endswith("_mib") and v is not None:
+            values = v.values() if isinstance(v, dict) else [v]
+            assert all(isinstance(x, (int, float)) for x in values), where
+
+
+def test_cards_lists_the_table_and_the_ledger(capsys):
+    assert cli.main(["cards", "--ledger", str(BUNDLED), "--json"]) == 0
+    rows = {r["key"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["rtx-3070-ti"]["in_ledger"] and rows["rtx-3070-ti"]["limit_low_mib"] == 7216.0
+    h100 = rows["h100-80gb"]
+    assert not h100["in_ledger"] and h100["limit_low_mib"] < h100["usable_mib"] and h100["usable_source"]
+
+
+def test_the_fit_table_is_monotone_and_says_how_each_cell_is_answered(p):
+    cells = fit_table(p, models=["gemma-3-4b-it"], gpus=["rtx-3070-ti", "rtx-4090"])
+    assert {c.method for c in cells if c.gpu == "rtx-3070-ti"} == {"ledger"}
+    assert {c.method for c in cells if c.gpu == "rtx-4090"} == {"dry run"}
+    by = {(c.gpu, c.quant, c.fixes, c.setting, c.seq_len): c for c in cells}
+    for (gpu, quant, fixes, setting, seq), c in by.items():
+        longer = [by[(gpu, quant, fixes, setting, s)] for s in LENGTHS if s > seq]
+        for o in longer:
+            if o.fits_rank is not None:
+                assert c.fits_rank is not None and c.fits_rank >= o.fits_rank
+        if setting != "plain" and c.fits_rank is not None:
+            assert by[(gpu, quant, fixes, "plain", seq)].fits_rank >= c.fits_rank
+    # A cell names the measured rows of its length bucket: the program's 7177-token probes at 8192.
+    assert "sweep-r96-drop" in by[("rtx-3070-ti", "4bit", "all", "dropout", 8192)].measured
+
+
+def test_monotone_raises_to_a_harder_recipe_and_says_at_least():
+    from ledger.fits import FitCell
+
+    def cell(setting, seq, fits):
+        return FitCell("m", "g", "4bit", "all", setting, seq, fits, fits, "ok" if fits else "unknown", False,
+                       "dry run", ())
+
+    out = monotone([cell("plain", 512, None), cell("plain", 2048, 64), cell("dropout", 512, 96)])
+    plain512 = out[0]
+    assert plain512.fits_rank == 96 and plain512.at_least and plain512.label().startswith("≥")
+
+
+def test_the_grid_is_small_and_covers_the_table():
+    pts = grid_points("qwen2.5-0.5b")
+    assert len(pts) == 2 * 2 * (len(LENGTHS) + 6)  # quant x fixes x (rank 8 per length + 3 at each end)
+    assert {p["seq_len"] for p in pts} == set(LENGTHS)
+
+
+def test_fit_prints_a_cards_table_without_torch(capsys):
+    assert cli.main(["fit", "--ledger", str(BUNDLED), "--model", "gemma-3-4b-it", "--gpu", "RTX 4090", "--quant",
+                     "4bit", "--fixes", "all"]) == 0
+    out = capsys.readouterr().out
+    assert "gemma-3-4b-it on rtx-4090" in out and "16384" in out and "dry run" in out
+    assert cli.main(["fit", "--ledger", str(BUNDLED), "--model", "no-such-model", "--gpu", "t4"]) == 1
+    assert "no dry-run rows for no-such-model" in capsys.readouterr().err
+
+
+def test_a_card_without_rows_has_a_derived_limit_under_its_memory(p):
+    gpu = Gpu(name="Some card", vendor="nvidia", total_mib=16384.0, usable_gib_torch=15.5)
+    low, high, source = p.card_limit("some-card", gpu, "probe")
+    assert low < high <= 15.5 * 1024 and "CUDA context" in source
