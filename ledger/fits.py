@@ -252,3 +252,55 @@ def stale_rows(rows) -> list[str]:
         if any(getattr(env, k) not in (None, v) for k, v in installed.items()):
             out.append(m.id)
     return out
+
+
+GRID_RANKS = (8, 16, 32, 64, 96, 112, 128, 192, 256)
+
+
+def ledger_grids(p: Predictor, ranks: Iterable[int] = GRID_RANKS) -> list[dict]:
+    """For the site's first section: per card of the ledger and each model, quant and fixes measured
+    on it, a grid of rank x sequence length (the lengths measured there) for the plain recipe, with
+    dropout and with DoRA. A cell is a measured outcome where a probe ran exactly that, else the
+    predictor's verdict; each with its peak (MiB), method and evidence."""
+    out = []
+    combos: dict[tuple, set] = {}
+    measured: dict[tuple, object] = {}
+    for m in p.ms:
+        if m.kind != "probe" or not m.gpu or m.lora is None or not m.seq_len:
+            continue
+        r = recipe_of_row(m)
+        combos.setdefault((m.gpu, m.model, r.quant, r.fixes), set()).add(m.seq_len)
+        if m.outcome.status in ("ok", "oom", "spilled"):
+            measured[(m.gpu, m.model, r.quant, r.fixes, r.dropout, r.dora, m.seq_len, m.lora.rank)] = m
+    for (gpu, model, quant, fixes), seqs in sorted(combos.items(), key=lambda kv: tuple(map(str, kv[0]))):
+        settings = []
+        for setting, dropout, dora in SETTINGS:
+            rows = []
+            for rank in sorted(set(ranks) | {k[7] for k in measured if k[:6] == (gpu, model, quant, fixes, dropout, dora)}):
+                cells = []
+                for seq in sorted(seqs):
+                    m = measured.get((gpu, model, quant, fixes, dropout, dora, seq, rank))
+                    if m is not None:
+                        o = m.outcome
+                        kind = {"ok": "measured-fit", "oom": "measured-oom", "spilled": "measured-spilled"}[o.status]
+                        label = {"ok": "fit", "oom": "OOM", "spilled": "spilled"}[o.status]
+                        cells.append({"seq_len": seq, "kind": kind, "label": label, "mib": o.peak_allocated_mib,
+                                      "method": "measured", "evidence": [m.id]})
+                        continue
+                    a = p.predict(Recipe(model=model, rank=rank, quant=quant, dropout=dropout, dora=dora, seq_len=seq,
+                                         fixes=fixes), gpu)
+                    fig = a.probe_allocated
+                    cells.append({"seq_len": seq, "kind": a.verdict.replace("'", "").replace(" ", "-"),
+                                  "label": a.verdict, "mib": fig.mib if fig else None, "method": a.method or "",
+                                  "evidence": a.evidence[:4]})
+                rows.append({"rank": rank, "cells": cells})
+            settings.append({"setting": setting, "rows": rows})
+        out.append({"gpu": gpu, "model": model, "quant": quant, "fixes": fixes, "lengths": sorted(seqs),
+                    "settings": settings})
+    return out
+
+
+def recipe_of_row(m) -> Recipe:
+    from .predictor import recipe_of
+
+    return recipe_of(m)

@@ -179,6 +179,8 @@ class SiteContext:
     fitted: Optional[Calibration] = None
     scoreboard: Optional[Scoreboard] = None
     fits: Optional[Fits] = None
+    #: The first section's grids (ledger.fits.ledger_grids): what fits on the ledger's own cards.
+    fit_grids: list = field(default_factory=list)
     estimator_plot: Optional[Plot] = None
     base_url: Optional[str] = None
     downloads: list[dict] = field(default_factory=list)
@@ -462,6 +464,12 @@ def training_gpu_key(ledger: Ledger) -> Optional[str]:
 # -- plots --------------------------------------------------------------------------------
 
 
+def _natural(key: tuple) -> tuple:
+    """A sort key that orders numbers as numbers (2048 before 12288) and the rest as text."""
+    return tuple((0, float(x), "") if isinstance(x, (int, float)) and not isinstance(x, bool) else (1, 0.0, str(x))
+                 for x in key)
+
+
 def _series_label(key: tuple) -> str:
     quant, fixes, dropout, dora, seq = key
     bits = [quant, f"fixes {fixes}", "dropout" if dropout else "no dropout"]
@@ -530,11 +538,14 @@ def make_plots(ledger: Ledger) -> list[Plot]:
                 title=f"Probe peak allocated vs LoRA rank on the {gpu.name}",
                 caption=(f"One-step probes on the {gpu.name}: peak allocated (MiB) by rank, one line per quant × "
                          "memory fixes × dropout × DoRA × sequence length (the highest value per rank). An OOM is "
-                         "drawn as × at the card's limit: the step needed more than the card could give."),
+                         "drawn as a red × on the card's line: the step needed more than the card could give; a run "
+                         "that finished only by spilling past the card is an orange ▲ just above the line, its real "
+                         "peak written beside it. Hover a point for its id and peak."),
                 alt=(f"Line chart of probe peak allocated memory in MiB against LoRA rank on the {gpu.name}, "
                      f"{len(series)} series; OOM probes are marked at the card limit."),
                 xlabel="LoRA rank", ylabel="peak allocated (MiB)",
-                series=[PlotSeries(_series_label(k), _points(v)) for k, v in sorted(series.items(), key=str)],
+                series=[PlotSeries(_series_label(k), _points(v)) for k, v in sorted(series.items(),
+                                                                                     key=lambda kv: _natural(kv[0]))],
                 limit_mib=limits[key], limit_label="card limit (torch)" if gpu.usable_gib_torch else "card total",
             )
         )
@@ -554,7 +565,7 @@ def make_plots(ledger: Ledger) -> list[Plot]:
                         + (", dropout" if k[3] else "") + (", DoRA" if k[4] else "") + f", fixes {k[5]}",
                         _points(v),
                     )
-                    for k, v in sorted(seq_series.items(), key=str)
+                    for k, v in sorted(seq_series.items(), key=lambda kv: _natural(kv[0]))
                 ],
             )
         )
@@ -634,16 +645,19 @@ def estimator_plot(board: Scoreboard) -> Optional[Plot]:
                 markers_only=True)
 
 
-def fit_table_doc(ledger: Ledger) -> Optional[Fits]:
-    """The fit table (site/fits.html) from the committed dry-run rows; None without any."""
-    from ..fits import fits_document
+def fit_table_doc(ledger: Ledger) -> tuple[Optional[Fits], list]:
+    """The fit table (site/fits.html) from the committed dry-run rows (None without any), and the
+    first section's grids of the ledger's own cards (none above LOO_LIMIT rows)."""
+    from ..fits import fits_document, ledger_grids
     from ..predictor import Predictor, load_dry_runs
 
     p = Predictor(ledger, load_dry_runs())
+    small = len(ledger.measurements) <= LOO_LIMIT
+    grids = ledger_grids(p) if small else []
     if not p.dry:
-        return None
+        return None, grids
     # Above LOO_LIMIT rows the whole ladder per cell is too slow for a build: the dry run answers.
-    return Fits.model_validate(fits_document(p, ladder=len(ledger.measurements) <= LOO_LIMIT))
+    return Fits.model_validate(fits_document(p, ladder=small)), grids
 
 
 def fitted(ledger: Ledger) -> Calibration:

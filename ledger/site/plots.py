@@ -22,47 +22,98 @@ _STYLE = {
 }
 _MARKERS = "os^Dv<>phP*"
 _LEGEND_MAX = 16
+_OOM_COLOR = "#b00020"
+_SPILL_COLOR = "#9a5b00"
+
+
+def _point_title(pt) -> str:
+    what = {"oom": "ran out of memory (drawn at the card's limit)", "spilled": "spilled past the card"}.get(pt.status)
+    return f"{pt.id}: {pt.y:,.1f} MiB" + (f", {what}" if what else "")
 
 
 def render_svg(plot: Plot) -> str:
-    """One plot as SVG text. The same Plot always gives the same bytes."""
+    """One plot as SVG text. The same Plot always gives the same bytes. Every point is its own
+    group carrying a <title> (its id and peak) that a browser shows on hover. A point that did not
+    fit is never drawn like one that did: an OOM is a red × on the card line; a spilled run (it
+    finished only by spilling past the card) is an orange ▲ clipped into a band just above the
+    card line, its real value written beside it, so it neither reads as a fit nor squashes the
+    other series."""
+    titles: dict[str, str] = {}
     with plt.rc_context(_STYLE):
         fig, ax = plt.subplots(figsize=(7.5, 4.2))
         try:
+            limit = plot.limit_mib
+            fits_y = [p.y for s in plot.series for p in s.points if p.status not in ("oom", "spilled")]
+            band = None
+            if limit and any(p.status == "spilled" and p.y > limit for s in plot.series for p in s.points):
+                band = max([limit, *fits_y]) * 1.06
+            handles, labels = [], []
+            n = 0
             for i, series in enumerate(plot.series):
-                fits = [p for p in series.points if not p.exceeded]
-                over = [p for p in series.points if p.exceeded]
                 marker = _MARKERS[i % len(_MARKERS)]
-                line = ax.plot([p.x for p in fits], [p.y for p in fits], marker=marker, markersize=4,
-                               linewidth=0 if plot.markers_only else 1.2, label=series.label)[0]
-                if over:
-                    ax.scatter([p.x for p in over], [p.y for p in over], marker="x", s=40,
-                               color=line.get_color(), zorder=3)
+                fit = [p for p in series.points if p.status not in ("oom", "spilled") and not p.exceeded]
+                line = ax.plot([p.x for p in fit], [p.y for p in fit], marker="none",
+                               linewidth=0 if plot.markers_only else 1.2)[0]
+                color = line.get_color()
+                for pt in series.points:
+                    gid = f"{plot.id}-pt{n}"
+                    n += 1
+                    titles[gid] = _point_title(pt)
+                    if pt.status == "oom" or pt.exceeded:
+                        ax.plot([pt.x], [pt.y], marker="x", markersize=7, markeredgewidth=2, color=_OOM_COLOR,
+                                linestyle="none", gid=gid, zorder=4)
+                    elif pt.status == "spilled" and band is not None and pt.y > limit:
+                        ax.plot([pt.x], [band], marker="^", markersize=7, color=_SPILL_COLOR, linestyle="none",
+                                gid=gid, zorder=4)
+                        ax.annotate(f"spilled: {pt.y:,.0f} MiB", xy=(pt.x, band), xytext=(6, -3),
+                                    textcoords="offset points", fontsize=8, color=_SPILL_COLOR)
+                    else:
+                        ax.plot([pt.x], [pt.y], marker=marker, markersize=5, color=color, linestyle="none", gid=gid,
+                                zorder=3)
+                shown_marker = marker if fit else ("x" if any(p.status == "oom" for p in series.points) else "^")
+                handles.append(plt.Line2D([], [], marker=shown_marker, color=color if fit else (
+                    _OOM_COLOR if shown_marker == "x" else _SPILL_COLOR), linewidth=0 if plot.markers_only or not fit
+                    else 1.2))
+                labels.append(series.label)
             if plot.log:
                 ax.set_xscale("log")
                 ax.set_yscale("log")
             if plot.diagonal:
                 values = [v for s in plot.series for pt in s.points for v in (pt.x, pt.y)]
                 lo, hi = min(values) * 0.9, max(values) * 1.1
-                ax.plot([lo, hi], [lo, hi], linestyle="--", color="#555555", linewidth=1, label="estimate = measured")
-            if plot.limit_mib:
-                ax.axhline(plot.limit_mib, color="#b00020", linestyle="--", linewidth=1)
-                ax.annotate(f"{plot.limit_label}: {plot.limit_mib:,.0f} MiB; × = OOM (exceeded)",
-                            xy=(0.01, plot.limit_mib), xycoords=("axes fraction", "data"),
-                            va="bottom", fontsize=8, color="#b00020")
+                handles.append(ax.plot([lo, hi], [lo, hi], linestyle="--", color="#555555", linewidth=1)[0])
+                labels.append("estimate = measured")
+            if limit:
+                handles.append(ax.axhline(limit, color=_OOM_COLOR, linestyle="--", linewidth=1))
+                labels.append(f"{plot.limit_label}: {limit:,.0f} MiB")
+                if any(p.status == "oom" or p.exceeded for s in plot.series for p in s.points):
+                    handles.append(plt.Line2D([], [], marker="x", color=_OOM_COLOR, linewidth=0, markeredgewidth=2))
+                    labels.append("× ran out of memory")
+                if band is not None:
+                    handles.append(plt.Line2D([], [], marker="^", color=_SPILL_COLOR, linewidth=0))
+                    labels.append("▲ spilled past the card (value written beside it)")
+                    bottom = ax.get_ylim()[0]
+                    ax.set_ylim(bottom, band * 1.04)
             ax.set_xlabel(plot.xlabel)
             ax.set_ylabel(plot.ylabel)
             ax.set_title(plot.title, fontsize=10)
-            if plot.series:
-                handles, labels = ax.get_legend_handles_labels()
+            if handles:
                 if len(handles) > _LEGEND_MAX:  # every series is still in vram.json
                     extra = len(handles) - _LEGEND_MAX
                     handles, labels = handles[:_LEGEND_MAX], labels[:_LEGEND_MAX] + [f"+ {extra} more (see vram.json)"]
                     handles.append(plt.Line2D([], [], linestyle="none"))
-                ax.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+                ax.legend(handles, labels, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
             buf = io.StringIO()
-            fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None, "Creator": "vram-ledger"})
+            fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None, "Creator": None, "Format": None, "Type": None})
         finally:
             plt.close(fig)
-    return buf.getvalue()
+    return _add_titles(buf.getvalue(), titles)
 
+
+def _add_titles(svg: str, titles: dict[str, str]) -> str:
+    """Put each point's <title> first in its group (what a browser shows on hover)."""
+    from xml.sax.saxutils import escape
+
+    for gid, text in titles.items():
+        svg = svg.replace(f'<g id="{gid}">', f'<g id="{gid}">\n   <title>{escape(text)}</title>', 1)
+    return svg

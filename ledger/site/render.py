@@ -276,7 +276,8 @@ def compute_site(ledger: Ledger, out: Path, *, build_date: Optional[str], base_u
                             fitted_doc=jobs["fitted"], scoreboard_doc=jobs["scoreboard"])
         board_plot = estimator_plot(ctx.scoreboard)
         images = dict(zip((p.file for p in ctx.plots), jobs["svgs"].result()))
-        ctx = replace(ctx, fits=jobs["fits"].result())
+        fits, grids = jobs["fits"].result()
+        ctx = replace(ctx, fits=fits, fit_grids=grids)
     finally:
         pool.shutdown(cancel_futures=True)
     if board_plot:
