@@ -67,3 +67,114 @@ def test_screenshot_is_saved_as_an_artifact(site, tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     assert shot.is_file() and shot.stat().st_size > 50_000
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- the page at phone and desktop widths, and the checkers people use ------------------------
+
+#: Headless Chromium lays a page out no narrower than 500 CSS px (a 390 px window gets 500): the
+#: narrowest width it allows stands in for a phone.
+NARROW, WIDE = 500, 1400
+PROBE = ("<script>(function(){var d=document.documentElement, f=document.getElementById('fits');"
+         "document.body.setAttribute('data-scroll-width', d.scrollWidth);"
+         "document.body.setAttribute('data-client-width', d.clientWidth);"
+         "document.body.setAttribute('data-fits-top', f ? Math.round(f.getBoundingClientRect().top) : -1);})();"
+         "</script></body>")
+
+
+def measure(site: Path, page: str, width: int, tmp_path: Path) -> dict:
+    """Layout figures of a page as Chromium lays it out at ``width``: from a copy with a probe."""
+    probe = site / f"probe-{width}-{page}"
+    probe.write_text((site / page).read_text(encoding="utf-8").replace("</body>", PROBE), encoding="utf-8")
+    try:
+        run = chromium(tmp_path, f"--window-size={width},1800", "--dump-dom", probe.as_uri())
+    finally:
+        probe.unlink()
+    assert run.returncode == 0, run.stderr[-2000:]
+    body = html5lib.parse(run.stdout, namespaceHTMLElements=False).find("body")
+    return {k: int(body.get(f"data-{k}")) for k in ("scroll-width", "client-width", "fits-top")}
+
+
+@pytest.mark.parametrize("page", ["index.html", "fits.html", "estimators.html"])
+@pytest.mark.parametrize("width", [NARROW, WIDE])
+def test_no_page_scrolls_sideways(site, tmp_path, page, width):
+    m = measure(site, page, width, tmp_path)
+    assert m["scroll-width"] <= m["client-width"], m  # wide tables scroll inside their own box
+
+
+def test_what_fits_is_the_first_thing_on_the_page(site, tmp_path):
+    m = measure(site, "index.html", WIDE, tmp_path)
+    assert 0 < m["fits-top"] <= 1000, m
+
+
+@pytest.mark.parametrize("width", [NARROW, WIDE])
+def test_screenshots_at_phone_and_desktop_widths(site, tmp_path, width):
+    artifacts = REPO / "test-artifacts"
+    artifacts.mkdir(exist_ok=True)
+    for page in ("index", "fits"):
+        shot = artifacts / f"site-{page}-{width}.png"
+        shot.unlink(missing_ok=True)
+        run = chromium(tmp_path, f"--window-size={width},2400", f"--screenshot={shot}", (site / f"{page}.html").as_uri())
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+
+
+def test_every_plotted_point_has_a_title(site):
+    import json
+    import re
+
+    doc = json.loads((site / "vram.json").read_text(encoding="utf-8"))
+    plots = doc["derived"]["plots"]
+    assert plots
+    for plot in plots:
+        svg = (site / plot["file"]).read_text(encoding="utf-8")
+        n = sum(len(s["points"]) for s in plot["series"])
+        titles = re.findall(rf'<g id="{re.escape(plot["id"])}-pt\d+">\s*<title>([^<]+)</title>', svg)
+        assert len(titles) == n, plot["id"]
+        ids = {p["id"] for s in plot["series"] for p in s["points"]}
+        assert {t.split(":")[0] for t in titles} == ids
+
+
+def _tool(env: str, *candidates: Path) -> Path:
+    import os
+
+    for path in [Path(os.environ[env])] if os.environ.get(env) else list(candidates):
+        if path.is_file():
+            return path
+    pytest.skip(f"{env} not set and no copy found (.ci/run installs it with npm)")
+
+
+def test_axe_core_finds_no_serious_or_critical_violation(site, tmp_path):
+    import json
+
+    axe = _tool("VRAM_AXE_JS", REPO / "node_modules" / "axe-core" / "axe.min.js")
+    for page in ("index.html", "fits.html", "estimators.html"):
+        probe = site / f"axe-{page}"
+        script = (f'<script src="{axe.as_uri()}"></script><script>axe.run(document).then(function(r){{'
+                  "var p=document.createElement('pre');p.id='axe-result';p.textContent=JSON.stringify(r.violations"
+                  ".map(function(v){return {id:v.id,impact:v.impact,nodes:v.nodes.length};}));"
+                  "document.body.appendChild(p);});</script></body>")
+        probe.write_text((site / page).read_text(encoding="utf-8").replace("</body>", script), encoding="utf-8")
+        try:
+            run = chromium(tmp_path, "--allow-file-access-from-files", "--virtual-time-budget=60000",
+                           "--window-size=1400,1800", "--dump-dom", probe.as_uri())
+        finally:
+            probe.unlink()
+        dom = html5lib.parse(run.stdout, namespaceHTMLElements=False)
+        result = next((el for el in dom.iter("pre") if el.get("id") == "axe-result"), None)
+        assert result is not None, f"axe did not run on {page}"
+        violations = json.loads(result.text)
+        assert [v for v in violations if v["impact"] in ("serious", "critical")] == [], (page, violations)
+
+
+def test_the_nu_validator_has_nothing_to_say(site):
+    import json
+
+    jar = _tool("VRAM_VNU_JAR", REPO / "node_modules" / "vnu-jar" / "build" / "dist" / "vnu.jar")
+    java = shutil.which("java")
+    if java is None:
+        pytest.skip("no java")
+    pages = [site / p for p in ("index.html", "fits.html", "estimators.html")] + sorted((site / "plots").glob("*.svg"))
+    run = subprocess.run([java, "-jar", str(jar), "--format", "json", "--also-check-svg", *map(str, pages)],
+                         capture_output=True, text=True, timeout=600)
+    messages = json.loads(run.stderr or run.stdout)["messages"]
+    assert [m for m in messages if m["type"] == "error" or m.get("subType") == "warning"] == []

@@ -46,11 +46,22 @@ def load_previous(source: Optional[str], out: Path) -> tuple[Optional[dict], Opt
             raise UserError(Issue(source, "", "not a vram.json (no ledger in it)"))
         previous = None
     history = None
-    if (out / "changes.json").is_file():
+    if source:
+        # The previous publication's history, beside its vram.json: a build in a fresh checkout
+        # (the documented deploy) keeps every earlier change set.
+        sibling = (source.rsplit("/", 1)[0] + "/changes.json" if source.startswith(("http://", "https://"))
+                   else str(Path(source).with_name("changes.json")))
+        try:
+            history = read(sibling)
+        except (OSError, ValueError):
+            history = None
+    if history is None and (out / "changes.json").is_file():
         try:
             history = json.loads((out / "changes.json").read_text(encoding="utf-8"))
         except (OSError, ValueError):
             history = None
+    if not isinstance(history, dict):
+        history = None
     return previous, history
 
 
@@ -80,17 +91,44 @@ def _diff_items(old: list, new: list) -> tuple[list[str], list[str], list[dict]]
     return added, removed, changed
 
 
+def describe(item: dict) -> str:
+    """A measurement or finding in words and figures: 'rtx-3070-ti gemma-3-4b-it r112 dropout
+    7177 tokens: oom (needed at least 7147.5 MiB)'."""
+    if "kind" not in item:  # a finding
+        return str(item.get("title") or item.get("id"))
+    lora = item.get("lora") or {}
+    o = item.get("outcome") or {}
+    bits = [item.get("gpu"), (item.get("model") or "").split("/")[-1] or None, item.get("kind"),
+            f"r{lora['rank']}" if lora.get("rank") else None, "dropout" if lora.get("dropout") else None,
+            "DoRA" if lora.get("dora") else None,
+            f"{item['seq_len']} tokens" if item.get("seq_len") else None]
+    head = " ".join(str(b) for b in bits if b)
+    status = o.get("status") or "no outcome"
+    if o.get("peak_allocated_mib") is not None:
+        figure = f"{status}, peak allocated {o['peak_allocated_mib']} MiB"
+    elif (o.get("oom") or {}).get("allocated_mib") is not None:
+        figure = f"{status}, {o['oom']['allocated_mib']} MiB allocated when it failed"
+    else:
+        figure = status
+    return f"{head}: {figure}"
+
+
 def change_set(previous: dict, ledger_doc: dict, sha: str, date: Optional[str]) -> dict:
-    """The differences between the previous publication's ledger and this one."""
+    """The differences between the previous publication's ledger and this one, each added or
+    removed row also described in words and figures."""
     prev = previous["ledger"]
     m_add, m_rem, m_chg = _diff_items(prev.get("measurements", []), ledger_doc.get("measurements", []))
     f_add, f_rem, f_chg = _diff_items(prev.get("findings", []), ledger_doc.get("findings", []))
+    new_m, old_m = _by_id(ledger_doc.get("measurements", [])), _by_id(prev.get("measurements", []))
+    new_f, old_f = _by_id(ledger_doc.get("findings", [])), _by_id(prev.get("findings", []))
     return {
         "from_sha256": previous.get("ledger_sha256"),
         "to_sha256": sha,
         "date": date,
-        "measurements": {"added": m_add, "removed": m_rem, "changed": m_chg},
-        "findings": {"added": f_add, "removed": f_rem, "changed": f_chg},
+        "measurements": {"added": m_add, "removed": m_rem, "changed": m_chg,
+                         "described": {i: describe(new_m[i]) for i in m_add} | {i: describe(old_m[i]) for i in m_rem}},
+        "findings": {"added": f_add, "removed": f_rem, "changed": f_chg,
+                     "described": {i: describe(new_f[i]) for i in f_add} | {i: describe(old_f[i]) for i in f_rem}},
     }
 
 
@@ -126,14 +164,20 @@ def atom_feed(history: dict, *, title: str, base_url: Optional[str], updated: st
             for what, rid, fields in rows:
                 entry = ET.SubElement(feed, f"{{{ATOM}}}entry")
                 noun = "measurement" if section == "measurements" else "finding"
-                ET.SubElement(entry, f"{{{ATOM}}}title").text = f"{noun} {rid} {what}"
+                text = (part.get("described") or {}).get(rid)
+                ET.SubElement(entry, f"{{{ATOM}}}title").text = (f"{text} ({what})" if text
+                                                                 else f"{noun} {rid} {what}")
                 ET.SubElement(entry, f"{{{ATOM}}}id").text = f"urn:vram-ledger:{cs['to_sha256']}:{section}:{what}:{rid}"
                 ET.SubElement(entry, f"{{{ATOM}}}updated").text = when
-                summary = f"{noun.capitalize()} {rid} {what}."
+                summary = f"{noun.capitalize()} {rid} {what}" + (f": {text}." if text else ".")
                 if fields:
                     summary += " " + "; ".join(f"{k}: {json.dumps(v[0])} → {json.dumps(v[1])}" for k, v in fields.items())
                 ET.SubElement(entry, f"{{{ATOM}}}summary").text = summary
-                if base_url and section == "measurements" and what != "removed":
-                    ET.SubElement(entry, f"{{{ATOM}}}link", href=f"{base_url.rstrip('/')}/#m-{rid}")
+                # RFC 4287 4.1.2: an entry has content or an alternate link; every entry has content.
+                ET.SubElement(entry, f"{{{ATOM}}}content", type="text").text = summary
+                if base_url:
+                    anchor = (f"#m-{rid}" if section == "measurements" and what != "removed" else
+                              f"#{rid}" if section == "findings" and what != "removed" else "#changes")
+                    ET.SubElement(entry, f"{{{ATOM}}}link", rel="alternate", href=f"{base_url.rstrip('/')}/{anchor}")
     ET.indent(feed)
     return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(feed, encoding="unicode") + "\n"

@@ -290,6 +290,16 @@ def make_row(ledger: Ledger, m: Measurement) -> Row:
             detail_bits.append("Dataset: " + ", ".join(ds))
     if m.logits_to_keep:
         detail_bits.append(f"logits_to_keep {m.logits_to_keep}")
+    if o.peak_delta_mib is not None:
+        detail_bits.append(f"Peak delta (HF Trainer's peaked memory) {filters.num(o.peak_delta_mib)} MiB")
+    if o.oom is not None and (o.oom.total_mib is not None or o.oom.in_use_mib is not None):
+        detail_bits.append("OOM message: " + ", ".join(
+            x for x in (f"card total {filters.num(o.oom.total_mib)} MiB" if o.oom.total_mib is not None else None,
+                        f"in use {filters.num(o.oom.in_use_mib)} MiB" if o.oom.in_use_mib is not None else None) if x))
+    env = m.environment
+    if env is not None and (env.device or env.device_name):
+        detail_bits.append("Device: " + " ".join(x for x in (env.device, f"({env.device_name})" if env.device_name
+                                                              else None) if x))
     return Row(
         id=m.id,
         kind=m.kind,

@@ -33,12 +33,13 @@ COLUMNS = [
     "id", "kind", "gpu", "model", "quant", "lora_rank", "lora_alpha", "lora_rslora", "lora_dropout", "lora_dora",
     "seq_len_tokens", "response_len_tokens", "batch_size", "memory_fixes", "logits_to_keep", "dataset",
     "dataset_examples", "longest_example_tokens", "status", "after_load_mib", "pre_step_mib", "peak_allocated_mib",
-    "peak_reserved_mib", "step_s", "oom_tried_mib", "oom_free_mib", "oom_allocated_mib",
-    "oom_reserved_unallocated_mib", "oom_max_allocated_mib", "failed_at_step", "source", "measured_on", "inferred",
+    "peak_reserved_mib", "peak_delta_mib", "step_s", "oom_tried_mib", "oom_free_mib", "oom_total_mib", "oom_in_use_mib",
+    "oom_allocated_mib", "oom_reserved_unallocated_mib", "oom_max_allocated_mib", "failed_at_step", "device",
+    "source", "measured_on", "inferred",
 ]
 _NO_LORA = ("", "", "", "", "")
 _NO_DATASET = ("", "", "")
-_NO_OOM = ("", "", "", "", "")
+_NO_OOM = ("", "", "", "", "", "", "")
 
 
 def csv_row(m: Measurement) -> list:
@@ -51,10 +52,10 @@ def csv_row(m: Measurement) -> list:
         _v(m.seq_len), _v(m.response_len), _v(m.batch_size), _fixes(m), _v(m.logits_to_keep),
         *((_v(ds.name), _v(ds.examples), _v(ds.longest_example_tokens)) if ds else _NO_DATASET),
         _v(o.status), _v(o.after_load_mib), _v(o.pre_step_mib), _v(o.peak_allocated_mib), _v(o.peak_reserved_mib),
-        _v(o.step_s),
-        *((_v(oom.tried_mib), _v(oom.free_mib), _v(oom.allocated_mib), _v(oom.reserved_unallocated_mib),
-           _v(oom.max_allocated_mib)) if oom else _NO_OOM),
-        _v(o.failed_at_step), _v(p.source), p.measured_on.isoformat() if p.measured_on else "", _v(p.inferred),
+        _v(o.peak_delta_mib), _v(o.step_s),
+        *((_v(oom.tried_mib), _v(oom.free_mib), _v(oom.total_mib), _v(oom.in_use_mib), _v(oom.allocated_mib),
+           _v(oom.reserved_unallocated_mib), _v(oom.max_allocated_mib)) if oom else _NO_OOM),
+        _v(o.failed_at_step), _v(m.environment.device if m.environment else None), _v(p.source), p.measured_on.isoformat() if p.measured_on else "", _v(p.inferred),
     ]
 
 
