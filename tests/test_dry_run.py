@@ -131,3 +131,21 @@ def test_the_multimodal_class_is_chosen_from_the_config():
 
     assert loads_multimodal("gemma-3-4b-it") and loads_multimodal("gemma-3-12b-it")
     assert not loads_multimodal("gemma-3-1b-it") and not loads_multimodal("tiny-llama")
+
+
+def test_one_models_committed_grid_rows_are_rebuilt_on_the_cpu():
+    """The fit table's rows of the smallest model, rebuilt here from the grid's points, are the
+    committed ones (ledger/dry-runs.json): the table is reproducible from the repository."""
+    from ledger.fits import grid_points
+    from ledger.predictor import load_dry_runs, model_name, recipe_of
+    from probe_kit.run_sweep import _config
+
+    committed = {recipe_of(d): d for d in load_dry_runs() if model_name(d.model) == "qwen2.5-0.5b"
+                 and d.outcome.status == "ok"}
+    points = grid_points("qwen2.5-0.5b")
+    assert len(committed) >= len(points)
+    for i, options in enumerate(points):
+        cfg = _config({**options, "random_weights": True}, f"grid[{i}]")
+        outcome, _ = predict(cfg)
+        row = next(d for r, d in committed.items() if r == recipe_of(cfg.measurement(id="x", kind="dry_run")))
+        assert outcome["peak_allocated_mib"] == pytest.approx(row.outcome.peak_allocated_mib, rel=0.001), options
