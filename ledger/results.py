@@ -276,6 +276,7 @@ class TableCell(_Result):
 
 class TableRow(_Result):
     id: str
+    model: Optional[str] = None
     status: str
     allocated_mib: Optional[float]
     reserved_mib: Optional[float]

@@ -329,6 +329,8 @@ def run_dry_point(point: Point, sweep: Sweep, ledger: str) -> Result:
             outcome, breakdown = predict(cfg)
     except RecipeError as exc:
         return Result(point, "error", time.perf_counter() - t0, message=str(exc))
+    except SweepInterrupted:
+        raise
     except Exception as exc:  # a library that cannot build or step this model: recorded, the sweep goes on
         why = f"the dry run failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         m = point.config.measurement(id=point.id, kind="dry_run", outcome=Outcome(status="crashed", result_text=why),

@@ -238,3 +238,36 @@ def test_a_signal_mid_point_stops_cleanly_and_resume_finishes(tmp_path, signame)
     ids = [m.id for m in store.load(ledger).measurements]
     assert len(ids) == len(set(ids)) == 3
     assert all(m.outcome.status == "ok" for m in store.load(ledger).measurements)
+
+
+def test_a_dry_sweep_stopped_mid_point_records_nothing(tmp_path, monkeypatch):
+    """SIGINT or SIGTERM during an in-process dry run stops the sweep; the point is not recorded
+    as a crash (a --resume then runs it)."""
+    import signal as sig
+
+    import probe_kit.dry_run as dry
+
+    path = write(tmp_path, '[sweep]\nname = "d"\ndevice = "dry"\n[base]\nmodel = "tiny-llama"\nrandom_weights = true\n'
+                           'seq_len = 64\nresponse_len = 8\n[axes]\nrank = [4]\n')
+    sweep = load_sweep(path)
+
+    def interrupted(*a, **k):
+        raise run_sweep.SweepInterrupted(sig.SIGTERM)
+
+    monkeypatch.setattr(dry, "predict", interrupted)
+    ledger = tmp_path / "d.json"
+    with pytest.raises(run_sweep.SweepInterrupted):
+        run_sweep.run_dry_point(sweep.points[0], sweep, str(ledger))
+    assert not ledger.exists()
+
+
+def test_a_dry_sweep_records_rows_without_a_card(tmp_path):
+    path = write(tmp_path, '[sweep]\nname = "d"\ndevice = "dry"\n[base]\nmodel = "tiny-llama"\nrandom_weights = true\n'
+                           'seq_len = 64\nresponse_len = 8\n[axes]\nrank = [4, 8]\n')
+    ledger = tmp_path / "d.json"
+    assert run_sweep.main([path, "--ledger", str(ledger), "--no-progress"]) == 0
+    rows = store.load(ledger).measurements
+    assert [m.kind for m in rows] == ["dry_run", "dry_run"] and all(m.gpu is None for m in rows)
+    assert all(m.id.startswith("dry-tiny-llama-4bit-r") for m in rows)
+    assert run_sweep.main([path, "--ledger", str(ledger), "--resume", "--no-progress"]) == 0  # nothing to redo
+    assert len(store.load(ledger).measurements) == 2

@@ -624,9 +624,11 @@ def estimator_scoreboard(ledger: Ledger) -> Scoreboard:
             board["slice_values"].setdefault(key, set()).update(groups)
     board["slice_values"] = {k: sorted(v, key=_sort_key) for k, v in board["slice_values"].items()}
     table: dict[str, dict] = {}
+    models = {m.id: m.model for m in ledger.measurements}
     for i, est in enumerate(board["estimators"]):
         for r in est.get("rows", []):
-            row = table.setdefault(r["id"], {"id": r["id"], "status": r["status"], "allocated_mib": r["allocated_mib"],
+            row = table.setdefault(r["id"], {"id": r["id"], "model": models.get(r["id"]), "status": r["status"],
+                                             "allocated_mib": r["allocated_mib"],
                                              "reserved_mib": r["reserved_mib"],
                                              "cells": [None] * len(board["estimators"])})
             row["cells"][i] = {"estimate_mib": r["estimate_mib"], "error_pct": r["error_pct"]}
