@@ -113,7 +113,8 @@ def _dry_ceiling(p: Predictor, recipe: Recipe, gpu: str, entry: Gpu) -> tuple[Op
         if rank not in cache:
             r = replace(recipe, rank=rank)
             raw, _ = p.dry_raw(r)
-            cache[rank] = "unknown" if raw is None else p.judge_dry(r, raw, gpu, entry=entry).verdict
+            cache[rank] = "unknown" if raw is None else p.judge_dry(r, raw, gpu, entry=entry,
+                                                                    derived=not p.dry_exact(r)).verdict
         return cache[rank]
 
     if verdict(STEP) == "unknown":

@@ -432,6 +432,47 @@ class Predictor:
                 return p0 + d1 + (d2 - d1) * (seq - s1) / (s2 - s1), i0 + i1 + i2
         return y1 + (y2 - y1) * (seq - s1) / (s2 - s1), i1 + i2
 
+    def dry_exact(self, recipe: Recipe) -> bool:
+        """Whether a committed dry-run row is of this very recipe (else its figure is derived)."""
+        table = self._dry_table(model_name(recipe.model), recipe.quant, recipe.fixes, recipe.dropout, recipe.dora,
+                                recipe.response_len)
+        return recipe.rank in table.get(recipe.seq_len, {})
+
+    @cached_property
+    def dry_derivation(self) -> dict:
+        """How well the table derives a dry run it did not compute: each committed row that is not a
+        grid point (rank 8 anywhere; rank 64, dropout and DoRA at a model's shortest and longest
+        length) - the held-out points of the fit grid and the ledger recipes' rows - derived from
+        the others. Signed % errors by id, and the largest |error| (the width added to derived cells)."""
+        lengths: dict[str, tuple[int, int]] = {}
+        for d in self.dry:
+            name = model_name(d.model)
+            lo, hi = lengths.get(name, (d.seq_len, d.seq_len))
+            lengths[name] = (min(lo, d.seq_len), max(hi, d.seq_len))
+        rows = {}
+        for d in self.dry:
+            r = recipe_of(d)
+            ends = lengths[model_name(d.model)]
+            grid = (r.rank == 8 and not (r.dropout or r.dora)) or (r.seq_len in ends and r.rank in (8, 64))
+            if grid:
+                continue
+            p = Predictor(self.ledger, [x for x in self.dry if x.id != d.id])
+            derived, _ = p.dry_raw(r)
+            if derived is not None:
+                rows[d.id] = round((derived - d.outcome.peak_allocated_mib) / d.outcome.peak_allocated_mib * 100, 2)
+        return {"errors_pct": rows, "max_abs_err_pct": max((abs(e) for e in rows.values()), default=None)}
+
+    def _dry_width(self, recipe: Recipe, derived: bool) -> tuple[float, str]:
+        width = (self.dry_loo["max_abs_err_pct"] or 0.0) / 100
+        text = f"±{width * 100:.2f}% (the largest leave-one-out error over {self.dry_loo['n']} measured probes)"
+        extra = self.dry_derivation["max_abs_err_pct"] if derived else None
+        if extra:
+            width += extra / 100
+            text = (f"±{width * 100:.2f}%: {text[1:]} + {extra:.2f}% (the largest error of deriving, from the "
+                    f"others, the {len(self.dry_derivation['errors_pct'])} dry runs the grid does not need; this "
+                    "figure is derived, not dry-run itself)")
+        return width, text
+
     def dry_calibrated(self, recipe: Recipe, gpu: str, vendor: Optional[str]) -> Optional[tuple[Interval, list[str], str]]:
         raw, ids = self.dry_raw(recipe)
         if raw is None:
@@ -439,10 +480,9 @@ class Predictor:
         rem, scope = self.remainder(gpu, vendor)
         if rem is None:
             rem, scope = 0.0, "no remainder fitted (no measured probe has a dry run): raw dry run"
-        width = (self.dry_loo["max_abs_err_pct"] or 0.0) / 100
+        width, wtext = self._dry_width(recipe, not self.dry_exact(recipe))
         mib = raw + rem
-        text = (f"dry run {raw:.1f} MiB + remainder {rem:+.1f} MiB fitted on {scope}; interval ±{width * 100:.2f}% "
-                f"(the largest leave-one-out error over {self.dry_loo['n']} measured probes)"
+        text = (f"dry run {raw:.1f} MiB + remainder {rem:+.1f} MiB fitted on {scope}; interval {wtext}"
                 + self._family_note(recipe))
         return _iv(mib, mib * (1 - width), mib * (1 + width)), ids, text
 
@@ -681,7 +721,7 @@ class Predictor:
                       margin_mib=margin_mib, verdict=verdict, why=why)
 
     def judge_dry(self, recipe: Recipe, raw_mib: float, gpu: Optional[str] = None, *, entry: Optional[Gpu] = None,
-                  margin_mib: float = 0.0, budget_mib: Optional[float] = None) -> Answer:
+                  margin_mib: float = 0.0, budget_mib: Optional[float] = None, derived: bool = False) -> Answer:
         """The answer for a dry run just computed (``raw_mib``: its peak with PyTorch's default
         workspaces, as the committed rows are): plus the card's remainder (all cards' without a
         card), with the leave-one-out interval, judged against the card's limit or the budget."""
@@ -689,11 +729,11 @@ class Predictor:
         rem, scope = self.remainder(gpu or "", entry.vendor if entry else None)
         if rem is None:
             rem, scope = 0.0, "no remainder fitted (no measured probe has a dry run)"
-        width = (self.dry_loo["max_abs_err_pct"] or 0.0) / 100
+        width, wtext = self._dry_width(recipe, derived)
         mib = raw_mib + rem
         iv = _iv(mib, mib * (1 - width), mib * (1 + width))
-        text = (f"dry run {raw_mib:.1f} MiB + remainder {rem:+.1f} MiB fitted on {scope}; interval ±{width * 100:.2f}% "
-                f"(the largest leave-one-out error over {self.dry_loo['n']} measured probes)" + self._family_note(recipe))
+        text = (f"dry run {raw_mib:.1f} MiB + remainder {rem:+.1f} MiB fitted on {scope}; interval {wtext}"
+                + self._family_note(recipe))
         if budget_mib is not None:
             low, high, lsrc, source = budget_mib, budget_mib, f"--budget-mib {budget_mib}", "budget"
         elif gpu:

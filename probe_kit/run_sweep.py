@@ -323,6 +323,9 @@ def run_dry_point(point: Point, sweep: Sweep, ledger: str) -> Result:
     from probe_kit.dry_run import measurement, predict
 
     t0 = time.perf_counter()
+    if Path(ledger).exists() and any(m.id == point.id for m in store.load(ledger).measurements):
+        # Another process (a shard sharing this file) recorded it since the sweep started.
+        return Result(point, "skipped", 0.0, message="recorded meanwhile by another writer")
     cfg = point.config if point.config.random_weights else replace(point.config, random_weights=True)
     try:
         with contextlib.redirect_stdout(sys.stderr):
@@ -341,7 +344,12 @@ def run_dry_point(point: Point, sweep: Sweep, ledger: str) -> Result:
         return Result(point, "crashed", time.perf_counter() - t0, message=why)
     m = measurement(cfg, outcome, breakdown, None, point.id)
     m.provenance.source = f"probe_kit.run_sweep {sweep.path} ({point.where}): dry run under fake tensors"
-    store.append(ledger, [m], create=True)
+    try:
+        store.append(ledger, [m], create=True)
+    except UserError as exc:
+        if any(m.id == x.id for x in store.load(ledger).measurements):  # the same point, by another writer
+            return Result(point, "skipped", time.perf_counter() - t0, message="recorded meanwhile by another writer")
+        raise exc
     return Result(point, m.outcome.status, time.perf_counter() - t0, breakdown["seconds"])
 
 

@@ -52,7 +52,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         else:
             raw, ids = predictor.dry_raw(question)
             if raw is not None:
-                answer = predictor.judge_dry(question, raw)
+                answer = predictor.judge_dry(question, raw, derived=not predictor.dry_exact(question))
                 answer.evidence = ids
     figures = estimate_all(arch, recipe, card)
     near = nearest_row(ledger, args.model, recipe, gpu)
