@@ -231,6 +231,8 @@ def fits_document(p: Predictor, cells: Optional[list[FitCell]] = None, ladder: b
                       for c in cells],
             "dry_run_median_abs_err_pct": acc["median_abs_err_pct"], "dry_run_max_abs_err_pct": acc["max_abs_err_pct"],
             "dry_run_n": acc["n"], "dry_run_fitted_on": sorted({model_name(m.model) for m, _, _ in p.dry_pairs}),
+            "derivation_max_abs_err_pct": p.dry_derivation["max_abs_err_pct"],
+            "derivation_n": len(p.dry_derivation["errors_pct"]),
             "stale": stale_rows(p.dry)}
 
 

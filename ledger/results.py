@@ -335,5 +335,9 @@ class Fits(_Result):
     dry_run_max_abs_err_pct: Optional[float] = Field(description="Its largest |error|, %.")
     dry_run_n: int = Field(description="Measured probes the dry run's accuracy rests on.")
     dry_run_fitted_on: list[str] = Field(description="Models whose measured probes the remainder is fitted on.")
+    derivation_max_abs_err_pct: Optional[float] = Field(
+        None, description="Largest error of deriving (from the other rows) a dry run the grid did compute, %: the "
+                          "width a derived cell's interval gets on top of the dry run's own.")
+    derivation_n: int = Field(0, description="Dry runs that error is measured on.")
     stale: list[str] = Field(default_factory=list, description="Dry-run rows computed with other library versions "
                                                                "than the build's (none when the build has no torch).")

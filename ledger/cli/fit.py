@@ -69,7 +69,8 @@ def cmd_fit(args: argparse.Namespace) -> int:
     methods = sorted({c.method for c in cells})
     print(f"\nanswered by: {', '.join(methods)}; the calibrated dry run's leave-one-out error on the ledger's measured "
           f"probes: median {p.dry_loo['median_abs_err_pct']}%, worst {p.dry_loo['max_abs_err_pct']}% "
-          f"(over {p.dry_loo['n']})")
+          f"(over {p.dry_loo['n']}); a figure the grid derives rather than dry-runs has its interval widened by "
+          f"{p.dry_derivation['max_abs_err_pct']}% (the largest error of deriving a dry run it did compute)")
     measured = sorted({i for c in cells for i in c.measured})
     if measured:
         print(f"measured on this card: {', '.join(measured)}")
