@@ -197,10 +197,12 @@ def monotone(cells: list[FitCell]) -> list[FitCell]:
                 j = index.get((*key[:4], other, key[5]))
                 if j is not None:
                     raise_to(i, cells[j].fits_rank)
-    groups = sorted({k[:5] for k in index})
-    for g in groups:
+    groups: dict[tuple, list[int]] = {}
+    for k in index:
+        groups.setdefault(k[:5], []).append(k[5])
+    for g, seqs in sorted(groups.items()):
         floor = None
-        for seq in sorted((k[5] for k in index if k[:5] == g), reverse=True):
+        for seq in sorted(seqs, reverse=True):
             i = index[(*g, seq)]
             raise_to(i, floor)
             floor = cells[i].fits_rank if cells[i].fits_rank is not None else floor
@@ -230,7 +232,7 @@ def fits_document(p: Predictor, cells: Optional[list[FitCell]] = None, ladder: b
             "cells": [{**{k: getattr(c, k) for k in CSV_FIELDS}, "measured": list(c.measured), "label": c.label()}
                       for c in cells],
             "dry_run_median_abs_err_pct": acc["median_abs_err_pct"], "dry_run_max_abs_err_pct": acc["max_abs_err_pct"],
-            "dry_run_n": acc["n"], "dry_run_fitted_on": sorted({model_name(m.model) for m, _, _ in p.dry_pairs}),
+            "dry_run_n": acc["n"], "dry_run_fitted_on": p.dry_fitted_on,
             "derivation_max_abs_err_pct": p.dry_derivation["max_abs_err_pct"],
             "derivation_n": len(p.dry_derivation["errors_pct"]),
             "stale": stale_rows(p.dry)}

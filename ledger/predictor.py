@@ -48,7 +48,7 @@ from pydantic import BaseModel, ConfigDict
 
 from .calibration import (Limit, Overestimate, PeakModel, _exceeded_peak, _probes, before, limit_for, limits,
                           ok_peak, overestimate, pairs)
-from .models import Gpu, Ledger, Measurement, Provenance
+from .models import SCHEMA_VERSION, Gpu, Ledger, Measurement, Provenance
 from .paths import PACKAGE_DIR
 from .recipe import GroupKey, capacity_mib, fixes_key, seq_len_of
 
@@ -456,7 +456,8 @@ class Predictor:
             grid = (r.rank == 8 and not (r.dropout or r.dora)) or (r.seq_len in ends and r.rank in (8, 64))
             if grid:
                 continue
-            p = Predictor(self.ledger, [x for x in self.dry if x.id != d.id])
+            # dry_raw reads the dry-run rows alone: no need to refit the ledger for each one.
+            p = Predictor(Ledger(schema_version=SCHEMA_VERSION), [x for x in self.dry if x.id != d.id])
             derived, _ = p.dry_raw(r)
             if derived is not None:
                 rows[d.id] = round((derived - d.outcome.peak_allocated_mib) / d.outcome.peak_allocated_mib * 100, 2)
@@ -486,9 +487,14 @@ class Predictor:
                 + self._family_note(recipe))
         return _iv(mib, mib * (1 - width), mib * (1 + width)), ids, text
 
+    @cached_property
+    def dry_fitted_on(self) -> list[str]:
+        """Models whose measured probes the dry run's remainder is fitted on."""
+        return sorted({model_name(m.model) for m, _, _ in self.dry_pairs})
+
     def _family_note(self, recipe: Recipe) -> str:
         """Says so when the remainder and its error come from another model's measured rows."""
-        fitted = sorted({model_name(m.model) for m, _, _ in self.dry_pairs})
+        fitted = self.dry_fitted_on
         if not fitted or model_name(recipe.model) in fitted:
             return ""
         return (f"; the remainder and its error are measured on {', '.join(fitted)} only, not on "
