@@ -68,11 +68,16 @@ def test_feed_lists_exactly_the_rows_that_changed(tmp_path):
     for tag in ("title", "id", "updated"):
         assert feed.find(f"{ATOM}{tag}").text
     entries = feed.findall(f"{ATOM}entry")
-    titles = sorted(e.find(f"{ATOM}title").text for e in entries)
-    assert titles == sorted(["measurement new-probe added", f"measurement {removed_id} removed",
-                             f"measurement {changed_id} changed", "finding new-finding added"])
+    summaries = sorted(" ".join(e.find(f"{ATOM}summary").text.split()[:3]).rstrip(".:") for e in entries)
+    assert summaries == sorted(["Measurement new-probe added", f"Measurement {removed_id} removed",
+                                f"Measurement {changed_id} changed", "Finding new-finding added"])
+    titles = {e.find(f"{ATOM}id").text.rsplit(":", 1)[1]: e.find(f"{ATOM}title").text for e in entries}
+    # In words and figures: what the row was, not only its id.
+    assert titles["new-probe"] == "probe: ok (added)" and titles["new-finding"] == "New (added)"
+    assert titles[removed_id].endswith("(removed)") and ":" in titles[removed_id]
     for e in entries:
         assert e.find(f"{ATOM}id").text and re.match(r"\d{4}-\d{2}-\d{2}T", e.find(f"{ATOM}updated").text)
+        assert e.find(f"{ATOM}content").text  # RFC 4287 4.1.2: content (or an alternate link)
     changed = next(e for e in entries if "changed" in e.find(f"{ATOM}title").text)
     assert "outcome.peak_allocated_mib" in changed.find(f"{ATOM}summary").text
     doc = json.loads((out / "changes.json").read_text())
@@ -138,3 +143,19 @@ def test_the_public_schema_describes_the_derived_figures(tmp_path, capsys):
     assert cli.main(["calibrate", "--ledger", str(REPO / "tests" / "data" / "small-ledger.json"), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert Calibration.model_validate(doc).document() == doc  # --json prints the typed result
+
+
+def test_history_accumulates_across_builds_in_fresh_folders(tmp_path):
+    """The documented deploy builds in a fresh checkout with --previous pointing at the live
+    vram.json: the live changes.json beside it is carried forward, not reset."""
+    edited, _, _ = _edited(tmp_path)
+    first, second, third = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    render_site(store.load(SMALL), first)
+    render_site(store.load(edited), second, previous=str(first / "vram.json"), build_date="2026-11-30")
+    lg = store.load(edited)
+    lg.measurements.append(lg.measurements[1].model_copy(update={"id": "third-row"}))
+    render_site(lg, third, previous=str(second / "vram.json"), build_date="2026-12-01")
+    history = json.loads((third / "changes.json").read_text())["history"]
+    assert len(history) == 2 and history[0]["measurements"]["added"] == ["third-row"]
+    assert history[1]["measurements"]["added"] == ["new-probe"]
+    assert "third-row" in history[0]["measurements"]["described"]
