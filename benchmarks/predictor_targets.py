@@ -68,7 +68,7 @@ def main() -> None:
     for m in lg.measurements:
         if m.kind != "real" or m.outcome.status != "ok" or m.outcome.peak_allocated_mib is None:
             continue
-        recipe = full._recipe(m)
+        recipe = full.recipe_for(m)
         if recipe is None or recipe.seq_len is None:
             continue
         p = Predictor(lg, dry, exclude=[m.id])

@@ -251,15 +251,18 @@ class VramLedger(Estimator):
 
     def __init__(self, dry_runs: Iterable[Measurement] = ()):
         self.dry_runs = list(dry_runs)
+        self._full: Optional[tuple[Ledger, object]] = None
 
     def answer(self, ledger: Ledger, m: Measurement):
         from .predictor import Predictor
 
         if m.lora is None or not m.gpu:
             return None
+        if self._full is None or self._full[0] is not ledger:
+            self._full = (ledger, Predictor(ledger, []))
+        # A real run's longest example, from its pairing, is a fact of the row (read on the full ledger).
+        recipe = self._full[1].recipe_for(m)
         p = Predictor(ledger, self.dry_runs, exclude=[m.id])
-        full = Predictor(ledger, [])
-        recipe = full._recipe(m)  # a real run's longest example, from its pairing, is a fact of the row
         if recipe is None or recipe.seq_len is None:
             return None
         return p.predict(recipe, m.gpu, run="real" if m.kind == "real" else "probe")

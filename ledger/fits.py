@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Iterable, Optional
 
 from .models import Gpu
-from .predictor import Predictor, Recipe, card_table, model_name
+from .predictor import Predictor, Recipe, card_table, model_name, recipe_of
 from .recipe import fixes_key
 
 LENGTHS = (512, 2048, 4096, 8192, 16384)
@@ -93,9 +93,9 @@ def sweep_toml(points: list[dict], name: str, header: str = "") -> str:
 
 
 def dry_models(p: Predictor) -> list[str]:
-    """Models with committed dry-run rows, smallest first by their rows' rank-8 peak at 512 tokens."""
-    names = sorted({model_name(d.model) for d in p.dry if d.model})
-    return names
+    """Models with committed dry-run rows: the grid's in its order (smallest first), then others."""
+    names = {model_name(d.model) for d in p.dry if d.model}
+    return [m for m in GRID_MODELS if m in names] + sorted(names - set(GRID_MODELS))
 
 
 def cards(p: Predictor) -> dict[str, Gpu]:
@@ -273,7 +273,7 @@ def ledger_grids(p: Predictor, ranks: Iterable[int] = GRID_RANKS) -> list[dict]:
     for m in p.ms:
         if m.kind != "probe" or not m.gpu or m.lora is None or not m.seq_len:
             continue
-        r = recipe_of_row(m)
+        r = recipe_of(m)
         combos.setdefault((m.gpu, m.model, r.quant, r.fixes), set()).add(m.seq_len)
         if m.outcome.status in ("ok", "oom", "spilled"):
             measured[(m.gpu, m.model, r.quant, r.fixes, r.dropout, r.dora, m.seq_len, m.lora.rank)] = m
@@ -304,8 +304,3 @@ def ledger_grids(p: Predictor, ranks: Iterable[int] = GRID_RANKS) -> list[dict]:
                     "settings": settings})
     return out
 
-
-def recipe_of_row(m) -> Recipe:
-    from .predictor import recipe_of
-
-    return recipe_of(m)

@@ -41,7 +41,7 @@ import json
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Iterable, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict
@@ -174,16 +174,18 @@ class Card:
     source: str
 
 
-def card_table() -> dict[str, Card]:
-    """The common cards (``ledger/cards.json``) by key."""
+@lru_cache(maxsize=1)
+def _card_table() -> tuple[tuple[str, Card], ...]:
     doc = json.loads(CARDS_FILE.read_text(encoding="utf-8"))
-    out = {}
-    for c in doc["cards"]:
-        gpu = Gpu(name=c["name"], vendor=c["vendor"], total_mib=c["total_mib"],
-                  usable_gib_torch=c.get("usable_gib_torch"), aliases=c.get("aliases", []),
-                  provenance=Provenance(source=c["source"]))
-        out[c["key"]] = Card(c["key"], gpu, c["source"])
-    return out
+    return tuple((c["key"], Card(c["key"], Gpu(name=c["name"], vendor=c["vendor"], total_mib=c["total_mib"],
+                                                usable_gib_torch=c.get("usable_gib_torch"),
+                                                aliases=c.get("aliases", []), provenance=Provenance(source=c["source"])),
+                                  c["source"])) for c in doc["cards"])
+
+
+def card_table() -> dict[str, Card]:
+    """The common cards (``ledger/cards.json``) by key (read once; a fresh dict each call)."""
+    return dict(_card_table())
 
 
 def resolve_card(ledger: Ledger, name: str) -> Optional[tuple[str, Gpu, str]]:
@@ -205,13 +207,6 @@ def known_card_names(ledger: Ledger) -> list[str]:
 
 
 # -- the predictor -----------------------------------------------------------------------------
-
-
-def _harder_or_equal(a: Recipe, b: Recipe) -> bool:
-    """Whether recipe a never needs less memory than b (same model, quant, fixes)."""
-    return (model_name(a.model) == model_name(b.model) and a.quant == b.quant and a.fixes == b.fixes
-            and a.rank >= b.rank and (a.seq_len or 0) >= (b.seq_len or 0) and a.dropout >= b.dropout
-            and a.dora >= b.dora and a.seq_len is not None and b.seq_len is not None)
 
 
 @dataclass
@@ -284,7 +279,8 @@ class Predictor:
                 out[m.id] = seq_len_of(m)
         return out
 
-    def _recipe(self, m: Measurement) -> Optional[Recipe]:
+    def recipe_for(self, m: Measurement) -> Optional[Recipe]:
+        """A row's recipe, a real run's longest example filled in from the probe it was paired with."""
         r = recipe_of(m)
         if r is not None and r.seq_len is None and m.kind == "real" and m.id in self.real_seq:
             r = replace(r, seq_len=self.real_seq[m.id])
@@ -606,7 +602,7 @@ class Predictor:
         for m in self.ms:
             if m.kind not in ("probe", "real") or m.lora is None or not m.gpu:
                 continue
-            r = self._recipe(m)
+            r = self.recipe_for(m)
             if r is None or r.seq_len is None:
                 continue
             status = m.outcome.status
@@ -622,7 +618,7 @@ class Predictor:
 
     def card_limit(self, gpu: str, entry: Optional[Gpu], run: Run) -> tuple[Optional[float], Optional[float], str]:
         """(low, high, where from) of the effective limit for peak allocated."""
-        key = (gpu, entry.model_dump_json() if entry is not None else None, run)
+        key = (gpu, None if entry is None else (entry.name, entry.total_mib, entry.usable_gib_torch), run)
         if key not in self._limits:
             self._limits[key] = self._card_limit(gpu, entry, run)
         return self._limits[key]
@@ -758,7 +754,7 @@ class Predictor:
         same = []
         for m in self.ms:
             if m.kind == "real" and m.gpu == gpu and m.outcome.status in ("ok", "oom"):
-                r = self._recipe(m)
+                r = self.recipe_for(m)
                 if r is not None and r.seq_len == recipe.seq_len and replace(r, response_len=None, model=model_name(
                         r.model)) == replace(recipe, response_len=None, model=model_name(recipe.model)):
                     same.append(m)
