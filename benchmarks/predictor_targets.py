@@ -9,9 +9,10 @@ the row it is scored on.
   decisive verdicts correct (target >= 97%), the costly cell ("fits" for a probe that ran out of
   memory; target 0), and how many were hedged (tight) or unknown. The estimator page's
   vram-ledger row uses the same verdict: its costly cell is printed too.
-- Real runs: each ok real run, held out, predicted (a) from its probe x the calibrated
-  over-estimate (target: median |error| <= 1.0%) and (b) by the whole ladder, as `vram predict`
-  answers.
+- Real runs: each ok real run, held out, predicted (a) from its probe figure and the calibration
+  alone (the probe's core, less the kept logits, x (1 - the over-estimate); target: median
+  |error| <= 1.0%) and (b) by the whole ladder, as `vram predict` answers. The pairs'
+  over-estimate on the raw probe peak is printed beside it, for comparison.
 - The dry run as the command line applies it: the committed dry-run rows plus the remainder fitted
   without the row, on the row's card (`--gpu`) and on all cards (no flags beyond the recipe):
   median |error| (target <= 2%) and the worst row (target <= 5%). ``--cli N`` also runs
@@ -63,6 +64,12 @@ def main() -> None:
               f"median |error| {e.get('median_abs_err_pct')}% over {e.get('n')} rows")
 
     full = Predictor(lg, dry)
+    print("probe/real pairs: over-estimate on the raw probe peak -> on the probe's core (less its kept logits)")
+    for pr in full.over.pairs:
+        print(f"  {pr.probe} ({pr.probe_mib} MiB, {pr.kept_positions} kept positions = {pr.logits_mib} MiB of fp32 "
+              f"logits) vs {pr.real_mib} MiB real: {pr.raw_overestimate_pct}% -> {pr.overestimate_pct}%")
+    raw = [pr.raw_overestimate_pct for pr in full.over.pairs]
+    print(f"  spread: raw {min(raw)}–{max(raw)}%, core {full.over.low_pct}–{full.over.high_pct}%")
     probe_errs, ladder_errs = [], []
     print("real runs (held out): id, measured, probe x calibration, ladder (method)")
     for m in lg.measurements:
@@ -72,9 +79,10 @@ def main() -> None:
         if recipe is None or recipe.seq_len is None:
             continue
         p = Predictor(lg, dry, exclude=[m.id])
-        probe, *_ = p.probe_figure(recipe, m.gpu, None)
+        probe, _, _, evidence = p.probe_figure(recipe, m.gpu, None)
         actual = m.outcome.peak_allocated_mib
-        from_probe = probe.mib * (1 - p.over.pct / 100) if probe and probe.mib and p.over.pct is not None else None
+        from_probe = (p.probe_to_real(probe, recipe, evidence)[0].mib if probe and probe.mib and p.over.pct is not None
+                      else None)
         a = p.predict(recipe, m.gpu, run="real")
         ladder = a.real_allocated.mib if a.real_allocated else None
         e1 = None if from_probe is None else (from_probe - actual) / actual * 100

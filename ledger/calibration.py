@@ -6,9 +6,17 @@ Rules (each explicit, none tuned to a held-out row):
   the probe's; a real run's longest example is often unknown, so it is not part of the key.
 - **Pairs**: each ok probe is paired with the ok real runs of its recipe key measured on or after
   it and before the key's next ok probe (the runs that trained on the corpus it measured); the
-  pair's real peak is the highest of them. Over-estimate = (probe - real) / probe.
+  pair's real peak is the highest of them.
+- **The probe's core**: a probe runs the corpus's longest example, and with the logits_to_keep fix
+  its lm_head holds the logits of that example's response span, read by the loss in fp32
+  (vocabulary x 4 bytes per kept position, the vocabulary from the model's shipped config). A real
+  run's peak does not follow that span (on the bundled ledger the corpora's longest responses
+  moved the probe by 236 MiB and the real runs by 10 MiB), so the over-estimate is measured on the
+  probe's core = peak - those logits: over-estimate = (core - real) / core. Logits are subtracted
+  only up to the longest span a pair covered (beyond it a real run was never seen to skip them)
+  and only when the span and the vocabulary are known; otherwise nothing is (the higher figure).
 - **Anchors**: the latest pair of each recipe key. The over-estimate used to predict is the median
-  of the anchors; the interval is the range of every pair.
+  of the anchors; the interval is the range of every pair. Real = core x (1 - over-estimate).
 - **Peak of a configuration** (for verdicts and ceilings): the ok probes of its group (card, model,
   quant, sequence length, dropout on/off, DoRA, fixes), linear in rank (slope from the group, else
   the card's, else every card's); a group measured only on other cards borrows their rows
@@ -28,10 +36,12 @@ import hashlib
 import statistics
 from collections import defaultdict
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 from typing import Iterable, Optional
 
 from .models import Ledger, Measurement
 from .recipe import capacity_mib, fixes_key, group_key, recipe_key, seq_len_of
+from .units import to_mib
 
 # -- keys ------------------------------------------------------------------------------------
 
@@ -51,6 +61,37 @@ def _date(m) -> dt.date:
 
 # -- probe -> real -----------------------------------------------------------------------------
 
+#: Bytes per vocabulary entry of one kept position's logits as the loss reads them (fp32).
+LOGIT_BYTES = 4
+
+
+def kept_positions(m) -> Optional[int]:
+    """Positions a row's lm_head computed logits for under the logits_to_keep fix (None: the
+    fix is off or the count is not recorded)."""
+    fixes = fixes_key(m.memory_fixes)
+    if fixes != "all" and "logits_to_keep" not in fixes.split(","):
+        return None
+    if m.logits_to_keep:
+        return m.logits_to_keep
+    return m.response_len + 1 if m.response_len else None
+
+
+@lru_cache(maxsize=64)
+def vocab_size(model: Optional[str]) -> Optional[int]:
+    """The vocabulary of a model whose config ships with the package (None: unknown)."""
+    from .estimators import load_arch
+
+    arch = load_arch(model) if model else None
+    return arch.vocab if arch else None
+
+
+def logits_mib(model: Optional[str], keep: Optional[int]) -> Optional[float]:
+    """MiB of fp32 logits for ``keep`` positions of ``model`` (None: either unknown)."""
+    vocab = vocab_size(model)
+    if vocab is None or not keep:
+        return None
+    return to_mib(keep * vocab * LOGIT_BYTES, "bytes")
+
 
 @dataclass
 class Pair:
@@ -62,6 +103,10 @@ class Pair:
     key: list
     probe_seq_len: Optional[int]
     on: Optional[str]
+    kept_positions: Optional[int] = None
+    logits_mib: Optional[float] = None
+    core_mib: Optional[float] = None
+    raw_overestimate_pct: Optional[float] = None
 
 
 def pairs(ms: list[Measurement]) -> list[Pair]:
@@ -100,10 +145,15 @@ def pairs(ms: list[Measurement]) -> list[Pair]:
                 continue
             top = max(seg, key=lambda r: (ok_peak(r), r.id))
             pp, rp = ok_peak(p), ok_peak(top)
+            keep = kept_positions(p)
+            lg = logits_mib(p.model, keep)
+            core = pp - (lg or 0.0)
             out.append(Pair(probe=p.id, reals=sorted(r.id for r in seg), probe_mib=pp, real_mib=rp,
-                            overestimate_pct=round((pp - rp) / pp * 100, 3), key=list(key),
+                            overestimate_pct=round((core - rp) / core * 100, 3), key=list(key),
                             probe_seq_len=seq_len_of(p), on=p.provenance.measured_on.isoformat()
-                            if p.provenance.measured_on else None))
+                            if p.provenance.measured_on else None, kept_positions=keep if lg is not None else None,
+                            logits_mib=None if lg is None else round(lg, 1), core_mib=round(core, 1),
+                            raw_overestimate_pct=round((pp - rp) / pp * 100, 3)))
     return sorted(out, key=lambda x: (x.on or "", x.probe))
 
 
@@ -114,6 +164,14 @@ class Overestimate:
     high_pct: Optional[float]
     anchors: list[Pair]
     pairs: list[Pair]
+    #: The longest response span (kept positions) a pair's probe covered: logits are subtracted up to it.
+    keep_max: Optional[int] = None
+
+    def logits_off_mib(self, model: Optional[str], keep: Optional[int]) -> float:
+        """MiB of a probe's kept logits that the real-run prediction leaves out (0 when unknown)."""
+        if not keep or not self.keep_max:
+            return 0.0
+        return logits_mib(model, min(keep, self.keep_max)) or 0.0
 
 
 def overestimate(ms: list[Measurement]) -> Overestimate:
@@ -125,17 +183,21 @@ def overestimate(ms: list[Measurement]) -> Overestimate:
     if not anchors:
         return Overestimate(None, None, None, [], ps)
     pct = statistics.median(a.overestimate_pct for a in anchors)
+    keeps = [p.kept_positions for p in ps if p.kept_positions]
     return Overestimate(round(pct, 3), min(p.overestimate_pct for p in ps), max(p.overestimate_pct for p in ps),
-                        anchors, ps)
+                        anchors, ps, max(keeps) if keeps else None)
 
 
-def predict_real(probe_mib: float, over: Overestimate) -> dict:
-    """A real-run peak from a probe peak: point and interval."""
+def predict_real(probe_mib: float, over: Overestimate, model: Optional[str] = None,
+                 keep: Optional[int] = None) -> dict:
+    """A real-run peak from a probe peak (of ``model``, its lm_head keeping ``keep`` positions):
+    point and interval."""
     if over.pct is None:
         return {"predicted_mib": None, "low_mib": None, "high_mib": None}
-    return {"predicted_mib": round(probe_mib * (1 - over.pct / 100), 1),
-            "low_mib": round(probe_mib * (1 - over.high_pct / 100), 1),
-            "high_mib": round(probe_mib * (1 - over.low_pct / 100), 1)}
+    core = probe_mib - over.logits_off_mib(model, keep)
+    return {"predicted_mib": round(core * (1 - over.pct / 100), 1),
+            "low_mib": round(core * (1 - over.high_pct / 100), 1),
+            "high_mib": round(core * (1 - over.low_pct / 100), 1)}
 
 
 def before(ms: list[Measurement], as_of: Optional[dt.date], exclude: Iterable[str] = ()) -> list[Measurement]:
@@ -469,7 +531,7 @@ def loo(ledger: Ledger, ms: list[Measurement], dry_runs: Iterable[Measurement] =
         prior = [p for p in same if _date(p) <= _date(r)]
         probe = max(prior, key=lambda p: (_date(p), p.id)) if prior else min(same, key=lambda p: (_date(p), p.id))
         over = overestimate([x for x in ms if x.id != r.id])
-        pr = predict_real(ok_peak(probe), over)
+        pr = predict_real(ok_peak(probe), over, probe.model, kept_positions(probe))
         if pr["predicted_mib"] is None:
             continue
         err = (pr["predicted_mib"] - ok_peak(r)) / ok_peak(r) * 100
@@ -513,7 +575,8 @@ def calibrate(ledger: Ledger, *, as_of: Optional[dt.date] = None, exclude: Itera
         "calibration_hash": calibration_hash(ms),
         "anchors": [asdict(a) for a in over.anchors],
         "pairs": [asdict(p) for p in over.pairs],
-        "overestimate_pct": {"median": over.pct, "low": over.low_pct, "high": over.high_pct},
+        "overestimate_pct": {"median": over.pct, "low": over.low_pct, "high": over.high_pct,
+                             "kept_positions_max": over.keep_max},
         "costs": costs(ms, peaks),
         "limits": [asdict(lim) for lim in lims],
         "loo": loo(ledger, ms, dry_runs) if with_loo else None,

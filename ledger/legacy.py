@@ -324,6 +324,28 @@ class _Importer:
         if predicted is not None:
             self.pending_predictions.append((meas, predicted))
 
+    def shared_example_keep(self) -> None:
+        """A probe that does not record its logits_to_keep ran the same longest example as a probe
+        that does when both name the same dataset, or ran on the same day from a shared log: it
+        kept the same response positions. Marked inferred, with the row it was read from."""
+        def files(m: Measurement) -> set[str]:
+            return {f.strip() for f in (m.provenance.source or "").split(";") if f.strip()}
+
+        for m in self.measurements:
+            ds = m.dataset
+            if m.kind != "probe" or m.logits_to_keep or m.response_len or not ds or not ds.longest_example_tokens:
+                continue
+            same = [x for x in self.measurements if x is not m and x.logits_to_keep and x.dataset
+                    and x.dataset.longest_example_tokens == ds.longest_example_tokens
+                    and ((ds.name and x.dataset.name == ds.name)
+                         or (x.provenance.measured_on == m.provenance.measured_on and files(x) & files(m)))]
+            keeps = {x.logits_to_keep for x in same}
+            if len(keeps) == 1:
+                m.logits_to_keep = keeps.pop()
+                m.provenance.inferred_fields.append("logits_to_keep")
+                m.provenance.notes.append(f"logits_to_keep {m.logits_to_keep}: read from {same[0].id}, which ran the "
+                                          f"same longest example ({ds.longest_example_tokens} tokens)")
+
     def cross_id(self, m: dict, lora: dict) -> str:
         parts = [m.get("gpu") or "gpu", m.get("quant") or "q", f"fixes-{m.get('memory_fixes', 'na')}",
                  f"r{lora.get('rank', 'na')}"]
@@ -454,6 +476,7 @@ class _Importer:
         for i, rec in enumerate(data["measurements"]):
             self.measurement(rec, f"measurements[{i}]", cross=False, default_model=self.default_model)
         n_main = len(self.measurements)
+        self.shared_example_keep()
         cross_model = self._model_in(cross.get("about") or "") or self.default_model
         for i, rec in enumerate(cross.get("probes") or []):
             if isinstance(rec, dict) and "source" not in rec and isinstance(cross.get("source"), str):

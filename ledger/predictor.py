@@ -8,8 +8,9 @@ fixes) on a card, the first rung that has data answers; each rung down has a wid
 
 1. ``measured real run``: real runs of this recipe on this card (their longest example is the
    probe's they were paired with when the run does not record it) - the real peak itself.
-2. ``measured probe``: a probe of this recipe on this card; a real run's peak is the probe's times
-   the calibrated probe-to-real factor (interval: the range of every probe/real pair).
+2. ``measured probe``: a probe of this recipe on this card; a real run's peak is the probe's core
+   (less the fp32 logits of the response span it kept, which a real run's peak does not follow)
+   times the calibrated probe-to-real factor (interval: the range of every probe/real pair).
 3. ``interpolated``: this card's probes of the same model, quant, dropout, DoRA and fixes, affine
    in rank (and linear in sequence length between two probed lengths); interval: the largest
    held-out error of that interpolation over the ledger's probes.
@@ -42,12 +43,13 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
+from types import SimpleNamespace
 from typing import Iterable, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict
 
-from .calibration import (Limit, Overestimate, PeakModel, _exceeded_peak, _probes, before, limit_for, limits,
-                          ok_peak, overestimate, pairs)
+from .calibration import (Limit, Overestimate, PeakModel, _exceeded_peak, _probes, before, kept_positions,
+                          limit_for, limits, ok_peak, overestimate, pairs)
 from .models import SCHEMA_VERSION, Gpu, Ledger, Measurement, Provenance
 from .paths import PACKAGE_DIR
 from .recipe import GroupKey, capacity_mib, fixes_key, seq_len_of
@@ -110,6 +112,10 @@ class Interval(BaseModel):
 def _iv(mib: Optional[float], low: Optional[float], high: Optional[float]) -> Interval:
     r = lambda x: None if x is None else round(x, 1)  # noqa: E731
     return Interval(mib=r(mib), low_mib=r(low), high_mib=r(high))
+
+
+def _shift(iv: Interval, mib: float) -> Interval:
+    return _iv(*(None if v is None else v + mib for v in (iv.mib, iv.low_mib, iv.high_mib)))
 
 
 def _scale(iv: Interval, factor: float, low_factor: float, high_factor: float) -> Interval:
@@ -766,10 +772,8 @@ class Predictor:
                                              f"{max(peaks_)} MiB"), [m.id for m in fits]
         real = None
         if probe is not None and self.over.pct is not None:
-            o = self.over
-            real = _scale(probe, 1 - o.pct / 100, 1 - o.high_pct / 100, 1 - o.low_pct / 100)
-            text = (f"{text}; real run = probe x (1 - {o.pct}%), the median over-estimate of the anchors "
-                    f"({', '.join(a.probe for a in o.anchors)}), interval from every pair ({o.low_pct}–{o.high_pct}%)")
+            real, how = self.probe_to_real(probe, recipe, evidence)
+            text = f"{text}; {how}"
         elif probe is not None:
             text += "; no probe/real pairs to calibrate a real run against"
         real, ids, dom = self._dominance(recipe, gpu, "real", real)
@@ -777,6 +781,30 @@ class Predictor:
             text = f"{text}; {dom}" if text else dom
             evidence = evidence + [i for i in ids if i not in evidence]
         return real, method, text, evidence
+
+    def figure_keep(self, recipe: Recipe, evidence: list[str]) -> Optional[int]:
+        """Positions the lm_head kept logits for in a probe figure: the fewest of its evidence
+        probes' (each must be known), else the recipe's own for a figure with no probe behind it."""
+        rows = [m for m in self.ms if m.id in set(evidence) and m.kind == "probe"]
+        if rows:
+            keeps = [kept_positions(m) for m in rows]
+            return None if None in keeps else min(keeps)
+        return kept_positions(SimpleNamespace(memory_fixes=recipe.fixes, logits_to_keep=None,
+                                              response_len=recipe.response_len))
+
+    def probe_to_real(self, probe: Interval, recipe: Recipe, evidence: list[str]) -> tuple[Interval, str]:
+        """A real run's peak from a probe figure: its core (less the kept logits a real run does not
+        follow, see ``ledger.calibration``) x (1 - the calibrated over-estimate), with the text saying so."""
+        o = self.over
+        keep = self.figure_keep(recipe, evidence)
+        off = o.logits_off_mib(recipe.model, keep)
+        core = _shift(probe, -off)
+        real = _scale(core, 1 - o.pct / 100, 1 - o.high_pct / 100, 1 - o.low_pct / 100)
+        logits = (f"(probe - {off:.1f} MiB of fp32 logits for {min(keep, o.keep_max)} kept positions)" if off else
+                  "probe (kept logits unknown: nothing subtracted)")
+        return real, (f"real run = {logits} x (1 - {o.pct}%), the median over-estimate of the anchors "
+                      f"({', '.join(a.probe for a in o.anchors)}) on the probe's core, interval from every pair "
+                      f"({o.low_pct}–{o.high_pct}%)")
 
     def _consistent(self, recipe, gpu, entry, run, margin_mib, budget_mib, step, max_rank, fits_rank, tight_rank):
         """Ceilings that respect the physics across recipes: never above an easier recipe's (a

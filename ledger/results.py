@@ -24,19 +24,28 @@ class ProbeRealPair(_Result):
     reals: list[str] = Field(description="Ids of the real runs it is paired with.")
     probe_mib: float = Field(description="The probe's peak allocated, MiB.")
     real_mib: float = Field(description="The highest peak allocated of the real runs, MiB.")
-    overestimate_pct: float = Field(description="(probe - real) / probe x 100.")
+    overestimate_pct: float = Field(description="(core - real) / core x 100, core = the probe's peak less the fp32 "
+                                                "logits of the positions it kept (the peak itself when unknown).")
     key: list[Union[bool, int, str, None]] = Field(description="The recipe key: card, model, quant, rank, dropout, "
                                                                "DoRA, memory fixes.")
     probe_seq_len: Optional[int] = Field(description="Tokens the probe ran on.")
     on: str = Field(description="Date of the probe.")
+    kept_positions: Optional[int] = Field(None, description="Positions the probe's lm_head kept logits for "
+                                                            "(logits_to_keep), when known.")
+    logits_mib: Optional[float] = Field(None, description="Those logits in fp32 (vocabulary x 4 bytes each), MiB.")
+    core_mib: Optional[float] = Field(None, description="The probe's peak less those logits, MiB.")
+    raw_overestimate_pct: Optional[float] = Field(None, description="(probe - real) / probe x 100, on the raw peak.")
 
 
 class OverestimatePct(_Result):
     """The probe's over-estimate of a real run's peak: the anchors' median and every pair's range."""
 
-    median: Optional[float] = Field(description="Median over the anchors, %.")
+    median: Optional[float] = Field(description="Median over the anchors, %, of the probes' cores.")
     low: Optional[float] = Field(description="Lowest over every pair, %.")
     high: Optional[float] = Field(description="Highest over every pair, %.")
+    kept_positions_max: Optional[int] = Field(None, description="The longest response span (kept positions) a "
+                                                                "pair covered: a prediction subtracts logits up "
+                                                                "to it, no further.")
 
 
 class RankCost(_Result):

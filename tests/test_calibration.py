@@ -36,10 +36,21 @@ def test_the_program_case_is_reproduced(ledger):
     over = overestimate(ms)
     (anchor,) = over.anchors
     assert anchor.probe == "probe-0919f-r112" and anchor.probe_mib == 6980.0 and anchor.real_mib == 6653.0
-    assert round(over.pct, 1) == 4.7
-    pred = predict_real(7127.6, over)["predicted_mib"]
-    assert pred == pytest.approx(6793, abs=1)
-    assert round((pred - 6629) / 6629 * 100, 1) == 2.5
+    # The program's method: the raw peaks' over-estimate, 4.7%, and its prediction for v15, 2.5% high.
+    assert round(anchor.raw_overestimate_pct, 1) == 4.7
+    assert round(7127.6 * (1 - 0.047)) == 6793
+    # On the probes' cores (the anchor kept 73 positions, sweep-r96-drop 237, at 262,208 x 4 bytes each).
+    assert anchor.kept_positions == 73 and anchor.logits_mib == 73.0
+    assert round(over.pct, 2) == 3.68
+    pred = predict_real(7127.6, over, "unsloth/gemma-3-4b-it", 237)["predicted_mib"]
+    assert pred == pytest.approx((7127.6 - 237 * 262208 * 4 / 2**20) * (1 - over.pct / 100), abs=0.1)
+    assert abs(pred - 6629) / 6629 * 100 < 0.2  # 6637.5 MiB
+    # An unknown span subtracts nothing; a span past the longest a pair covered only up to it.
+    assert predict_real(7127.6, over)["predicted_mib"] == round(7127.6 * (1 - over.pct / 100), 1)
+    assert over.keep_max == 319
+    long = predict_real(8000, over, "unsloth/gemma-3-4b-it", 2000)
+    assert long == predict_real(8000, over, "unsloth/gemma-3-4b-it", 319)
+    assert long["predicted_mib"] == round((8000 - 319 * 262208 * 4 / 2**20) * (1 - over.pct / 100), 1)
 
 
 def test_rank_ceiling_of_the_training_card(predictor, capsys):
@@ -205,12 +216,15 @@ def test_predict_says_what_the_prediction_means_on_the_card(tmp_path, capsys):
 
 
 def test_predict_replays_the_program_prediction_from_what_was_known(capsys):
-    # As the program stood on 2026-09-23, before v15 ran: the r96 + dropout probe x (1 - 4.685%).
+    # As the program stood on 2026-09-23, before v15 ran: the r96 + dropout probe's core (less 237
+    # kept positions of fp32 logits) x (1 - 3.677%, the anchor's over-estimate on its own core).
     assert cli.main(["predict", "--ledger", str(BUNDLED), "--gpu", "rtx-3070-ti", "--rank", "96", "--dropout", "0.1",
                      "--seq-len", "7177", "--date", "2026-09-23", "--exclude", "real-v15", "--dry-run", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["prediction"]["predicted_peak_mib"] == pytest.approx(6793.7, abs=0.1)
+    assert doc["prediction"]["predicted_peak_mib"] == pytest.approx(6637.1, abs=0.1)
+    assert abs(doc["prediction"]["predicted_peak_mib"] - 6629) / 6629 < 0.002  # v15 peaked at 6629 MiB
     assert doc["answer"]["method"] == "measured probe"
+    assert "237.1 MiB of fp32 logits for 237 kept positions" in doc["answer"]["method_text"]
 
 
 def test_a_run_with_reserved_only_says_why_it_does_not_score_a_prediction(tmp_path, capsys):
