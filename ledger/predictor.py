@@ -48,8 +48,8 @@ from typing import Iterable, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict
 
-from .calibration import (Limit, Overestimate, PeakModel, _exceeded_peak, _probes, before, kept_positions,
-                          limit_for, limits, ok_peak, overestimate, pairs)
+from .calibration import (LOGIT_BYTES, Limit, Overestimate, PeakModel, _exceeded_peak, _probes, before,
+                          kept_positions, limit_for, limits, logits_mib, ok_peak, overestimate, pairs)
 from .models import SCHEMA_VERSION, Gpu, Ledger, Measurement, Provenance
 from .paths import PACKAGE_DIR
 from .recipe import GroupKey, capacity_mib, fixes_key, seq_len_of
@@ -112,6 +112,17 @@ class Interval(BaseModel):
 def _iv(mib: Optional[float], low: Optional[float], high: Optional[float]) -> Interval:
     r = lambda x: None if x is None else round(x, 1)  # noqa: E731
     return Interval(mib=r(mib), low_mib=r(low), high_mib=r(high))
+
+
+#: Bytes per vocabulary entry of one response position along the whole logits chain (bf16 logits,
+#: their fp32 copy, log-softmax, its gradient): the top of what a longer response span can add.
+LOGIT_CHAIN_BYTES = 14
+
+
+def recipe_keep(recipe: "Recipe") -> Optional[int]:
+    """Positions a recipe keeps logits for (None: unknown, or the logits_to_keep fix is off)."""
+    return kept_positions(SimpleNamespace(memory_fixes=recipe.fixes, logits_to_keep=None,
+                                          response_len=recipe.response_len))
 
 
 def _shift(iv: Interval, mib: float) -> Interval:
@@ -567,10 +578,13 @@ class Predictor:
         cap = floor = None
         cap_id = floor_id = None
         if recipe.seq_len is not None:
-            for r, status, peak, need, mid in self._dominance_rows.get((gpu, run, model_name(recipe.model),
-                                                                       recipe.quant, recipe.fixes), ()):
-                if status == "ok" and (r.rank >= recipe.rank and r.seq_len >= recipe.seq_len
-                                       and r.dropout >= recipe.dropout and r.dora >= recipe.dora):
+            own = recipe_keep(recipe) if run == "probe" else None
+            for r, status, peak, need, mid, keep in self._dominance_rows.get((gpu, run, model_name(recipe.model),
+                                                                             recipe.quant, recipe.fixes), ()):
+                # A probe that kept logits for fewer (or unknown) positions than the recipe is not harder.
+                longer = own is None or (keep is not None and keep >= own)
+                if status == "ok" and longer and (r.rank >= recipe.rank and r.seq_len >= recipe.seq_len
+                                                  and r.dropout >= recipe.dropout and r.dora >= recipe.dora):
                     if cap is None or peak < cap:
                         cap, cap_id = peak, mid
                 elif status != "ok" and need is not None and (r.rank <= recipe.rank and r.seq_len <= recipe.seq_len
@@ -603,7 +617,7 @@ class Predictor:
     @cached_property
     def _dominance_rows(self) -> dict[tuple, list]:
         """Rows that bound others, by (card, kind, model, quant, fixes): (recipe, status, ok peak,
-        what an OOM needed at least, id)."""
+        what an OOM needed at least, id, kept logit positions)."""
         out: dict[tuple, list] = defaultdict(list)
         for m in self.ms:
             if m.kind not in ("probe", "real") or m.lora is None or not m.gpu:
@@ -613,11 +627,13 @@ class Predictor:
                 continue
             status = m.outcome.status
             if status == "ok" and ok_peak(m) is not None:
-                out[(m.gpu, m.kind, model_name(r.model), r.quant, r.fixes)].append((r, "ok", ok_peak(m), None, m.id))
+                out[(m.gpu, m.kind, model_name(r.model), r.quant, r.fixes)].append(
+                    (r, "ok", ok_peak(m), None, m.id, kept_positions(m)))
             elif status in ("oom", "spilled"):
                 need = _exceeded_peak(m, self.peaks) if m.kind == "probe" else _real_need(m)
                 if need is not None:
-                    out[(m.gpu, m.kind, model_name(r.model), r.quant, r.fixes)].append((r, status, None, need, m.id))
+                    out[(m.gpu, m.kind, model_name(r.model), r.quant, r.fixes)].append(
+                        (r, status, None, need, m.id, kept_positions(m)))
         return dict(out)
 
     # -- limits ------------------------------------------------------------------------------------
@@ -705,6 +721,9 @@ class Predictor:
             if known:
                 recipe = replace(recipe, model=sorted(known)[0])
         probe, method, text, evidence = self.probe_figure(recipe, gpu, vendor)
+        if method != "dry run":
+            probe, span_text = self._longer_span(recipe, probe, evidence)
+            text = f"{text}; {span_text}" if span_text else text
         probe, dom_ids, dom_text = self._dominance(recipe, gpu, "probe", probe)
         if dom_text:
             text = f"{text}; {dom_text}" if text else dom_text
@@ -782,15 +801,42 @@ class Predictor:
             evidence = evidence + [i for i in ids if i not in evidence]
         return real, method, text, evidence
 
-    def figure_keep(self, recipe: Recipe, evidence: list[str]) -> Optional[int]:
-        """Positions the lm_head kept logits for in a probe figure: the fewest of its evidence
-        probes' (each must be known), else the recipe's own for a figure with no probe behind it."""
+    def _evidence_keep(self, evidence: list[str]) -> tuple[bool, Optional[int]]:
+        """(any probe among the evidence, the fewest positions they kept logits for - None when
+        one of them does not say)."""
         rows = [m for m in self.ms if m.id in set(evidence) and m.kind == "probe"]
-        if rows:
-            keeps = [kept_positions(m) for m in rows]
-            return None if None in keeps else min(keeps)
-        return kept_positions(SimpleNamespace(memory_fixes=recipe.fixes, logits_to_keep=None,
-                                              response_len=recipe.response_len))
+        keeps = [kept_positions(m) for m in rows]
+        return bool(rows), (None if not rows or None in keeps else min(keeps))
+
+    def figure_keep(self, recipe: Recipe, evidence: list[str]) -> Optional[int]:
+        """Positions the lm_head kept logits for in a probe figure: its evidence probes' fewest (each
+        must be known), the recipe's own when the figure was raised to it (``_longer_span``) or has no
+        probe behind it."""
+        has_rows, keep = self._evidence_keep(evidence)
+        own = recipe_keep(recipe)
+        if not has_rows:
+            return own
+        if keep is not None and own is not None and own > keep:
+            return own
+        return keep
+
+    def _longer_span(self, recipe: Recipe, probe: Optional[Interval], evidence: list[str]):
+        """A recipe that keeps logits for more response positions than the probes behind its figure
+        needs more: at least their fp32 logits (vocabulary x 4 bytes per position, what the RTX 3070 Ti
+        probes moved by between 73 and 319 kept positions), at most the whole logits chain
+        (vocabulary x 14 bytes: bf16 logits, their fp32 copy, log-softmax and its gradient)."""
+        own = recipe_keep(recipe)
+        _, keep = self._evidence_keep(evidence)
+        if probe is None or own is None or keep is None or own <= keep:
+            return probe, ""
+        low = logits_mib(recipe.model, own - keep)
+        if low is None:
+            return probe, ""
+        high = low * LOGIT_CHAIN_BYTES / LOGIT_BYTES
+        add = lambda v, d: None if v is None else v + d  # noqa: E731
+        return (_iv(add(probe.mib, low), add(probe.low_mib, low), add(probe.high_mib, high)),
+                f"the recipe keeps logits for {own - keep} more response positions than the probes behind it: "
+                f"+{low:.1f} MiB (their fp32 logits) to +{high:.1f} MiB (the whole logits chain)")
 
     def probe_to_real(self, probe: Interval, recipe: Recipe, evidence: list[str]) -> tuple[Interval, str]:
         """A real run's peak from a probe figure: its core (less the kept logits a real run does not

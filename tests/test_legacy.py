@@ -127,6 +127,19 @@ def test_sections_become_findings_with_evidence(program):
     assert findings["dropout-memory"].status == "inferred"
 
 
+def test_a_probe_of_the_same_longest_example_inherits_its_kept_positions(program):
+    by_id = {m.id: m for m in program.measurements}
+    # Same dataset and longest example: probe-0917-r112 kept what probe-0917-r96 says it kept.
+    m = by_id["probe-0917-r112"]
+    assert m.logits_to_keep == 319 and "logits_to_keep" in m.provenance.inferred_fields
+    assert "probe-0917-r96" in m.provenance.notes[-1]
+    # No dataset name, but the same day, the same log and the same longest example as sweep-r112-drop.
+    assert by_id["sweep-r96-drop"].logits_to_keep == 237
+    assert "logits_to_keep" not in by_id["sweep-r112-drop"].provenance.inferred_fields  # its own figure
+    # The unfiltered 2026-09-18 corpus never said: nothing is made up.
+    assert by_id["probe-0918-r104"].logits_to_keep is None
+
+
 def test_program_prediction_is_imported_and_scored(program):
     (pred,) = program.predictions
     assert pred.predicted_peak_mib == 6793 and pred.score.measurement == "real-v15"

@@ -174,3 +174,26 @@ def test_a_card_without_rows_has_a_derived_limit_under_its_memory(p):
     gpu = Gpu(name="Some card", vendor="nvidia", total_mib=16384.0, usable_gib_torch=15.5)
     low, high, source = p.card_limit("some-card", gpu, "probe")
     assert low < high <= 15.5 * 1024 and "CUDA context" in source
+
+
+def test_a_longer_response_span_than_the_evidence_raises_the_figure(p, capsys):
+    # The RTX 3060 Ti r64 probe ran 7177 tokens with the loss on 237 (238 kept positions).
+    base = p.predict(Recipe("unsloth/gemma-3-4b-it", rank=64, seq_len=7177, response_len=237), "rtx-3060-ti")
+    assert base.probe_allocated.mib == 6465.0 and base.verdict == "fits"
+    longer = p.predict(Recipe("unsloth/gemma-3-4b-it", rank=64, seq_len=7177, response_len=999), "rtx-3060-ti")
+    per_position = 262208 * 4 / 2**20  # Gemma 3's vocabulary in fp32, MiB
+    fig = longer.probe_allocated
+    assert fig.mib == pytest.approx(6465.0 + 762 * per_position, abs=0.1)  # not capped by the shorter-span probe
+    assert fig.high_mib == pytest.approx(6465.0 + 762 * per_position * 14 / 4, abs=0.1)
+    assert longer.verdict == "won't fit" and "762 more response positions" in longer.method_text
+    # A shorter span does not lower it (the peak may lie outside the logits).
+    shorter = p.predict(Recipe("unsloth/gemma-3-4b-it", rank=64, seq_len=7177, response_len=50), "rtx-3060-ti")
+    assert shorter.probe_allocated.mib == 6465.0
+    # The real-run prediction leaves out the kept logits up to the longest span a pair covered, no more.
+    real = p.predict(Recipe("unsloth/gemma-3-4b-it", rank=64, seq_len=7177, response_len=999), "rtx-3060-ti",
+                     run="real")
+    assert real.real_allocated.mib == pytest.approx((fig.mib - 319 * per_position) * (1 - p.over.pct / 100), abs=0.2)
+    assert cli.main(["predict", "--ledger", str(BUNDLED), "--gpu", "rtx-3060-ti", "--rank", "64", "--seq-len", "7177",
+                     "--response-len", "999", "--dry-run", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["prediction"]["response_len"] == 999 and doc["answer"]["verdict"] != "fits"

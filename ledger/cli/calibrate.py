@@ -43,10 +43,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         dump_json(Calibration.model_validate(result).document())
         return 0
     o = result["overestimate_pct"]
-    print(f"over-estimate of the probe: {o['median']}% (pairs {o['low']}–{o['high']}%)")
+    print(f"over-estimate of the probe's core: {o['median']}% (pairs {o['low']}–{o['high']}%; core = peak less the "
+          f"fp32 logits of the positions it kept" + (f", up to {o['kept_positions_max']}" if o.get("kept_positions_max")
+                                                      else "") + ")")
     for a in result["anchors"]:
-        print(f"  anchor {a['probe']} {a['probe_mib']} MiB vs {a['real_mib']} MiB real ({', '.join(a['reals'])}): "
-              f"{a['overestimate_pct']}%")
+        core = (f"core {a['core_mib']} MiB after {a['logits_mib']} MiB of logits for {a['kept_positions']} kept "
+                f"positions" if a.get("logits_mib") is not None else "kept positions unknown: core = peak")
+        print(f"  anchor {a['probe']} {a['probe_mib']} MiB ({core}) vs {a['real_mib']} MiB real "
+              f"({', '.join(a['reals'])}): {a['overestimate_pct']}% (on the raw peak {a['raw_overestimate_pct']}%)")
     c = result["costs"]
     print(f"dropout > 0 costs {c['dropout']['median_mib']} MiB (range {c['dropout']['min_mib']}–"
           f"{c['dropout']['max_mib']}, {len(c['dropout']['pairs'])} pairs); DoRA {c['dora']['median_mib']} MiB")
@@ -169,7 +173,7 @@ def add_predict_options(p: argparse.ArgumentParser) -> None:
     add_ledger_option(p)
     add_dry_runs_option(p)
     p.add_argument("--gpu", required=True, help="the card (in the ledger)")
-    add_recipe_options(p, required=("rank", "seq-len"), skip=("response-len",))
+    add_recipe_options(p, required=("rank", "seq-len"))
     p.add_argument("--id", help="prediction id (default: from the configuration and date)")
     p.add_argument("--date", help="the date the prediction is made: only rows measured on or before it are used "
                                   "(default: today)")
