@@ -65,15 +65,19 @@ def _date(m) -> dt.date:
 LOGIT_BYTES = 4
 
 
-def kept_positions(m) -> Optional[int]:
-    """Positions a row's lm_head computed logits for under the logits_to_keep fix (None: the
-    fix is off or the count is not recorded)."""
-    fixes = fixes_key(m.memory_fixes)
+def kept_positions_of(fixes: str, logits_to_keep: Optional[int], response_len: Optional[int]) -> Optional[int]:
+    """Positions the lm_head computes logits for under the logits_to_keep fix (``fixes``: a
+    canonical key) - None when the fix is off or neither count is known."""
     if fixes != "all" and "logits_to_keep" not in fixes.split(","):
         return None
-    if m.logits_to_keep:
-        return m.logits_to_keep
-    return m.response_len + 1 if m.response_len else None
+    if logits_to_keep:
+        return logits_to_keep
+    return response_len + 1 if response_len else None
+
+
+def kept_positions(m) -> Optional[int]:
+    """A row's kept positions (see ``kept_positions_of``)."""
+    return kept_positions_of(fixes_key(m.memory_fixes), m.logits_to_keep, m.response_len)
 
 
 @lru_cache(maxsize=64)

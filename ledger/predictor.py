@@ -43,13 +43,13 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
-from types import SimpleNamespace
 from typing import Iterable, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict
 
 from .calibration import (LOGIT_BYTES, Limit, Overestimate, PeakModel, _exceeded_peak, _probes, before,
-                          kept_positions, limit_for, limits, logits_mib, ok_peak, overestimate, pairs)
+                          kept_positions, kept_positions_of, limit_for, limits, logits_mib, ok_peak, overestimate,
+                          pairs)
 from .models import SCHEMA_VERSION, Gpu, Ledger, Measurement, Provenance
 from .paths import PACKAGE_DIR
 from .recipe import GroupKey, capacity_mib, fixes_key, seq_len_of
@@ -121,8 +121,12 @@ LOGIT_CHAIN_BYTES = 14
 
 def recipe_keep(recipe: "Recipe") -> Optional[int]:
     """Positions a recipe keeps logits for (None: unknown, or the logits_to_keep fix is off)."""
-    return kept_positions(SimpleNamespace(memory_fixes=recipe.fixes, logits_to_keep=None,
-                                          response_len=recipe.response_len))
+    return kept_positions_of(recipe.fixes, None, recipe.response_len)
+
+
+def _around(mib: float, width: float) -> Interval:
+    """``mib`` with a relative interval of +-``width`` (a fraction)."""
+    return _iv(mib, mib * (1 - width), mib * (1 + width))
 
 
 def _shift(iv: Interval, mib: float) -> Interval:
@@ -498,7 +502,7 @@ class Predictor:
         mib = raw + rem
         text = (f"dry run {raw:.1f} MiB + remainder {rem:+.1f} MiB fitted on {scope}; interval {wtext}"
                 + self._family_note(recipe))
-        return _iv(mib, mib * (1 - width), mib * (1 + width)), ids, text
+        return _around(mib, width), ids, text
 
     @cached_property
     def dry_fitted_on(self) -> list[str]:
@@ -531,7 +535,7 @@ class Predictor:
             pred, ids = self.peaks.predict(gpu, group, recipe.rank)
             w = self.widths["interpolated"] or self.widths["transferred"] or 0.0
             if pred is not None:
-                return (_iv(pred, pred * (1 - w), pred * (1 + w)), "interpolated",
+                return (_around(pred, w), "interpolated",
                         f"affine in rank over this card's probes of the same recipe; ±{w * 100:.2f}% (largest held-out "
                         f"error over {self.widths['interpolated_n']} probes)", ids)
         by_len = self._interpolate_length(recipe, gpu)
@@ -545,7 +549,7 @@ class Predictor:
             pred, ids = self.peaks.predict(gpu, group, recipe.rank)
             w = self.widths["transferred"] or self.widths["interpolated"] or 0.0
             if pred is not None:
-                return (_iv(pred, pred * (1 - w), pred * (1 + w)), "transferred",
+                return (_around(pred, w), "transferred",
                         f"another card's probes of the same recipe, shifted by the cards' median difference on shared "
                         f"rows; ±{w * 100:.2f}% (largest held-out error of such transfers)", ids)
         return None, "", "no probe, real run or dry run of this recipe near it in the ledger", []
@@ -758,7 +762,7 @@ class Predictor:
             rem, scope = 0.0, "no remainder fitted (no measured probe has a dry run)"
         width, wtext = self._dry_width(recipe, derived)
         mib = raw_mib + rem
-        iv = _iv(mib, mib * (1 - width), mib * (1 + width))
+        iv = _around(mib, width)
         text = (f"dry run {raw_mib:.1f} MiB + remainder {rem:+.1f} MiB fitted on {scope}; interval {wtext}"
                 + self._family_note(recipe))
         if budget_mib is not None:
@@ -801,10 +805,14 @@ class Predictor:
             evidence = evidence + [i for i in ids if i not in evidence]
         return real, method, text, evidence
 
+    @cached_property
+    def _by_id(self) -> dict[str, Measurement]:
+        return {m.id: m for m in self.ms}
+
     def _evidence_keep(self, evidence: list[str]) -> tuple[bool, Optional[int]]:
         """(any probe among the evidence, the fewest positions they kept logits for - None when
         one of them does not say)."""
-        rows = [m for m in self.ms if m.id in set(evidence) and m.kind == "probe"]
+        rows = [m for m in map(self._by_id.get, evidence) if m is not None and m.kind == "probe"]
         keeps = [kept_positions(m) for m in rows]
         return bool(rows), (None if not rows or None in keeps else min(keeps))
 
@@ -833,8 +841,8 @@ class Predictor:
         if low is None:
             return probe, ""
         high = low * LOGIT_CHAIN_BYTES / LOGIT_BYTES
-        add = lambda v, d: None if v is None else v + d  # noqa: E731
-        return (_iv(add(probe.mib, low), add(probe.low_mib, low), add(probe.high_mib, high)),
+        top = None if probe.high_mib is None else round(probe.high_mib + high, 1)
+        return (_shift(probe, low).model_copy(update={"high_mib": top}),
                 f"the recipe keeps logits for {own - keep} more response positions than the probes behind it: "
                 f"+{low:.1f} MiB (their fp32 logits) to +{high:.1f} MiB (the whole logits chain)")
 
