@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from . import store
+from .checks import MAX_SPILL_MIB, measurement_issues
 from .errors import Issue, UserError
 from .logs import LogError, RunEvidence, evidence_from_callback, parse_log
 from .models import Dataset, Environment, Ledger, Lora, Measurement, Outcome, Provenance
@@ -136,9 +137,12 @@ def record_callback(doc: dict, ledger_path: str, spec: RunSpec) -> list[Measurem
     if problem:
         raise UserError(problem)
     text = json.dumps(doc, sort_keys=True)
-    m = measurement_from_evidence(
+    m = spilled_past_card(measurement_from_evidence(
         ev, fields, source="probe_kit.callback (VramLedgerCallback)",
-        mid=f"real-run-{doc.get('date', 'undated')}-{hashlib.sha256(text.encode('utf-8')).hexdigest()[:8]}")
+        mid=f"real-run-{doc.get('date', 'undated')}-{hashlib.sha256(text.encode('utf-8')).hexdigest()[:8]}"), ledger)
+    bad = impossible(m, ledger, "probe_kit.callback")
+    if bad:
+        raise UserError(bad)
     added: list[Measurement] = []
 
     def change(lg: Ledger) -> None:
@@ -190,6 +194,30 @@ def _card_check(ev: RunEvidence, ledger: Ledger, gpu_key: Optional[str], where: 
         return Issue(where, "", f"the log says the card has {said / 1024:.2f} GiB but {gpu_key} has "
                      f"{card / 1024:.2f} GiB: is --gpu right?")
     return None
+
+
+def spilled_past_card(m: Measurement, ledger: Ledger) -> Measurement:
+    """A run read as ``ok`` whose peak is above its card's total finished only by spilling past
+    the card (the driver's shared host memory): recorded as ``spilled``, never as a fit. Past what
+    a driver can spill, ``ledger.checks`` refuses the figure."""
+    gpu = ledger.gpus.get(m.gpu) if m.gpu else None
+    o = m.outcome
+    peak = max((v for v in (o.peak_allocated_mib, o.peak_reserved_mib) if v is not None), default=None)
+    if (o.status != "ok" or gpu is None or gpu.total_mib is None or peak is None or peak <= gpu.total_mib
+            or peak > gpu.total_mib + MAX_SPILL_MIB):
+        return m
+    note = (f"The peak, {peak} MiB, is above {m.gpu}'s {gpu.total_mib} MiB: the run finished only by spilling "
+            "past the card (shared host memory), so it is recorded as spilled, not as a fit.")
+    return m.model_copy(update={
+        "outcome": o.model_copy(update={"status": "spilled"}),
+        "provenance": m.provenance.model_copy(update={"inferred_fields": [*m.provenance.inferred_fields, "status"],
+                                                      "notes": [*m.provenance.notes, note]})})
+
+
+def impossible(m: Measurement, ledger: Ledger, where: str) -> list[Issue]:
+    """What no instrument can have read (``ledger.checks``), located at the log line it came from."""
+    return [Issue(where, "", f"{i.location.split('.', 1)[1]}: {i.message}")
+            for i in measurement_issues(ledger, m, "m", where, dt.date.today())]
 
 
 def _environment(ev: RunEvidence) -> Optional[Environment]:
@@ -244,9 +272,13 @@ def ingest(paths: list[str], ledger_path: str, spec: RunSpec, *, mid: Optional[s
             issues.append(problem)
             continue
         try:
-            m = measurement_from_log(path, text, ev, fields, mid)
+            m = spilled_past_card(measurement_from_log(path, text, ev, fields, mid), ledger)
         except ValueError as exc:  # pydantic: a flag value out of range
             issues.append(Issue(raw, "", str(exc).splitlines()[-1].strip()))
+            continue
+        bad = impossible(m, ledger, f"{raw}:{ev.evidence_line}" if ev.evidence_line else raw)
+        if bad:
+            issues += bad
             continue
         old = existing.get(m.id)
         if any(n.id == m.id for n in result.new + result.replaced) or old == m:

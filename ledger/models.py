@@ -34,6 +34,13 @@ MAX_MIB = float(2**24)  # 16 TiB: no device or host this ledger describes holds 
 MAX_RANK = 65536
 MAX_TOKENS = 10_000_000
 MAX_STEPS = 10**9
+#: Bounds of text: a line (a name, a version, a source) and a Markdown text (a note, a claim, an
+#: OOM message with its process list). A longer one is a paste gone wrong; pages show a shortened
+#: text and vram.json the whole.
+MAX_LINE = 2_000
+MAX_TEXT = 20_000
+Line = Annotated[str, Field(max_length=MAX_LINE)]
+Text = Annotated[str, Field(max_length=MAX_TEXT)]
 MiB = Annotated[float, Field(ge=0, le=MAX_MIB, description="Mebibytes (2**20 bytes), at most 16 TiB.")]
 _ISO_DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 
@@ -64,41 +71,41 @@ class _Model(BaseModel):
 class Provenance(_Model):
     """Where a figure came from, and how much to trust it."""
 
-    source: Optional[str] = Field(
+    source: Optional[Line] = Field(
         None, description="Where the figure was read: a file with line numbers, a log, a command."
     )
     measured_on: Optional[Date] = Field(None, description="Date of the measurement (YYYY-MM-DD).")
     inferred: bool = Field(
         False, description="True when the figure was derived or assumed rather than read off an instrument."
     )
-    inferred_fields: list[str] = Field(
+    inferred_fields: list[Line] = Field(
         default_factory=list,
         description="Names of fields filled from a stated default or derivation rather than from the record itself.",
     )
     simulated: bool = Field(
         False, description="True when an outcome was simulated (e.g. a CPU probe with a memory budget)."
     )
-    notes: list[str] = Field(default_factory=list, description="Free-text notes, in Markdown (raw HTML is not rendered).")
+    notes: list[Text] = Field(default_factory=list, description="Free-text notes, in Markdown (raw HTML is not rendered).")
 
 
 class Gpu(_Model):
     """One graphics card the ledger has measurements on."""
 
-    name: str = Field(description="Marketing name as the driver reports it, e.g. 'NVIDIA GeForce RTX 3070 Ti'.")
+    name: Line = Field(description="Marketing name as the driver reports it, e.g. 'NVIDIA GeForce RTX 3070 Ti'.")
     vendor: Optional[Literal["nvidia", "amd", "intel", "apple", "other"]] = Field(None, description="Vendor.")
-    arch: Optional[str] = Field(None, description="Architecture or ISA name, e.g. 'gfx1100', 'sm_86'.")
+    arch: Optional[Line] = Field(None, description="Architecture or ISA name, e.g. 'gfx1100', 'sm_86'.")
     total_mib: Optional[float] = Field(
         None, gt=0, le=MAX_MIB, description="Card memory in MiB as the vendor tool reports it (more than 0)."
     )
     usable_gib_torch: Optional[float] = Field(
         None, gt=0, le=MAX_MIB / 1024, description="Total capacity in GiB as torch reports it (what OOM messages print)."
     )
-    os: Optional[str] = Field(None, description="Operating system of the box the card was measured in.")
-    driver: Optional[str] = Field(None, description="Driver version.")
-    stack: Optional[str] = Field(None, description="Compute stack: CUDA/ROCm version, torch build.")
-    libraries: Optional[str] = Field(None, description="Library versions as recorded (transformers, peft, ...).")
-    python: Optional[str] = Field(None, description="Python version.")
-    aliases: list[str] = Field(
+    os: Optional[Line] = Field(None, description="Operating system of the box the card was measured in.")
+    driver: Optional[Line] = Field(None, description="Driver version.")
+    stack: Optional[Line] = Field(None, description="Compute stack: CUDA/ROCm version, torch build.")
+    libraries: Optional[Line] = Field(None, description="Library versions as recorded (transformers, peft, ...).")
+    python: Optional[Line] = Field(None, description="Python version.")
+    aliases: list[Line] = Field(
         default_factory=list, description="Other names that refer to this card (short names, older keys)."
     )
     provenance: Provenance = Field(default_factory=Provenance, description="Where these facts came from.")
@@ -114,13 +121,13 @@ class Lora(_Model):
         None, ge=0, lt=1, description="lora_dropout; any value > 0 stores dropout masks for backward."
     )
     dora: Optional[bool] = Field(None, description="Weight-decomposed LoRA (DoRA).")
-    target_modules: Optional[list[str]] = Field(None, description="Module names LoRA is applied to.")
+    target_modules: Optional[list[Line]] = Field(None, description="Module names LoRA is applied to.")
 
 
 class Dataset(_Model):
     """The training data a run or probe used."""
 
-    name: Optional[str] = Field(None, description="Name or date of the corpus.")
+    name: Optional[Line] = Field(None, description="Name or date of the corpus.")
     examples: Optional[int] = Field(None, ge=0, le=10**12, description="Number of training examples.")
     longest_example_tokens: Optional[int] = Field(
         None, gt=0, le=MAX_TOKENS, description="Tokens in the longest example."
@@ -161,11 +168,11 @@ class Oom(_Model):
         None,
         description="torch.cuda.max_memory_allocated read after the OOM: a lower bound of what the step needed.",
     )
-    device: Optional[str] = Field(None, description="Device the message named, e.g. 'GPU 0'.")
-    untrusted: list[str] = Field(
+    device: Optional[Line] = Field(None, description="Device the message named, e.g. 'GPU 0'.")
+    untrusted: list[Line] = Field(
         default_factory=list, description="Fields whose printed values cannot be true (kept, not trusted)."
     )
-    message: Optional[str] = Field(None, description="The message text as printed.")
+    message: Optional[Text] = Field(None, description="The message text as printed.")
 
 
 class Outcome(_Model):
@@ -213,27 +220,27 @@ class Outcome(_Model):
     )
     xid: Optional[int] = Field(None, description="NVIDIA Xid error code of a crash.")
     oom: Optional[Oom] = Field(None, description="Structured figures of the OOM message, when status is oom.")
-    peak_as_reported: Optional[str] = Field(
+    peak_as_reported: Optional[Line] = Field(
         None, description="The peak exactly as the source printed it, with its unit."
     )
-    result_text: Optional[str] = Field(None, description="The result as the source described it.")
+    result_text: Optional[Text] = Field(None, description="The result as the source described it.")
 
 
 class Environment(_Model):
     """Software and device a probe ran with."""
 
-    python: Optional[str] = Field(None, description="Python version.")
-    torch: Optional[str] = Field(None, description="torch version (with build suffix).")
-    cuda: Optional[str] = Field(None, description="CUDA runtime version torch was built with.")
-    hip: Optional[str] = Field(None, description="HIP version torch was built with (ROCm).")
-    transformers: Optional[str] = Field(None, description="transformers version.")
-    peft: Optional[str] = Field(None, description="peft version.")
-    bitsandbytes: Optional[str] = Field(None, description="bitsandbytes version.")
-    device: Optional[str] = Field(None, description="Device the probe ran on, e.g. 'cuda:0' or 'cpu'.")
-    device_name: Optional[str] = Field(None, description="Device name.")
+    python: Optional[Line] = Field(None, description="Python version.")
+    torch: Optional[Line] = Field(None, description="torch version (with build suffix).")
+    cuda: Optional[Line] = Field(None, description="CUDA runtime version torch was built with.")
+    hip: Optional[Line] = Field(None, description="HIP version torch was built with (ROCm).")
+    transformers: Optional[Line] = Field(None, description="transformers version.")
+    peft: Optional[Line] = Field(None, description="peft version.")
+    bitsandbytes: Optional[Line] = Field(None, description="bitsandbytes version.")
+    device: Optional[Line] = Field(None, description="Device the probe ran on, e.g. 'cuda:0' or 'cpu'.")
+    device_name: Optional[Line] = Field(None, description="Device name.")
     device_total_mib: Optional[MiB] = Field(None, description="Device total memory.")
-    driver: Optional[str] = Field(None, description="Driver version, where readable.")
-    meter: Optional[str] = Field(None, description="Meter that measured the peaks: 'allocator' or 'tracker'.")
+    driver: Optional[Line] = Field(None, description="Driver version, where readable.")
+    meter: Optional[Line] = Field(None, description="Meter that measured the peaks: 'allocator' or 'tracker'.")
     cublas_workspace_mib: Optional[MiB] = Field(
         None,
         description=(
@@ -245,10 +252,10 @@ class Environment(_Model):
     cublaslt_workspace_mib: Optional[MiB] = Field(
         None, description="cuBLASLt workspace per handle (torch.backends.cuda.cublaslt_workspace_size)."
     )
-    sdpa_backends: Optional[list[str]] = Field(
+    sdpa_backends: Optional[list[Line]] = Field(
         None, description="Scaled-dot-product attention backends enabled: flash, mem_efficient, cudnn, math."
     )
-    alloc_conf: Optional[str] = Field(
+    alloc_conf: Optional[Line] = Field(
         None, description="PYTORCH_CUDA_ALLOC_CONF / PYTORCH_HIP_ALLOC_CONF as set for the run (null: unset)."
     )
 
@@ -256,8 +263,8 @@ class Environment(_Model):
 class RecipeFields(_Model):
     """The configuration that decides memory: shared by measurements and predictions."""
 
-    gpu: Optional[str] = Field(None, description="Key of the card in the ledger's gpus.")
-    model: Optional[str] = Field(None, description="Model id or config name, e.g. 'unsloth/gemma-3-4b-it'.")
+    gpu: Optional[Line] = Field(None, description="Key of the card in the ledger's gpus.")
+    model: Optional[Line] = Field(None, description="Model id or config name, e.g. 'unsloth/gemma-3-4b-it'.")
     quant: Optional[Quant] = Field(None, description="Base weights: '4bit' = bitsandbytes nf4, 'bf16' = plain bf16.")
     lora: Optional[Lora] = Field(None, description="LoRA settings.")
     seq_len: Optional[int] = Field(None, gt=0, le=MAX_TOKENS, description="Tokens in the measured sequence.")
@@ -285,7 +292,7 @@ class Measurement(RecipeFields):
             "load: model load only; computed: arithmetic; dry_run: predicted under fake tensors."
         )
     )
-    config_text: Optional[str] = Field(None, description="The configuration as the source described it.")
+    config_text: Optional[Text] = Field(None, description="The configuration as the source described it.")
     outcome: Outcome = Field(default_factory=Outcome, description="The outcome: status and measured figures.")
     environment: Optional[Environment] = Field(None, description="Software and device (probes).")
     provenance: Provenance = Field(default_factory=Provenance, description="Where the figures came from.")
@@ -294,19 +301,19 @@ class Measurement(RecipeFields):
 class Detail(_Model):
     """A labelled piece of text in a finding."""
 
-    label: str = Field(description="What the text is about.")
-    text: str = Field(description="The text, in Markdown (raw HTML is not rendered).")
+    label: Line = Field(description="What the text is about.")
+    text: Text = Field(description="The text, in Markdown (raw HTML is not rendered).")
 
 
 class Figure(_Model):
     """A labelled number (or range, or flag) in a finding."""
 
-    label: str = Field(description="What the figure is.")
+    label: Line = Field(description="What the figure is.")
     value: Optional[Union[bool, float]] = Field(None, description="The figure (a number, or a yes/no flag).")
     low: Optional[float] = Field(None, description="Lower end when the figure is a range.")
     high: Optional[float] = Field(None, description="Upper end when the figure is a range.")
-    unit: Optional[str] = Field(None, description="Unit, e.g. 'MiB', '%', 'GB (as reported)'.")
-    text: Optional[str] = Field(None, description="The figure as written in the source, when it was text.")
+    unit: Optional[Line] = Field(None, description="Unit, e.g. 'MiB', '%', 'GB (as reported)'.")
+    text: Optional[Line] = Field(None, description="The figure as written in the source, when it was text.")
     provenance: Optional[Provenance] = Field(None, description="Provenance when it differs from the finding's.")
 
 
@@ -314,11 +321,11 @@ class Finding(_Model):
     """A claim drawn from measurements, with the rows it rests on."""
 
     id: Id
-    title: str = Field(description="Short title.")
-    claim: Optional[str] = Field(None, description="The claim, in Markdown.")
+    title: Line = Field(description="Short title.")
+    claim: Optional[Text] = Field(None, description="The claim, in Markdown.")
     details: list[Detail] = Field(default_factory=list, description="Further labelled text.")
     figures: list[Figure] = Field(default_factory=list, description="The figures the claim states.")
-    evidence: list[str] = Field(default_factory=list, description="Ids of the measurements the finding rests on.")
+    evidence: list[Line] = Field(default_factory=list, description="Ids of the measurements the finding rests on.")
     status: Literal["measured", "inferred", "superseded"] = Field(
         "measured", description="measured: read off measurements; inferred: derived or estimated; superseded: replaced."
     )
@@ -328,7 +335,7 @@ class Finding(_Model):
 class PredictionScore(_Model):
     """How a prediction did once the real run landed."""
 
-    measurement: str = Field(description="Id of the real-run measurement the prediction is scored against.")
+    measurement: Line = Field(description="Id of the real-run measurement the prediction is scored against.")
     actual_peak_mib: MiB = Field(description="The real run's peak allocated.")
     error_pct: float = Field(ge=-1e6, le=1e6, description="(predicted - actual) / actual x 100.")
 
@@ -341,9 +348,19 @@ class Prediction(RecipeFields):
     predicted_peak_mib: MiB = Field(description="Predicted real-run peak allocated.")
     interval_low_mib: Optional[MiB] = Field(None, description="Lower end of the prediction interval.")
     interval_high_mib: Optional[MiB] = Field(None, description="Upper end of the prediction interval.")
-    basis: list[str] = Field(default_factory=list, description="Ids of the measurements the prediction was made from.")
-    method: Optional[str] = Field(None, description="How the figure was predicted.")
-    calibration_hash: Optional[str] = Field(None, description="Hash of the calibration state that made it.")
+    basis: list[Line] = Field(
+        default_factory=list,
+        description="Ids of the measurements the prediction was made from (in measurements, or in dry_run_rows).",
+    )
+    method: Optional[Text] = Field(None, description="How the figure was predicted.")
+    calibration_hash: Optional[Line] = Field(None, description="Hash of the calibration state that made it.")
+    dry_run_rows: list[Measurement] = Field(
+        default_factory=list,
+        description=(
+            "The dry-run rows (kind dry_run) the basis cites, copied from the dry-run file the prediction was made "
+            "with, so the ledger holds everything a prediction rests on."
+        ),
+    )
     score: Optional[PredictionScore] = Field(None, description="The score once a matching real run is in the ledger.")
     provenance: Provenance = Field(default_factory=Provenance, description="Where the prediction came from.")
 
@@ -360,7 +377,7 @@ class Ledger(_Model):
     )
 
     schema_version: int = Field(ge=1, description="Version of the ledger format.")
-    about: Optional[str] = Field(None, description="What this ledger holds, in Markdown.")
+    about: Optional[Text] = Field(None, description="What this ledger holds, in Markdown.")
     gpus: dict[Id, Gpu] = Field(default_factory=dict, description="Cards, keyed by a slug id.")
     measurements: list[Measurement] = Field(default_factory=list, description="Measured and computed figures.")
     findings: list[Finding] = Field(default_factory=list, description="Claims drawn from measurements.")

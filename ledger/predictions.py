@@ -77,16 +77,25 @@ def score_predictions(ledger: Ledger) -> ScoreReport:
 
 def make_prediction(ledger: Ledger, predictor, *, gpu: str, recipe, made_on: dt.date, alpha: Optional[float] = None,
                     rslora: bool = False, dropout: float = 0.0, fixes="all",
-                    pid: Optional[str] = None) -> tuple[Prediction, object]:
+                    pid: Optional[str] = None, entry=None) -> tuple[Prediction, object]:
     """A prediction of a real run's peak: the predictor's answer (``ledger.predictor``, fitted on
     the rows measured on or before ``made_on``) for a real run of ``recipe`` on ``gpu``. Returns
-    (prediction, answer). Raises UserError when the ledger cannot say."""
+    (prediction, answer). Dry-run rows the answer rests on are copied into the prediction
+    (``dry_run_rows``), so the ledger holds its whole basis. Raises UserError when the ledger
+    cannot say."""
     from .calibration import calibration_hash
 
-    answer = predictor.predict(recipe, gpu, run="real")
+    answer = predictor.predict(recipe, gpu, entry=entry, run="real")
     real = answer.real_allocated
     if real is None or real.mib is None:
         raise UserError(Issue("predict", "", f"unknown: {answer.method_text or answer.why}"))
+    ids = {m.id for m in ledger.measurements}
+    dry = {d.id: d for d in predictor.dry}
+    carried = [dry[i] for i in answer.evidence if i not in ids and i in dry]
+    missing = [i for i in answer.evidence if i not in ids and i not in dry]
+    if missing:
+        raise UserError(Issue("predict", "", f"the answer cites rows neither the ledger nor the dry runs hold: "
+                              f"{', '.join(missing)}"))
     pid = pid or (f"pred-{gpu}-r{recipe.rank}{'-drop' if recipe.dropout else ''}{'-dora' if recipe.dora else ''}-"
                   f"{made_on.isoformat()}")
     pred = Prediction(
@@ -95,6 +104,7 @@ def make_prediction(ledger: Ledger, predictor, *, gpu: str, recipe, made_on: dt.
         seq_len=recipe.seq_len, response_len=recipe.response_len, memory_fixes=fixes, made_on=made_on,
         predicted_peak_mib=real.mib,
         interval_low_mib=real.low_mib, interval_high_mib=real.high_mib, basis=list(answer.evidence),
+        dry_run_rows=carried,
         method=f"{answer.method}: {answer.method_text}",
         calibration_hash=calibration_hash(predictor.ms),
         provenance=Provenance(source="vram predict", measured_on=made_on,

@@ -18,6 +18,7 @@ import gc
 import glob
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
@@ -25,6 +26,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 from filelock import FileLock, Timeout
 from pydantic import ValidationError
 
+from .checks import ledger_issues
 from .errors import Issue, LedgerError, format_loc
 from .strict_json import parse_json
 from .paths import DEFAULT_LEDGER
@@ -46,6 +48,8 @@ FREEZE_SURVIVORS = False
 def read_text(path: str | os.PathLike) -> str:
     """Read a file as UTF-8, or raise a one-line LedgerError."""
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO or a device would block or never end
+            raise LedgerError(Issue(str(path), "", "not a regular file"))
         return Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise LedgerError(Issue(str(path), "", "no such file")) from None
@@ -109,45 +113,6 @@ def _pydantic_issues(exc: ValidationError, name: str) -> list[Issue]:
     ]
 
 
-def reference_issues(ledger: Ledger, name: str) -> list[Issue]:
-    """Cross-references the schema cannot express: unique ids, known gpus, known evidence."""
-    issues: list[Issue] = []
-
-    def unique(section: str, items: Sequence) -> set[str]:
-        first: dict[str, int] = {}
-        for i, item in enumerate(items):
-            if item.id in first:
-                issues.append(
-                    Issue(name, f"{section}[{i}].id", f"duplicate id {item.id!r} (first at {section}[{first[item.id]}])")
-                )
-            else:
-                first[item.id] = i
-        return set(first)
-
-    ids = unique("measurements", ledger.measurements)
-    unique("findings", ledger.findings)
-    unique("predictions", ledger.predictions)
-    known = ", ".join(sorted(ledger.gpus)) or "none"
-
-    for section, items in (("measurements", ledger.measurements), ("predictions", ledger.predictions)):
-        for i, item in enumerate(items):
-            if item.gpu is not None and item.gpu not in ledger.gpus:
-                issues.append(Issue(name, f"{section}[{i}].gpu", f"unknown gpu {item.gpu!r} (known: {known})"))
-    for i, finding in enumerate(ledger.findings):
-        for j, ref in enumerate(finding.evidence):
-            if ref not in ids:
-                issues.append(Issue(name, f"findings[{i}].evidence[{j}]", f"unknown measurement id {ref!r}"))
-    for i, pred in enumerate(ledger.predictions):
-        for j, ref in enumerate(pred.basis):
-            if ref not in ids:
-                issues.append(Issue(name, f"predictions[{i}].basis[{j}]", f"unknown measurement id {ref!r}"))
-        if pred.score is not None and pred.score.measurement not in ids:
-            issues.append(
-                Issue(name, f"predictions[{i}].score.measurement", f"unknown measurement id {pred.score.measurement!r}")
-            )
-    return issues
-
-
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector while building many objects that form no cycles:
@@ -188,7 +153,7 @@ def parse_ledger(text: str, name: str, *, allow_older: bool = False) -> Ledger:
                 ledger = Ledger.model_validate_json(text, strict=True)
         except ValidationError as exc:
             raise LedgerError(_pydantic_issues(exc, name)) from None
-    issues = reference_issues(ledger, name)
+    issues = ledger_issues(ledger, name)
     if issues:
         raise LedgerError(issues)
     return ledger
@@ -236,7 +201,7 @@ def validate_file(path: str | os.PathLike) -> list[Issue]:
         # The models can be stricter than JSON Schema can say (1.12e2 is an integer to JSON
         # Schema, not to the models): their messages stand.
         return by_models
-    return reference_issues(ledger, name)
+    return ledger_issues(ledger, name)
 
 
 # -- writing -----------------------------------------------------------------
@@ -380,7 +345,7 @@ def published_ledger_issues(ledger: Ledger, path: str | os.PathLike, old_ids: se
 
 def save(ledger: Ledger, path: str | os.PathLike) -> None:
     """Validate cross-references, then write atomically under the lock."""
-    issues = reference_issues(ledger, str(path)) + published_ledger_issues(ledger, path)
+    issues = ledger_issues(ledger, str(path)) + published_ledger_issues(ledger, path)
     if issues:
         raise LedgerError(issues)
     with locked(path):

@@ -35,6 +35,17 @@ def _finite_float(token: str) -> float:
     return value
 
 
+#: Digits an integer may have: no ledger field holds more (the largest bound is 16 TiB in MiB), and
+#: Python refuses to convert more than 4300 with a bare ValueError.
+MAX_INT_DIGITS = 30
+
+
+def _bounded_int(token: str) -> int:
+    if len(token.lstrip("-")) > MAX_INT_DIGITS:
+        raise _StrictJsonError(f"an integer of {len(token.lstrip('-'))} digits")
+    return int(token)
+
+
 def _no_duplicate_keys(pairs: list) -> dict:
     out = dict(pairs)
     if len(out) != len(pairs):
@@ -46,7 +57,7 @@ def _no_duplicate_keys(pairs: list) -> dict:
 
 # A JSON token: a string (group 1), a bare word (group 2: true/false/null/NaN/Infinity), a number
 # (group 3), or one structural character (group 4).
-_TOKEN = re.compile(r'("(?:[^"\\]|\\.)*")|(-?[A-Za-z]+)|(-?\d[\d.eE+-]*)|([{}\[\]:,])')
+_TOKEN = re.compile(r'("(?:[^"\\]|\\.)*")|(-?[A-Za-z]+)|(-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)|([{}\[\]:,])')
 _LONE_SURROGATE = re.compile(
     r"(?<!\\)\\u(d[89ab][0-9a-f]{2})(?!\\ud[c-f][0-9a-f]{2})"  # a high surrogate with no low one after it
     r"|(?<!\\ud[89ab][0-9a-f]{2})(?<!\\)\\u(d[c-f][0-9a-f]{2})",  # a low one with no high one before it
@@ -73,8 +84,10 @@ def _locate_strict_error(text: str, default: str = "not valid for a ledger") -> 
             key_at = m.start()
         elif word is not None and word.lstrip("-") in ("NaN", "Infinity"):
             return m.start(), f"{word} is not a number in JSON"
+        elif number is not None and len(number.lstrip("-")) > MAX_INT_DIGITS and number.lstrip("-").isdigit():
+            return m.start(), f"an integer of {len(number.lstrip('-'))} digits is too large for a number"
         elif number is not None and math.isinf(float(number)):
-            return m.start(), f"{number} is too large for a number"
+            return m.start(), f"{number[:40]}{'...' if len(number) > 40 else ''} is too large for a number"
         elif char == ":" and pending_key is not None:
             key = json.loads(pending_key)
             if key in stack[-1]:  # type: ignore[operator]
@@ -97,7 +110,7 @@ def parse_json(text: str, name: str) -> object:
     no duplicate keys in an object (one would silently win), no lone UTF-16 surrogates (they
     cannot be written back as UTF-8), and a bounded nesting depth."""
     try:
-        data = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float,
+        data = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float, parse_int=_bounded_int,
                           object_pairs_hook=_no_duplicate_keys)
     except json.JSONDecodeError as exc:
         raise LedgerError(Issue(name, f"{exc.lineno}:{exc.colno}", f"invalid JSON: {exc.msg}")) from None

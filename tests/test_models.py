@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 
 from hypothesis import HealthCheck, given, settings
@@ -15,15 +16,17 @@ ids = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,20}", fullmatch=True)
 mib = st.none() | st.floats(min_value=0, max_value=1e6, allow_nan=False, allow_infinity=False)
 text = st.none() | st.text(max_size=40)
 
-outcomes = st.builds(
-    Outcome,
-    status=st.none() | st.sampled_from(["ok", "oom", "spilled", "crashed", "host_oom"]),
-    pre_step_mib=mib,
-    peak_allocated_mib=mib,
-    peak_reserved_mib=mib,
-    step_s=mib,
-    result_text=text,
-)
+@st.composite
+def outcomes(draw):
+    """Physically possible outcomes (ledger.checks): reserved >= allocated, no peak after an OOM."""
+    status = draw(st.none() | st.sampled_from(["ok", "oom", "spilled", "crashed", "host_oom"]))
+    allocated = None if status == "oom" else draw(mib)
+    extra = draw(mib)
+    reserved = None if status == "oom" or extra is None else (allocated or 0.0) + extra
+    return Outcome(status=status, pre_step_mib=draw(mib), peak_allocated_mib=allocated, peak_reserved_mib=reserved,
+                   step_s=draw(mib), result_text=draw(text))
+
+
 loras = st.none() | st.builds(
     Lora,
     rank=st.integers(1, 4096),
@@ -35,7 +38,7 @@ loras = st.none() | st.builds(
 provs = st.builds(
     Provenance,
     source=text,
-    measured_on=st.none() | st.dates(),
+    measured_on=st.none() | st.dates(max_value=dt.date.today()),
     inferred=st.booleans(),
     notes=st.lists(st.text(max_size=30), max_size=2),
 )
@@ -48,7 +51,7 @@ measurements = st.builds(
     lora=loras,
     seq_len=st.none() | st.integers(1, 200_000),
     memory_fixes=st.none() | st.sampled_from(["all", "none"]) | st.lists(st.sampled_from(["chunked_mlp", "save_on_cpu"]), unique=True),
-    outcome=outcomes,
+    outcome=outcomes(),
     provenance=provs,
 )
 

@@ -11,7 +11,7 @@ from ..calibration import calibrate
 from ..errors import Issue, UserError
 from ..ingest import fixes_option
 from ..predictions import make_prediction, score_predictions
-from ..recipe import capacity_mib, fixes_key, require_gpu
+from ..recipe import capacity_mib, fixes_key
 from ..results import Calibration
 from ..paths import shown
 from .options import Command, add_json_option, add_ledger_option, add_recipe_options, dump_json, parse_date
@@ -43,29 +43,42 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         dump_json(Calibration.model_validate(result).document())
         return 0
     o = result["overestimate_pct"]
-    print(f"over-estimate of the probe's core: {o['median']}% (pairs {o['low']}–{o['high']}%; core = peak less the "
-          f"fp32 logits of the positions it kept" + (f", up to {o['kept_positions_max']}" if o.get("kept_positions_max")
-                                                      else "") + ")")
+    if o["median"] is None:
+        print("over-estimate of the probe's core: unknown (no probe is paired with a real run of its recipe)")
+    else:
+        print(f"over-estimate of the probe's core: {o['median']}% (pairs {o['low']}–{o['high']}%; core = peak less "
+              f"the fp32 logits of the positions it kept" + (f", up to {o['kept_positions_max']}"
+                                                             if o.get("kept_positions_max") else "") + ")")
     for a in result["anchors"]:
         core = (f"core {a['core_mib']} MiB after {a['logits_mib']} MiB of logits for {a['kept_positions']} kept "
                 f"positions" if a.get("logits_mib") is not None else "kept positions unknown: core = peak")
         print(f"  anchor {a['probe']} {a['probe_mib']} MiB ({core}) vs {a['real_mib']} MiB real "
               f"({', '.join(a['reals'])}): {a['overestimate_pct']}% (on the raw peak {a['raw_overestimate_pct']}%)")
     c = result["costs"]
-    print(f"dropout > 0 costs {c['dropout']['median_mib']} MiB (range {c['dropout']['min_mib']}–"
-          f"{c['dropout']['max_mib']}, {len(c['dropout']['pairs'])} pairs); DoRA {c['dora']['median_mib']} MiB")
+    print(f"dropout > 0 costs {_cost(c['dropout'])}; DoRA costs {_cost(c['dora'])}")
     for r in c["rank"]:
         print(f"  {r['gpu']} {r['quant']} seq {r['seq_len']}{' dropout' if r['dropout'] else ''}"
               f"{' DoRA' if r['dora'] else ''} fixes {r['fixes']}: {r['mib_per_rank']} MiB per rank")
     for lim in result["limits"]:
         print(f"limit {lim['gpu']} ({lim['kind']}s): {lim['low_mib']}–{lim['high_mib']} MiB allocated")
     loo = result["loo"]
-    if loo:
+    if loo and loo["real_median_abs_err_pct"] is None and not loo["verdict_total"]:
+        print("leave-one-out: nothing to score (no probe with a verdict, no real run with a prediction)")
+    elif loo:
         print(f"leave-one-out: {loo['verdict_correct']}/{loo['verdict_total']} decisive verdicts correct, "
               f"{loo['verdict_costly']} 'fits' for a probe that ran out of memory, {loo['verdict_tight']} tight, "
-              f"{loo['verdict_unaddressed']} unknown; real runs median |error| "
-              f"{loo['real_median_abs_err_pct']}% over {loo['real_n']}")
+              f"{loo['verdict_unaddressed']} unknown; " + (
+                  f"real runs median |error| {loo['real_median_abs_err_pct']}% over {loo['real_n']}"
+                  if loo["real_median_abs_err_pct"] is not None else "no real run to score"))
     return 0
+
+
+def _cost(cost: dict) -> str:
+    """'173.7 MiB (range 170.1–175.2, 3 pairs)', or what is missing to measure it."""
+    n = len(cost["pairs"])
+    if cost["median_mib"] is None:
+        return "unknown (no pair of rows that differ in it alone)"
+    return f"{cost['median_mib']} MiB (range {cost['min_mib']}–{cost['max_mib']}, {n} pair{'s' if n != 1 else ''})"
 
 
 # -- ceiling ---------------------------------------------------------------------------------
@@ -159,7 +172,8 @@ def cmd_ceiling(args: argparse.Namespace) -> int:
                                                                f"; up to rank {c.tight_rank} is tight") + f" ({limit})")
     for r in c.ranks:
         if r["rank"] in (c.fits_rank, c.tight_rank) or r["verdict"] == "won't fit":
-            print(f"  r{r['rank']}: {r['verdict']}, {r['mib']} MiB (up to {r['high_mib']} MiB) by {r['method']}"
+            span = f"up to {r['high_mib']} MiB" if r["high_mib"] is not None else "a lower bound: the step needs more"
+            print(f"  r{r['rank']}: {r['verdict']}, {r['mib']} MiB ({span}) by {r['method']}"
                   + (f" [{', '.join(r['evidence'][:3])}]" if r["evidence"] else ""))
     if c.note:
         print(f"  {c.note}")
@@ -172,7 +186,7 @@ def cmd_ceiling(args: argparse.Namespace) -> int:
 def add_predict_options(p: argparse.ArgumentParser) -> None:
     add_ledger_option(p)
     add_dry_runs_option(p)
-    p.add_argument("--gpu", required=True, help="the card (in the ledger)")
+    add_card_option(p)
     add_recipe_options(p, required=("rank", "seq-len"))
     p.add_argument("--id", help="prediction id (default: from the configuration and date)")
     p.add_argument("--date", help="the date the prediction is made: only rows measured on or before it are used "
@@ -189,17 +203,22 @@ def cmd_predict(args: argparse.Namespace) -> int:
     """Record a prospective prediction of a real run's peak in the ledger's predictions: the one
     predictor's answer for a real run (point, interval, method, evidence, verdict) from the rows
     measured on or before --date, with the calibration hash. A prediction the predictor says
-    will not fit the card is refused unless --allow-over. When a matching real run is ingested
-    later, the prediction is scored and stays in the ledger."""
+    will not fit the card is refused unless --allow-over. A card of the card table that the ledger
+    does not hold yet is added with the prediction. Dry-run rows the answer rests on are copied
+    into it, so the ledger holds its whole basis. When a matching real run is ingested later, the
+    prediction is scored and stays in the ledger."""
     ledger = store.load(args.ledger)
-    gpu = require_gpu(ledger, args.gpu)
+    gpu, entry = card_of(ledger, args.gpu)
     made_on = parse_date(args.date, "--date") or dt.date.today()
+    if made_on > dt.date.today():
+        raise UserError(Issue("--date", "", f"{made_on} is in the future: a prediction is made from what is "
+                              "measured by then"))
     if args.rank <= 0:
         raise UserError(Issue("--rank", "", f"must be > 0, got {args.rank}"))
     pred, answer = make_prediction(ledger, predictor_for(args, ledger, as_of=made_on, exclude=args.exclude), gpu=gpu,
                                    recipe=recipe_from(args, args.rank), made_on=made_on, alpha=args.alpha,
                                    rslora=args.rslora, dropout=args.dropout, fixes=fixes_option(args.fixes),
-                                   pid=args.id)
+                                   pid=args.id, entry=entry)
     if answer.verdict == "won't fit" and not args.allow_over and not args.dry_run:
         raise UserError(Issue("predict", "", f"won't fit: {answer.why}; not stored (give --allow-over to record it)"))
     if not args.dry_run:
@@ -207,6 +226,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
             if any(p.id == pred.id for p in lg.predictions):
                 raise UserError(Issue(args.ledger, "predictions", f"a prediction {pred.id!r} exists already "
                                       "(give --id)"))
+            # A card from the card table joins the ledger with the prediction made for it.
+            lg.gpus.setdefault(gpu, entry)
             lg.predictions.append(pred)
             score_predictions(lg)
 

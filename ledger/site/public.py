@@ -66,7 +66,8 @@ def validate_public(path) -> list:
     from jsonschema import Draft202012Validator
 
     from ..errors import Issue, format_loc
-    from ..store import parse_json, read_text, reference_issues
+    from ..checks import ledger_issues
+    from ..store import parse_json, read_text
 
     name = str(path)
     data = parse_json(read_text(path), name)
@@ -84,7 +85,7 @@ def validate_public(path) -> list:
     if issues:
         return issues
     doc = PublicDocument.model_validate(data)
-    issues = [Issue(name, f"ledger.{i.location}", i.message) for i in reference_issues(doc.ledger, name)]
+    issues = [Issue(name, f"ledger.{i.location}", i.message) for i in ledger_issues(doc.ledger, name)]
     from .context import ledger_hash
 
     sha = ledger_hash(doc.ledger)
