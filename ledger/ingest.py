@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Optional
 from . import store
 from .checks import MAX_SPILL_MIB, measurement_issues
 from .errors import Issue, UserError
-from .logs import LogError, RunEvidence, evidence_from_callback, parse_log
+from .logs import LogError, RunEvidence, evidence_from_callback, parse_runs
 from .models import Dataset, Environment, Ledger, Lora, Measurement, Outcome, Provenance
 from .recipe import capacity_mib, fixes_value, parse_fixes, require_gpu
 
@@ -117,11 +117,21 @@ def measurement_from_evidence(ev: RunEvidence, fields: dict, *, mid: str, source
     )
 
 
-def measurement_from_log(path: Path, text: str, ev: RunEvidence, fields: dict, mid: Optional[str]) -> Measurement:
-    return measurement_from_evidence(
-        ev, fields, mid=mid or log_id(path, text),
-        source=f"{path}:{ev.evidence_line}" if ev.evidence_line else str(path),
+def measurement_from_log(path: Path, text: str, ev: RunEvidence, fields: dict, mid: Optional[str],
+                         run: int = 1, runs: int = 1) -> Measurement:
+    """The row of one run of a log; a log of several runs gives each its id (``-runK``) and its
+    line range as the source."""
+    if runs == 1:
+        return measurement_from_evidence(
+            ev, fields, mid=mid or log_id(path, text),
+            source=f"{path}:{ev.evidence_line}" if ev.evidence_line else str(path),
+            measured_on_fallback=dt.date.fromtimestamp(os.stat(path).st_mtime))
+    m = measurement_from_evidence(
+        ev, fields, mid=f"{mid or log_id(path, text)}-run{run}", source=f"{path}:{ev.first_line}-{ev.last_line}",
         measured_on_fallback=dt.date.fromtimestamp(os.stat(path).st_mtime))
+    note = (f"Run {run} of {runs} in this log (lines {ev.first_line}-{ev.last_line})"
+            + (f"; the figures are read at line {ev.evidence_line}." if ev.evidence_line else "."))
+    return m.model_copy(update={"provenance": m.provenance.model_copy(update={"notes": [note, *m.provenance.notes]})})
 
 
 def record_callback(doc: dict, ledger_path: str, spec: RunSpec) -> list[Measurement]:
@@ -261,41 +271,48 @@ def ingest(paths: list[str], ledger_path: str, spec: RunSpec, *, mid: Optional[s
             issues.append(Issue(raw, "", f"cannot read: {exc.strerror or exc}"))
             continue
         try:
-            ev = parse_log(text, raw)
+            runs = parse_runs(text, raw)
         except LogError as exc:
             issues.append(Issue(raw, "", str(exc)))
             continue
-        for w in ev.warnings:
-            print(f"warning: {w}", file=sys.stderr)
-        problem = _card_check(ev, ledger, fields.get("gpu"), f"{raw}:{ev.evidence_line}" if ev.evidence_line else raw)
-        if problem:
-            issues.append(problem)
-            continue
-        try:
-            m = spilled_past_card(measurement_from_log(path, text, ev, fields, mid), ledger)
-        except ValueError as exc:  # pydantic: a flag value out of range
-            issues.append(Issue(raw, "", str(exc).splitlines()[-1].strip()))
-            continue
-        bad = impossible(m, ledger, f"{raw}:{ev.evidence_line}" if ev.evidence_line else raw)
-        if bad:
-            issues += bad
-            continue
-        old = existing.get(m.id)
-        if any(n.id == m.id for n in result.new + result.replaced) or old == m:
-            result.already.append(m.id)
-        elif old is not None:
-            if replace:
-                result.replaced.append(m)
-            else:
-                diff = differences(old, m)
-                issues.append(Issue(raw, "", f"already in the ledger as {m.id} with other content ("
-                                    + "; ".join(diff[:4]) + ("; ..." if len(diff) > 4 else "")
-                                    + "): run again with --replace to replace that row"))
-        else:
-            result.new.append(m)
+        for k, ev in enumerate(runs, start=1):
+            for w in ev.warnings:
+                print(f"warning: {w}", file=sys.stderr)
+            where = f"{raw}:{ev.evidence_line}" if ev.evidence_line else raw
+            problem = _card_check(ev, ledger, fields.get("gpu"), where)
+            if problem:
+                issues.append(problem)
+                continue
+            try:
+                m = spilled_past_card(measurement_from_log(path, text, ev, fields, mid, k, len(runs)), ledger)
+            except ValueError as exc:  # pydantic: a flag value out of range
+                issues.append(Issue(raw, "", str(exc).splitlines()[-1].strip()))
+                continue
+            bad = impossible(m, ledger, where)
+            if bad:
+                issues += bad
+                continue
+            _sort(result, existing.get(m.id), m, raw, replace, issues)
     if issues:
         raise UserError(issues)
     return result
+
+
+def _sort(result: Ingested, old: Optional[Measurement], m: Measurement, raw: str, replace: bool,
+          issues: list[Issue]) -> None:
+    """File a run's row as new, a replacement, already there, or (other content, no --replace) refused."""
+    if any(n.id == m.id for n in result.new + result.replaced) or old == m:
+        result.already.append(m.id)
+    elif old is not None:
+        if replace:
+            result.replaced.append(m)
+        else:
+            diff = differences(old, m)
+            issues.append(Issue(raw, "", f"already in the ledger as {m.id} with other content ("
+                                + "; ".join(diff[:4]) + ("; ..." if len(diff) > 4 else "")
+                                + "): run again with --replace to replace that row"))
+    else:
+        result.new.append(m)
 
 
 def apply(ledger_path: str, found: Ingested) -> ScoreReport:

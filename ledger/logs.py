@@ -13,8 +13,16 @@ What is read, line by line:
 - Unsloth's ``Peak reserved memory = X GB.``;
 - DeepSpeed's ``see_memory_usage`` lines (``MA .. Max_MA .. CA .. Max_CA ..``).
 
-Peaks are the highest value seen in the log. A line that looks like one of these but cannot be
+Peaks are the highest value seen in a run. A line that looks like one of these but cannot be
 read is skipped with a warning naming its line; a log with nothing to go on is an error.
+
+**One log, several runs.** A log often holds a run restarted after an OOM (the script run again
+with a smaller rank, appending to the same file). ``parse_runs`` splits it: a new run starts at a
+training banner (``***** Running training *****``, ``starting run``), where the progress counter
+of the same total goes back, or, once a run has ended (an OOM, a crash, the callback's
+``train_end``), at the next progress line or peak. A timestamp seen after a run ended dates the
+next run. Each run keeps its own line range; a run with no evidence (a banner and nothing else) is
+dropped.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ _PROGRESS_PLAIN = re.compile(
     r"|(?<![\d/.])(\d+)/(\d+)(?![\d/.])(?=\s*(?:[\d.]+\s*)?(?:it/s|s/it|steps?\b|\|))",
     re.I,
 )
+_RUN_START = re.compile(r"\*{3,}\s*Running training\s*\*{3,}|\bstarting (?:a )?(?:new )?(?:training )?run\b", re.I)
 _STEP_WORD = re.compile(r"\b(?:global_)?step[\s=:]+(\d+)\b", re.I)
 _TIMESTAMP = re.compile(r"(\d{4}-\d{2}-\d{2})[T ]\d{2}:\d{2}(?::\d{2})?")
 _XID = re.compile(r"\bXid\s*(?:\([^)]*\))?:?\s*(\d+)", re.I)
@@ -89,6 +98,20 @@ class RunEvidence:
     warnings: list[str] = field(default_factory=list)
     callback: dict = field(default_factory=dict)
     per_device_peak_mib: Optional[dict[str, float]] = None
+    first_line: int = 1
+    last_line: Optional[int] = None
+    #: A date seen after the run ended: the next run's.
+    next_date: Optional[dt.date] = None
+
+    @property
+    def ended(self) -> bool:
+        """The run died (OOM, crash) or the callback recorded its end: what follows is another run."""
+        return self.oom is not None or self.crash_text is not None or self.callback.get("event") == "train_end"
+
+    @property
+    def has_evidence(self) -> bool:
+        return (self.oom is not None or self.crash_text is not None or self.peak_allocated_mib is not None
+                or self.peak_reserved_mib is not None or self.peak_delta_mib is not None)
 
     def _peak(self, name: str, mib: float, line: int, kind: str) -> None:
         if getattr(self, name) is None or mib > getattr(self, name):
@@ -107,11 +130,57 @@ def _float(text: str) -> float:
 
 
 def parse_log(text: str, name: str = "log") -> RunEvidence:
-    """Read one log. Raises LogError naming what was missing when the log holds no evidence."""
+    """Read a log of one run. Raises LogError naming what was missing when the log holds no
+    evidence, or naming each run's lines when it holds several (``parse_runs`` reads those)."""
+    runs = parse_runs(text, name)
+    if len(runs) > 1:
+        raise LogError(f"{len(runs)} runs in one log (" + "; ".join(
+            f"lines {r.first_line}-{r.last_line}" for r in runs) + ")")
+    return runs[0]
+
+
+def _new_run(ev: RunEvidence, line: str) -> bool:
+    """Does this line start another run than ``ev``'s?"""
+    if _RUN_START.search(line):
+        return ev.has_evidence or ev.last_step is not None
+    progress = _progress(line)
+    if progress and ev.last_step is not None and ev.total_steps == progress[1] and progress[0] < ev.last_step:
+        return True
+    if not ev.ended:
+        return False
+    if progress:
+        return True
+    if CALLBACK_PREFIX in line:
+        return '"event": "oom"' not in line.replace("'", '"')  # the callback's record of the OOM just read
+    return bool(_HF.search(line) or _AXOLOTL.search(line) or _UNSLOTH.search(line) or _DEEPSPEED.search(line)
+                or _TORCH_NAMES.search(line) or _PEAK_PLAIN.search(line))
+
+
+def parse_runs(text: str, name: str = "log") -> list[RunEvidence]:
+    """Read every run a log holds, each with its line range (``first_line``, ``last_line``).
+    Raises LogError naming what was missing when no run holds evidence."""
+    runs: list[RunEvidence] = []
     ev = RunEvidence()
+    lineno = 0
     for lineno, line in enumerate(text.splitlines(), start=1):
+        if lineno > ev.first_line and _new_run(ev, line):
+            ev.last_line = lineno - 1
+            runs.append(ev)
+            ev = RunEvidence(first_line=lineno, measured_on=ev.next_date)
         _read_line(ev, line, lineno, name)
-    return _finish(ev)
+    ev.last_line = max(lineno, ev.first_line)
+    runs.append(ev)
+    found = [r for r in runs if r.has_evidence]
+    if not found:
+        _finish(ev if len(runs) == 1 else _merged_warnings(runs))
+    return [_finish(r) for r in found]
+
+
+def _merged_warnings(runs: list[RunEvidence]) -> RunEvidence:
+    out = RunEvidence()
+    for r in runs:
+        out.warnings += r.warnings
+    return out
 
 
 def evidence_from_callback(doc: dict) -> RunEvidence:
@@ -143,20 +212,30 @@ def _finish(ev: RunEvidence) -> RunEvidence:
     return ev
 
 
+def _progress(line: str) -> Optional[tuple[int, int]]:
+    """(step, total) of the last progress counter on a line, if it is one."""
+    progress = [(int(m[1]), int(m[2])) for m in _PROGRESS.finditer(line)]
+    if not progress:
+        progress = [(int(m[1] or m[3]), int(m[2] or m[4])) for m in _PROGRESS_PLAIN.finditer(line)]
+    if progress and progress[-1][0] <= progress[-1][1] and progress[-1][1] > 1:
+        return progress[-1]
+    return None
+
+
 def _read_line(ev: RunEvidence, line: str, lineno: int, name: str) -> None:
     ts = _TIMESTAMP.search(line)
     if ts:
         try:
-            ev.measured_on = dt.date.fromisoformat(ts[1])
+            day = dt.date.fromisoformat(ts[1])
+            if ev.ended:
+                ev.next_date = day
+            else:
+                ev.measured_on = day
         except ValueError:
             pass
-    progress = [(int(m[1]), int(m[2])) for m in _PROGRESS.finditer(line)]
-    if not progress:
-        progress = [(int(m[1] or m[3]), int(m[2] or m[4])) for m in _PROGRESS_PLAIN.finditer(line)]
+    progress = _progress(line)
     if progress:
-        step, total = progress[-1]
-        if step <= total and total > 1:
-            ev.last_step, ev.total_steps = step, total
+        ev.last_step, ev.total_steps = progress
     else:
         sw = _STEP_WORD.search(line)
         if sw:

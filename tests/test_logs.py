@@ -20,7 +20,8 @@ def summary(path: Path) -> dict:
         e = parse_log(path.read_text(encoding="utf-8"), path.name)
     except LogError as exc:
         return {"error": str(exc)}
-    d = {k: v for k, v in asdict(e).items() if v not in (None, [], {}) and k != "callback"}
+    d = {k: v for k, v in asdict(e).items()
+         if v not in (None, [], {}) and k not in ("callback", "first_line", "last_line", "next_date")}
     if e.oom:
         d["oom"] = e.oom.model_dump(mode="json", exclude_defaults=True, exclude={"message", "untrusted"})
     if e.measured_on:
