@@ -14,7 +14,7 @@ import json
 import os
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -23,7 +23,8 @@ from .checks import MAX_SPILL_MIB, measurement_issues
 from .errors import Issue, UserError
 from .logs import LogError, RunEvidence, evidence_from_callback, parse_runs
 from .models import Dataset, Environment, Ledger, Lora, Measurement, Outcome, Provenance
-from .recipe import capacity_mib, fixes_value, parse_fixes, require_gpu
+from .cards import require_card
+from .recipe import capacity_mib, fixes_value, parse_fixes
 
 if TYPE_CHECKING:
     from .predictions import ScoreReport
@@ -59,11 +60,15 @@ def fixes_option(text: Optional[str]):
 
 
 def config_fields(spec: RunSpec, ledger: Ledger) -> dict:
-    """Measurement fields from a run's description (validated by the models on construction)."""
+    """Measurement fields from a run's description (validated by the models on construction). A
+    card of the card table the ledger lacks is added to this (in-memory) ledger: the write adds it
+    to the file with the row."""
     args = spec
     fields: dict = {}
     if args.gpu:
-        fields["gpu"] = require_gpu(ledger, args.gpu)
+        key, entry, _ = require_card(ledger, args.gpu)
+        ledger.gpus.setdefault(key, entry)
+        fields["gpu"] = key
     if args.model:
         fields["model"] = args.model
     if args.quant:
@@ -141,7 +146,7 @@ def record_callback(doc: dict, ledger_path: str, spec: RunSpec) -> list[Measurem
     from .predictions import score_predictions
 
     ev = evidence_from_callback(doc)
-    ledger = store.load(ledger_path)
+    ledger = store.load_or_new(ledger_path)
     fields = config_fields(spec, ledger)
     problem = _card_check(ev, ledger, fields.get("gpu"), "probe_kit.callback")
     if problem:
@@ -156,12 +161,14 @@ def record_callback(doc: dict, ledger_path: str, spec: RunSpec) -> list[Measurem
     added: list[Measurement] = []
 
     def change(lg: Ledger) -> None:
+        if m.gpu:
+            lg.gpus.setdefault(m.gpu, ledger.gpus[m.gpu])
         if all(x.id != m.id for x in lg.measurements):
             lg.measurements.append(m)
             added.append(m)
             score_predictions(lg)
 
-    store.update(ledger_path, change)
+    store.update(ledger_path, change, create=True)
     return added
 
 
@@ -244,11 +251,13 @@ def _environment(ev: RunEvidence) -> Optional[Environment]:
 
 @dataclass
 class Ingested:
-    """What ``ingest`` found: rows to add, rows to replace (same id, other content), rows already there."""
+    """What ``ingest`` found: rows to add, rows to replace (same id, other content), rows already
+    there, and the cards they name (a card-table card joins the ledger with its first row)."""
 
     new: list[Measurement]
     replaced: list[Measurement]
     already: list[str]
+    cards: dict = field(default_factory=dict)
 
 
 def ingest(paths: list[str], ledger_path: str, spec: RunSpec, *, mid: Optional[str] = None,
@@ -256,7 +265,7 @@ def ingest(paths: list[str], ledger_path: str, spec: RunSpec, *, mid: Optional[s
     """Parse every log and build its measurement. Raises UserError (one line per bad log) before
     anything is written. ``mid`` names the one measurement of a single log; with ``replace``, a
     row this log made before with other content is replaced instead of refused."""
-    ledger = store.load(ledger_path)
+    ledger = store.load_or_new(ledger_path)
     fields = config_fields(spec, ledger)
     if mid and len(paths) > 1:
         raise UserError(Issue("--id", "", "names one measurement: give one log"))
@@ -295,6 +304,7 @@ def ingest(paths: list[str], ledger_path: str, spec: RunSpec, *, mid: Optional[s
             _sort(result, existing.get(m.id), m, raw, replace, issues)
     if issues:
         raise UserError(issues)
+    result.cards = {m.gpu: ledger.gpus[m.gpu] for m in result.new + result.replaced if m.gpu}
     return result
 
 
@@ -323,11 +333,13 @@ def apply(ledger_path: str, found: Ingested) -> ScoreReport:
     report = ScoreReport()
 
     def change(ledger: Ledger) -> None:
+        for key, entry in found.cards.items():
+            ledger.gpus.setdefault(key, entry)
         replacing = {m.id: m for m in found.replaced}
         ledger.measurements[:] = [replacing.pop(m.id, m) for m in ledger.measurements]
         ledger.measurements.extend(found.new)
         result = score_predictions(ledger)
         report.scored[:], report.unscorable[:] = result.scored, result.unscorable
 
-    store.update(ledger_path, change)
+    store.update(ledger_path, change, create=True)
     return report

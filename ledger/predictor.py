@@ -51,10 +51,9 @@ from .calibration import (LOGIT_BYTES, Limit, Overestimate, PeakModel, _exceeded
                           kept_positions, kept_positions_of, limit_for, limits, logits_mib, ok_peak, overestimate,
                           pairs)
 from .models import SCHEMA_VERSION, Gpu, Ledger, Measurement, Provenance
-from .paths import PACKAGE_DIR
+from .cards import Card, card_table, known_card_names, resolve_card  # noqa: F401 (the card vocabulary)
+from .dry_runs import load_dry_runs  # noqa: F401 (where the predictor's dry-run rows come from)
 from .recipe import GroupKey, capacity_mib, fixes_key, seq_len_of
-
-CARDS_FILE = PACKAGE_DIR / "cards.json"
 
 Verdict = Literal["fits", "tight", "won't fit", "unknown"]
 Run = Literal["probe", "real"]
@@ -183,48 +182,6 @@ class CeilingAnswer(BaseModel):
     limit_high_mib: Optional[float]
     margin_mib: float
     ranks: list[dict]
-
-
-# -- the card table ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Card:
-    key: str
-    gpu: Gpu
-    source: str
-
-
-@lru_cache(maxsize=1)
-def _card_table() -> tuple[tuple[str, Card], ...]:
-    doc = json.loads(CARDS_FILE.read_text(encoding="utf-8"))
-    return tuple((c["key"], Card(c["key"], Gpu(name=c["name"], vendor=c["vendor"], total_mib=c["total_mib"],
-                                                usable_gib_torch=c.get("usable_gib_torch"),
-                                                aliases=c.get("aliases", []), provenance=Provenance(source=c["source"])),
-                                  c["source"])) for c in doc["cards"])
-
-
-def card_table() -> dict[str, Card]:
-    """The common cards (``ledger/cards.json``) by key (read once; a fresh dict each call)."""
-    return dict(_card_table())
-
-
-def resolve_card(ledger: Ledger, name: str) -> Optional[tuple[str, Gpu, str]]:
-    """(key, entry, 'ledger' | 'card table') for a card name, key or alias; the ledger first."""
-    from .recipe import resolve_gpu
-
-    key = resolve_gpu(ledger.gpus, name)
-    if key is not None:
-        return key, ledger.gpus[key], "ledger"
-    table = card_table()
-    key = resolve_gpu({k: c.gpu for k, c in table.items()}, name)
-    if key is not None:
-        return key, table[key].gpu, "card table"
-    return None
-
-
-def known_card_names(ledger: Ledger) -> list[str]:
-    return sorted(set(ledger.gpus) | set(card_table()))
 
 
 # -- the predictor -----------------------------------------------------------------------------
@@ -1046,16 +1003,3 @@ def decide(iv: Optional[Interval], low: Optional[float], high: Optional[float], 
         return "tight", f"only a lower bound is known ({iv.low_mib} MiB), under the limit's high end {high} MiB"
     return "tight", (f"the interval {iv.low_mib}–{top} MiB reaches past the limit's low end {low} MiB"
                      + (f" less the {margin} MiB margin" if margin else ""))
-
-
-def load_dry_runs(path=None) -> list[Measurement]:
-    """The committed dry-run rows (``ledger/dry-runs.json``), or none when the file is absent."""
-    from . import store
-    from .paths import DRY_RUNS
-
-    path = path or DRY_RUNS
-    try:
-        return store.load(path).measurements
-    except FileNotFoundError:
-        return []
-

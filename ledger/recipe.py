@@ -9,7 +9,7 @@ the legacy importer and the probe kit). Nothing here does I/O or imports torch.
 - ``fixes_key(value)``: one canonical text for a memory-fixes value ('all', 'none', a comma list
   in the recipe's order, '?' when unknown); ``parse_fixes(text)`` reads what users type;
 - ``RecipeKey`` / ``recipe_key(row)``: the named, typed key of a recipe on a card;
-- ``slug``, ``vendor_of``, ``resolve_gpu``, ``require_gpu``: card names and keys.
+- ``slug``, ``vendor_of``, ``resolve_gpu``: card names and keys (``ledger.cards`` resolves them).
 """
 
 from __future__ import annotations
@@ -149,12 +149,3 @@ def resolve_gpu(gpus: Mapping[str, Gpu], name: str) -> Optional[str]:
         if name in names or want in {slug(n) for n in names}:
             return key
     return None
-
-
-def require_gpu(ledger: Ledger, name: str, where: str = "--gpu") -> str:
-    """``resolve_gpu`` or a one-line error listing the known cards."""
-    key = resolve_gpu(ledger.gpus, name)
-    if key is None:
-        known = ", ".join(sorted(ledger.gpus)) or "none"
-        raise UserError(Issue(where, "", f"unknown gpu {name!r} (known: {known})"))
-    return key

@@ -164,6 +164,14 @@ def load(path: str | os.PathLike, *, allow_older: bool = False) -> Ledger:
     return parse_ledger(read_text(path), str(path), allow_older=allow_older)
 
 
+def load_or_new(path: str | os.PathLike) -> Ledger:
+    """Load a ledger, or an empty one when the file does not exist yet (the first write creates
+    it): a new user's first run, log or prediction starts their ledger."""
+    if not os.path.lexists(path):
+        return empty_ledger()
+    return load(path)
+
+
 def schema_issues(data: object, name: str) -> list[Issue]:
     """Validate parsed JSON against the generated JSON Schema (jsonschema, draft 2020-12)."""
     from jsonschema import Draft202012Validator, FormatChecker
@@ -338,18 +346,23 @@ def published_ledger_issues(ledger: Ledger, path: str | os.PathLike, old_ids: se
         return []
     return [
         Issue(str(path), f"measurements[{i}]", f"{m.id} was measured on the CPU or simulated: the published ledger "
-              "takes GPU measurements only; write it to another ledger (--ledger)")
+              "takes GPU measurements only; write it to a ledger file of its own")
         for i, m in enumerate(ledger.measurements) if m.id not in old_ids and measured_on_cpu(m)
     ]
 
 
 def save(ledger: Ledger, path: str | os.PathLike) -> None:
     """Validate cross-references, then write atomically under the lock."""
+    with locked(path):
+        save_unlocked(ledger, path)
+
+
+def save_unlocked(ledger: Ledger, path: str | os.PathLike) -> None:
+    """``save`` for a caller that holds the lock already."""
     issues = ledger_issues(ledger, str(path)) + published_ledger_issues(ledger, path)
     if issues:
         raise LedgerError(issues)
-    with locked(path):
-        atomic_write_text(path, dumps(ledger))
+    atomic_write_text(path, dumps(ledger))
 
 
 def empty_ledger(about: str | None = None) -> Ledger:

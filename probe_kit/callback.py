@@ -11,7 +11,9 @@ In a training script:
 At train end (and on an OOM, which ``watch()`` catches, records and re-raises) it reads
 ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` (never resetting them: peak stats are
 process-global and the trainer or the user may rely on them), prints one ``vram-ledger: {...}``
-line that ``vram ingest-log`` reads, and, given a ledger, appends the real measurement itself.
+line that ``vram ingest-log`` reads, and, given a ledger, appends the real measurement itself (a
+missing ledger is created; a ledger that cannot be written is warned about, never raised into
+training: the record then goes to ``LEDGER.unrecorded.log``).
 Without a GPU (a CPU test run) it measures with the tracker meter between train begin and end, and
 records the run with its device and meter and without a card: a CPU run is never filed as a run on
 the card it was configured for (and the bundled ledger refuses CPU rows).
@@ -58,6 +60,8 @@ class VramLedgerCallback(TrainerCallback):
         self.is_main = True
         self.tracker: Optional[TrackerMeter] = None
         self.written: list[dict] = []
+        #: Why a record could not be appended to the ledger (kept in LEDGER.unrecorded.log).
+        self.failures: list[str] = []
 
     # -- meters -------------------------------------------------------------------------
     def _cuda(self) -> bool:
@@ -133,14 +137,22 @@ class VramLedgerCallback(TrainerCallback):
         line = f"{CALLBACK_PREFIX} {json.dumps(doc, sort_keys=True)}"
         print(line, file=self.stream or sys.stdout, flush=True)
         if self.log_file:
-            with open(self.log_file, "a", encoding="utf-8") as fh:
-                fh.write(line + "\n")
+            try:
+                with open(self.log_file, "a", encoding="utf-8") as fh:
+                    fh.write(line + "\n")
+            except OSError as exc:  # never into training: the line is printed above
+                log.warning("vram-ledger: could not write %s: %s", self.log_file, exc.strerror or exc)
         self.written.append(doc)
         if self.ledger:
             self._append(doc)
         return doc
 
     def _append(self, doc: dict) -> None:
+        """Append the run to the ledger (created on the first write). Never raises into training:
+        hours of a finished run must not end in a traceback because a ledger could not be
+        written. On failure the record goes to ``LEDGER.unrecorded.log`` (one line that
+        ``vram ingest-log`` reads) and a warning says how to add it."""
+        from ledger.errors import UserError
         from ledger.ingest import RunSpec, record_callback
 
         spec = dict(self.config)
@@ -148,7 +160,25 @@ class VramLedgerCallback(TrainerCallback):
             # A run measured on the CPU is never filed as a run on the card it was configured for.
             log.warning("vram-ledger: measured on the CPU, so recorded without gpu=%r", spec["gpu"])
             spec["gpu"] = None
-        record_callback(doc, self.ledger, RunSpec(**spec))
+        try:
+            record_callback(doc, self.ledger, RunSpec(**spec))
+        except (UserError, OSError, ValueError) as exc:
+            self.failures.append(str(exc))
+            kept = self._keep(doc)
+            log.warning("vram-ledger: could not record the run in %s: %s. The figures are kept%s; add them with "
+                        "`vram ingest-log %s --ledger %s%s`", self.ledger, str(exc).replace("\n", "; "),
+                        f" in {kept}" if kept else " in the vram-ledger line printed above",
+                        kept or "TRAINING.log", self.ledger, f" --gpu {spec['gpu']}" if spec.get("gpu") else "")
+
+    def _keep(self, doc: dict) -> Optional[str]:
+        """Write the record where ``ingest-log`` can read it; the path, or None if that fails too."""
+        path = f"{self.ledger}.unrecorded.log"
+        try:
+            with open(path, "a", encoding="utf-8") as fh:
+                fh.write(f"{CALLBACK_PREFIX} {json.dumps(doc, sort_keys=True)}\n")
+        except OSError:
+            return None
+        return path
 
     @contextlib.contextmanager
     def watch(self) -> Iterator["VramLedgerCallback"]:

@@ -389,10 +389,11 @@ def main(argv=None) -> int:
 
 
 def find_ceiling(cfg: ProbeConfig, predictor, *, gpu: Optional[str] = None, entry=None,
-                 budget_mib: Optional[float] = None, multimodal: Optional[bool] = None) -> dict:
+                 budget_mib: Optional[float] = None, multimodal: Optional[bool] = None,
+                 progress: bool = True) -> dict:
     """Bisect the rank (steps of 8 up to 512) for the largest whose calibrated dry run (the
     predictor's remainder and interval) is judged "fits" against the budget or the card's limit;
-    also the largest that is at worst "tight"."""
+    also the largest that is at worst "tight". With ``progress``, one line on stderr per dry run."""
     from dataclasses import replace
 
     from .run_sweep import find_ceiling as bisect
@@ -410,6 +411,10 @@ def find_ceiling(cfg: ProbeConfig, predictor, *, gpu: Optional[str] = None, entr
                              "mib": a.probe_allocated.mib if a else None,
                              "high_mib": a.probe_allocated.high_mib if a else None,
                              "limit": f"{a.limit_low_mib} MiB ({a.limit_source})" if a else ""}
+            if progress:  # a dry run of a large model takes seconds to minutes: say each one
+                got = answers[rank]
+                print(f"dry run {len(answers)}: {replace(cfg, rank=rank).label()}: {got['verdict']}"
+                      + (f", {got['mib']} MiB" if got["mib"] is not None else ""), file=sys.stderr, flush=True)
         return answers[rank]["verdict"]
 
     best, probes = bisect(ranks, lambda r: verdict(r) == "fits")

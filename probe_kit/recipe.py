@@ -67,6 +67,14 @@ class ProbeConfig:
     random_weights: bool = False
     seed: int = 0
 
+    def label(self) -> str:
+        """The recipe in a few words, every axis that changes memory named: 'gemma-3-4b-it 4bit r96
+        dropout 0.1 DoRA 7177 tokens fixes all' (progress bars, messages)."""
+        fixes = ledger_recipe.fixes_value(self.fixes)
+        return (f"{self.model.split('/')[-1].removesuffix('.json')} {self.quant} r{self.rank}"
+                + (f" dropout {self.dropout:g}" if self.dropout else "") + (" DoRA" if self.dora else "")
+                + f" {self.seq_len} tokens fixes {fixes}")
+
     def __post_init__(self) -> None:
         if self.rank <= 0:
             raise RecipeError(f"--rank must be > 0, got {self.rank}")
@@ -242,8 +250,9 @@ def prepare(model: torch.nn.Module, cfg: ProbeConfig) -> torch.nn.Module:
     # through autograd's saved-tensor hooks, which is what save_on_cpu offloads.
     ckpt = {"use_reentrant": True}
     if cfg.quant == "4bit":
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True,
-                                                gradient_checkpointing_kwargs=ckpt)
+        with _deprecated_checkpointing_names():  # peft still calls transformers' older names
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True,
+                                                    gradient_checkpointing_kwargs=ckpt)
     else:
         for p in model.parameters():
             p.requires_grad = False
@@ -258,7 +267,8 @@ def prepare(model: torch.nn.Module, cfg: ProbeConfig) -> torch.nn.Module:
         task_type="CAUSAL_LM",
     )
     try:
-        model = get_peft_model(model, lora)
+        with _deprecated_checkpointing_names():  # peft reads is_gradient_checkpointing
+            model = get_peft_model(model, lora)
     except ValueError as exc:
         raise RecipeError(f"LoRA: {str(exc).splitlines()[0]}") from None
     apply_fixes(model, cfg)
@@ -290,6 +300,19 @@ def apply_fixes(model: torch.nn.Module, cfg: ProbeConfig) -> None:
             head.register_forward_pre_hook(lambda mod, args: (args[0].to(mod.weight.dtype), *args[1:]))
 
 
+@contextlib.contextmanager
+def _deprecated_checkpointing_names() -> Iterator[None]:
+    """transformers 5 renamed gradient checkpointing (``activation_checkpointing_*``) and warns on
+    the old names, which peft's ``prepare_model_for_kbit_training`` still calls: that warning,
+    and only it, is silenced around those calls."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`(gradient_checkpointing_enable|is_gradient_checkpointing)` is "
+                                                  r"deprecated", category=FutureWarning)
+        yield
+
+
 def checkpointing_active(model: torch.nn.Module) -> bool:
     """True when the model is in training mode and gradient checkpointing is on in its layers.
     Without it the step silently stores every activation (and save_on_cpu spills them all to
@@ -300,7 +323,8 @@ def checkpointing_active(model: torch.nn.Module) -> bool:
     flagged = [m for m in base.modules() if getattr(m, "gradient_checkpointing", False) is True]
     enabled = getattr(base, "is_activation_checkpointing", None)
     if enabled is None:
-        enabled = getattr(base, "is_gradient_checkpointing", False)
+        with _deprecated_checkpointing_names():
+            enabled = getattr(base, "is_gradient_checkpointing", False)
     return bool(enabled) and bool(flagged) and all(m.training for m in flagged)
 
 

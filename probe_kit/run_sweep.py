@@ -524,7 +524,7 @@ def run_sweep(sweep: Sweep, points: list[Point], *, ledger: str, done: dict[str,
         if p.id in done:
             r = Result(p, "skipped", 0.0, message=f"already in the ledger: {done[p.id]}")
         else:
-            bar.set_postfix_str(f"r{p.config.rank} seq{p.config.seq_len}")
+            bar.set_postfix_str(p.config.label())
             running["point"] = p
             r = run_dry_point(p, sweep, ledger) if sweep.device == "dry" else run_point(p, sweep, ledger)
             running.pop("point")

@@ -35,10 +35,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     real-run rank cost) with the rows each rests on, each card's effective limit, and
     leave-one-out scores (fit/no-fit verdicts of probes; real-run peak errors)."""
     ledger = store.load(args.ledger)
-    from ..predictor import load_dry_runs
-
     result = calibrate(ledger, as_of=parse_date(args.as_of, "--as-of"), exclude=args.exclude, with_loo=not args.no_loo,
-                       dry_runs=load_dry_runs(args.dry_runs))
+                       dry_runs=dry_rows(args))
     if args.json:
         dump_json(Calibration.model_validate(result).document())
         return 0
@@ -92,26 +90,34 @@ def add_card_option(p: argparse.ArgumentParser, required: bool = True) -> None:
 
 def card_of(ledger, name: str) -> tuple[str, object]:
     """(key, entry) of a card in the ledger or the card table, or a one-line error."""
-    from ..predictor import known_card_names, resolve_card
+    from ..cards import require_card
 
-    found = resolve_card(ledger, name)
-    if found is None:
-        raise UserError(Issue("--gpu", "", f"unknown gpu {name!r} (known: {', '.join(known_card_names(ledger))}; "
-                              "for another card give --budget-mib with any of them)"))
-    return found[0], found[1]
+    key, entry, _ = require_card(ledger, name)
+    return key, entry
 
 
 def predictor_for(args: argparse.Namespace, ledger, as_of=None, exclude=()):
-    from ..predictor import Predictor, load_dry_runs
+    from ..predictor import Predictor
 
-    return Predictor(ledger, load_dry_runs(getattr(args, "dry_runs", None)), as_of=as_of, exclude=exclude)
+    return Predictor(ledger, dry_rows(args), as_of=as_of, exclude=exclude)
+
+
+def dry_rows(args: argparse.Namespace) -> list:
+    """The dry-run rows a command answers from: --dry-runs, then those computed into --cache."""
+    from ..dry_runs import load_dry_runs
+
+    return load_dry_runs(getattr(args, "dry_runs", None), cache=getattr(args, "cache", None))
 
 
 def add_dry_runs_option(p: argparse.ArgumentParser) -> None:
+    from ..dry_runs import user_cache_dir
     from ..paths import DRY_RUNS
 
     p.add_argument("--dry-runs", default=shown(DRY_RUNS),
                    help="dry-run rows the predictor may use (default: %(default)s)")
+    p.add_argument("--cache", default=str(user_cache_dir()), metavar="DIR",
+                   help="where dry runs computed by `vram fit --compute` are kept and read from, beside --dry-runs "
+                        "(default: %(default)s; VRAM_LEDGER_CACHE sets it)")
 
 
 def add_ceiling_options(p: argparse.ArgumentParser) -> None:
@@ -207,7 +213,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     does not hold yet is added with the prediction. Dry-run rows the answer rests on are copied
     into it, so the ledger holds its whole basis. When a matching real run is ingested later, the
     prediction is scored and stays in the ledger."""
-    ledger = store.load(args.ledger)
+    ledger = store.load_or_new(args.ledger)
     gpu, entry = card_of(ledger, args.gpu)
     made_on = parse_date(args.date, "--date") or dt.date.today()
     if made_on > dt.date.today():
@@ -231,7 +237,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
             lg.predictions.append(pred)
             score_predictions(lg)
 
-        store.update(args.ledger, change)
+        store.update(args.ledger, change, create=True)
     if args.json:
         dump_json({"prediction": pred.model_dump(mode="json", exclude_none=True),
                    "answer": answer.model_dump(mode="json")})

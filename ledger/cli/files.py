@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -35,6 +36,27 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if issues:
         raise UserError(issues)
     print(f"{args.ledger}: valid")
+    return 0
+
+
+def _add_init(p: argparse.ArgumentParser) -> None:
+    p.add_argument("ledger", help="the new ledger file")
+    p.add_argument("--about", help="what the ledger holds, in Markdown (shown on its site)")
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    """Start a ledger: a valid, empty ledger file (schema_version, no rows) for probes, logs,
+    the TrainerCallback and predictions to append to. An existing file is never overwritten. (The
+    callback, `vram ingest-log` and `vram predict` also create a missing ledger on their first
+    write.)"""
+    out = Path(args.ledger)
+    if os.path.lexists(out):
+        raise UserError(Issue(str(out), "", "exists already: a ledger is never overwritten (give a new path)"))
+    with store.locked(out):
+        if os.path.lexists(out):
+            raise UserError(Issue(str(out), "", "exists already: a ledger is never overwritten (give a new path)"))
+        store.save_unlocked(store.empty_ledger(args.about), out)
+    print(f"{out}: a new, empty ledger")
     return 0
 
 
@@ -83,11 +105,15 @@ def cmd_merge(args: argparse.Namespace) -> int:
                              gpus=merged.gpus)
         total = len(store.load(out).measurements)
         print(f"{args.output}: {total} measurements ({total - before} new; {added} entries added in all) "
-              f"after merging {len(ledgers)} files into its {before}")
+              f"after merging {_files(len(ledgers))} into its {before}")
         return 0
     store.save(merged, out)
-    print(f"{args.output}: {len(merged.measurements)} measurements from {len(ledgers)} files")
+    print(f"{args.output}: {len(merged.measurements)} measurements from {_files(len(ledgers))}")
     return 0
+
+
+def _files(n: int) -> str:
+    return f"{n} file" if n == 1 else f"{n} files"
 
 
 def _add_migrate(p: argparse.ArgumentParser) -> None:
@@ -122,6 +148,7 @@ def cmd_schema(args: argparse.Namespace) -> int:
 COMMANDS = [
     Command("validate", "check a ledger file against the schema and its cross-references", _add_validate,
             cmd_validate),
+    Command("init", "start a new, empty ledger file", _add_init, cmd_init),
     Command("import-legacy", "convert the program's older vram.json into a ledger (nothing lost)", _add_import,
             cmd_import_legacy),
     Command("merge", "merge shard ledgers into one (into OUTPUT's entries when it exists)", _add_merge, cmd_merge),

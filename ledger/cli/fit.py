@@ -12,7 +12,9 @@ from .. import store
 from ..errors import Issue, UserError
 from ..fits import LENGTHS, SETTINGS, fit_table, grid_points, stale_rows, sweep_toml
 from ..predictor import model_name
-from .calibrate import add_dry_runs_option, card_of, predictor_for
+from ..dry_runs import cache_file
+from ..recipe import fixes_key
+from .calibrate import add_dry_runs_option, card_of, dry_rows, predictor_for
 from .options import Command, add_json_option, add_ledger_option, dump_json
 
 
@@ -25,7 +27,8 @@ def add_fit_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fixes", choices=("none", "all"), action="append",
                    help="memory fixes (repeatable; default both)")
     p.add_argument("--compute", action="store_true",
-                   help="first run the dry runs this model lacks (needs torch; appends to --dry-runs)")
+                   help="first run the dry runs this model lacks (needs torch; kept in --cache, never in the shipped "
+                        "rows)")
     add_ledger_option(p)
     add_dry_runs_option(p)
     add_json_option(p)
@@ -44,7 +47,8 @@ def cmd_fit(args: argparse.Namespace) -> int:
         _compute(args)
     p = predictor_for(args, ledger)
     if not any(model_name(d.model) == name for d in p.dry):
-        raise UserError(Issue("--model", "", f"no dry-run rows for {name} in {args.dry_runs}: run again with --compute "
+        raise UserError(Issue("--model", "", f"no dry-run rows for {name} in {args.dry_runs} or {cache_file(args.cache)}: "
+                              "run again with --compute "
                               "(needs torch), or pick a model of the fit table (`vram fit --help`)"))
     quants = args.quant or ["4bit", "bf16"]
     fixes = args.fixes or ["none", "all"]
@@ -81,17 +85,34 @@ def cmd_fit(args: argparse.Namespace) -> int:
 
 
 def _compute(args: argparse.Namespace) -> None:
-    """Run the model's missing grid points as a dry-run sweep, appending to --dry-runs."""
+    """Run the model's grid points that neither --dry-runs nor the cache holds as a dry-run
+    sweep, appending to the cache's file (never to the shipped rows)."""
+    have = {_point_key(d) for d in dry_rows(args)}
+    points = [p for p in grid_points(args.model) if _point_key(p) not in have]
+    target = cache_file(args.cache)
+    if not points:
+        print(f"every grid point of {model_name(args.model)} is computed already", file=sys.stderr)
+        return
+    print(f"computing {len(points)} dry runs of {model_name(args.model)} into {target}", file=sys.stderr)
     fd, path = tempfile.mkstemp(suffix=".toml", prefix="vram-fit-")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(sweep_toml(grid_points(args.model), f"fit-{model_name(args.model)}"))
+            fh.write(sweep_toml(points, f"fit-{model_name(args.model)}"))
         proc = subprocess.run([sys.executable, "-m", "probe_kit.run_sweep", path, "--resume", "--ledger",
-                               args.dry_runs], stdout=sys.stderr)
+                               str(target)], stdout=sys.stderr)
     finally:
         os.unlink(path)
     if proc.returncode != 0:
         raise UserError(Issue("--compute", "", f"the dry-run sweep exited {proc.returncode} (see above)"))
+
+
+def _point_key(p) -> tuple:
+    """A grid point's recipe, from a point dict or a dry-run row, to tell which are computed."""
+    if isinstance(p, dict):
+        return (model_name(p["model"]), p["quant"], p["fixes"], p["rank"], p["seq_len"], bool(p.get("dropout")),
+                bool(p.get("dora")))
+    return (model_name(p.model), p.quant, fixes_key(p.memory_fixes), p.lora.rank if p.lora else None, p.seq_len,
+            bool(p.lora and p.lora.dropout), bool(p.lora and p.lora.dora))
 
 
 COMMANDS = [Command("fit", "one model's fit table on one card: the largest rank that fits at each length",

@@ -28,7 +28,10 @@ def load_previous(source: Optional[str], out: Path) -> tuple[Optional[dict], Opt
         if src.startswith(("http://", "https://")):
             with urllib.request.urlopen(src, timeout=30) as resp:  # noqa: S310 (explicit user URL)
                 return json.loads(resp.read().decode("utf-8"))
-        return json.loads(Path(src).read_text(encoding="utf-8"))
+        path = Path(src)
+        if path.exists() and not path.is_file():  # a FIFO or a device would block the build
+            raise ValueError("not a regular file")
+        return json.loads(path.read_text(encoding="utf-8"))
 
     previous = None
     if source:

@@ -26,18 +26,44 @@ _MD = MarkdownIt("commonmark", {"html": False, "linkify": False, "typographer": 
 _MD.validateLink = _validate_link
 
 
+#: Unicode's explicit bidirectional controls (embeddings, overrides, isolates): kept in a page they
+#: can make a row read as another (a peak shown backwards, an id that reads as a different one).
+BIDI_CONTROLS = "\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069"
+_BIDI_TABLE = {ord(c): f"[U+{ord(c):04X}]" for c in BIDI_CONTROLS}
+
+
+def neutral(text: str) -> str:
+    """Text with every bidirectional control written out as ``[U+202E]``: shown, never obeyed.
+    Applied to every page, Markdown file, CSV, feed and image the build writes (vram.json keeps
+    the text as it is: it is the data)."""
+    return text.translate(_BIDI_TABLE)
+
+
+#: Characters of one ledger text a page shows; the whole text is in vram.json.
+PAGE_TEXT_CHARS = 2000
+
+
+def clip(text: str, limit: int = PAGE_TEXT_CHARS) -> str:
+    """A ledger text shortened for a page: cut at a space near ``limit``, with the length it had."""
+    if len(text) <= limit:
+        return text
+    cut = text.rfind(" ", limit - 200, limit)
+    return f"{text[:cut if cut > 0 else limit].rstrip()} … (shortened: {len(text):,} characters in all; the whole " \
+           "text is in vram.json)"
+
+
 def markdown(text: Optional[str]) -> Markup:
-    """Markdown to HTML with raw HTML escaped and unsafe links dropped."""
+    """Markdown to HTML with raw HTML escaped and unsafe links dropped (long texts clipped)."""
     if not text:
         return Markup("")
-    return Markup(_MD.render(text))
+    return Markup(_MD.render(clip(text)))
 
 
 def markdown_inline(text: Optional[str]) -> Markup:
     """Like ``markdown`` but without the surrounding paragraph (for table cells)."""
     if not text:
         return Markup("")
-    return Markup(_MD.renderInline(text))
+    return Markup(_MD.renderInline(clip(text)))
 
 
 def num(value: Optional[float], digits: int = 1) -> str:
@@ -105,7 +131,7 @@ def md_text(value: object) -> str:
     nothing else can become a link, an image or HTML."""
     if value is None:
         return ""
-    text, out, pos = str(value), [], 0
+    text, out, pos = clip(str(value)), [], 0
     for m in _MD_SAFE_LINK.finditer(text):
         out.append(_md_plain(text[pos:m.start()]))
         out.append(f"[{_md_plain(m.group(1))}]({m.group(2)})")

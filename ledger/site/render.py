@@ -220,7 +220,7 @@ def _worker_init(ledger: Ledger) -> None:
 def _svgs(plots: list) -> list[str]:
     from .plots import render_svg  # matplotlib is imported only when a site is built
 
-    return [render_svg(p) for p in plots]
+    return [filters.neutral(render_svg(p)) for p in plots]
 
 
 def _fitted() -> Optional[dict]:
@@ -288,17 +288,17 @@ def compute_site(ledger: Ledger, out: Path, *, build_date: Optional[str], base_u
     data: dict[str, str] = {}
     data["vram.json"] = public_json(ledger_json, ctx, ledger, base_url)
     data["vram.schema.json"] = json.dumps(public_schema(base_url), indent=2) + "\n"
-    data["vram.csv"] = measurements_csv(ledger)
+    data["vram.csv"] = filters.neutral(measurements_csv(ledger))
     if ctx.fits is not None:
-        data["fits.csv"] = fits_csv(ctx.fits)
+        data["fits.csv"] = filters.neutral(fits_csv(ctx.fits))
     unchanged = prev_doc is not None and prev_doc.get("ledger_sha256") == sha
     ledger_doc = None if unchanged or prev_doc is None else json.loads(ledger_json)
     history = history_for(prev_doc if not unchanged else None, prev_history, ledger_doc or {}, sha, build_date)
     if unchanged and isinstance(prev_history, dict):
         history = {**history, "history": prev_history.get("history", [])[:50]}
     data["changes.json"] = json.dumps(history, indent=1, ensure_ascii=False) + "\n"
-    data["feed.xml"] = atom_feed(history, title=ctx.title, base_url=base_url,
-                                 updated=f"{build_date or latest_date(ledger)}T00:00:00Z")
+    data["feed.xml"] = filters.neutral(atom_feed(history, title=ctx.title, base_url=base_url,
+                                                 updated=f"{build_date or latest_date(ledger)}T00:00:00Z"))
     return replace(
         ctx,
         changes=history["history"][0] if history["history"] else None,
@@ -317,17 +317,22 @@ def compute_site(ledger: Ledger, out: Path, *, build_date: Optional[str], base_u
 def render_outputs(ctx: SiteContext, env: Environment) -> dict[str, str]:
     """Phase two: every output's text by its path, rendered from the context alone. The
     Markdown page is itself a download the HTML page lists, so it is rendered first."""
-    md = env.get_template("vram.md.j2").render(ctx=ctx)
+    # Bidirectional controls are shown, never obeyed, in everything a person reads (filters.neutral);
+    # the JSON files are the data and keep every character.
+    def page(name: str, c: SiteContext) -> str:
+        return filters.neutral(env.get_template(name).render(ctx=c))
+
+    md = page("vram.md.j2", ctx)
     page_ctx = replace(ctx, downloads=[*ctx.downloads, download("vram.md", md, ctx.base_url)])
     files = {
-        "index.html": env.get_template("index.html.j2").render(ctx=page_ctx),
+        "index.html": page("index.html.j2", page_ctx),
         "vram.md": md,
-        "estimators.html": env.get_template("estimators.html.j2").render(ctx=page_ctx),
-        "estimators.md": env.get_template("estimators.md.j2").render(ctx=page_ctx),
+        "estimators.html": page("estimators.html.j2", page_ctx),
+        "estimators.md": page("estimators.md.j2", page_ctx),
     }
     if ctx.fits is not None:
-        files["fits.html"] = env.get_template("fits.html.j2").render(ctx=page_ctx)
-        files["fits.md"] = env.get_template("fits.md.j2").render(ctx=page_ctx)
+        files["fits.html"] = page("fits.html.j2", page_ctx)
+        files["fits.md"] = page("fits.md.j2", page_ctx)
     files.update(ctx.data_files)
     files.update(ctx.images)
     return files

@@ -1,0 +1,50 @@
+"""Where dry-run rows come from: the shipped file and the user's cache.
+
+``ledger/dry-runs.json`` is shipped data (the fit table's grid, computed by the sweeps in
+``sweeps/``): the site is built from it alone, so the same ledger gives the same site on any
+install. Rows a user computes (``vram fit --model my.json --compute``) go to a cache of their own,
+``dry-runs.json`` under the user's cache folder (``--cache DIR``; ``VRAM_LEDGER_CACHE``; else the
+platform's, e.g. ``~/.cache/vram-ledger``), never into the shipped file; the commands that
+answer (``estimate``, ``ceiling``, ``predict``, ``fit``, ``cards``, ``calibrate``) read both.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+from .models import Measurement
+from .paths import DRY_RUNS
+
+CACHE_FILE = "dry-runs.json"
+
+
+def user_cache_dir() -> Path:
+    """The folder computed dry-run rows go to: ``VRAM_LEDGER_CACHE``, else the platform's user
+    cache folder for vram-ledger."""
+    env = os.environ.get("VRAM_LEDGER_CACHE")
+    if env:
+        return Path(env)
+    from platformdirs import user_cache_dir as platform_cache
+
+    return Path(platform_cache("vram-ledger", appauthor=False))
+
+
+def cache_file(cache: Optional[os.PathLike | str] = None) -> Path:
+    """The cache's dry-run file (``dry-runs.json`` in ``cache``, default ``user_cache_dir()``)."""
+    return Path(cache if cache is not None else user_cache_dir()) / CACHE_FILE
+
+
+def load_dry_runs(path=None, cache: Optional[os.PathLike | str] = None) -> list[Measurement]:
+    """Dry-run rows: the shipped file's (or ``path``'s), then, given ``cache``, the rows computed
+    into that cache folder that the file lacks. A missing file holds no rows."""
+    from . import store
+
+    rows: list[Measurement] = []
+    for source in [Path(path or DRY_RUNS)] + ([cache_file(cache)] if cache is not None else []):
+        if not source.exists():
+            continue
+        rows += store.load(source).measurements  # a damaged file is a located error, never skipped
+    seen: set[str] = set()
+    return [m for m in rows if not (m.id in seen or seen.add(m.id))]  # type: ignore[func-returns-value]
