@@ -275,6 +275,9 @@ def ingest(paths: list[str], ledger_path: str, spec: RunSpec, *, mid: Optional[s
     for raw in paths:
         path = Path(raw)
         try:
+            if not path.is_file() and path.exists():  # a FIFO or a device would block or never end
+                issues.append(Issue(raw, "", "not a regular file"))
+                continue
             text = path.read_text(encoding="utf-8", errors="replace")
         except OSError as exc:
             issues.append(Issue(raw, "", f"cannot read: {exc.strerror or exc}"))

@@ -20,9 +20,8 @@ read is skipped with a warning naming its line; a log with nothing to go on is a
 with a smaller rank, appending to the same file). ``parse_runs`` splits it: a new run starts at a
 training banner (``***** Running training *****``, ``starting run``), where the progress counter
 of the same total goes back, or, once a run has ended (an OOM, a crash, the callback's
-``train_end``), at the next progress line or peak. A timestamp seen after a run ended dates the
-next run. Each run keeps its own line range; a run with no evidence (a banner and nothing else) is
-dropped.
+``train_end``), at the next timestamped line, progress line or peak. Each run keeps its own line
+range and date; a run with no evidence (a banner and nothing else) is dropped.
 """
 
 from __future__ import annotations
@@ -100,8 +99,6 @@ class RunEvidence:
     per_device_peak_mib: Optional[dict[str, float]] = None
     first_line: int = 1
     last_line: Optional[int] = None
-    #: A date seen after the run ended: the next run's.
-    next_date: Optional[dt.date] = None
 
     @property
     def ended(self) -> bool:
@@ -148,7 +145,7 @@ def _new_run(ev: RunEvidence, line: str) -> bool:
         return True
     if not ev.ended:
         return False
-    if progress:
+    if progress or _TIMESTAMP.search(line):
         return True
     if CALLBACK_PREFIX in line:
         return '"event": "oom"' not in line.replace("'", '"')  # the callback's record of the OOM just read
@@ -166,7 +163,7 @@ def parse_runs(text: str, name: str = "log") -> list[RunEvidence]:
         if lineno > ev.first_line and _new_run(ev, line):
             ev.last_line = lineno - 1
             runs.append(ev)
-            ev = RunEvidence(first_line=lineno, measured_on=ev.next_date)
+            ev = RunEvidence(first_line=lineno)
         _read_line(ev, line, lineno, name)
     ev.last_line = max(lineno, ev.first_line)
     runs.append(ev)
@@ -226,11 +223,7 @@ def _read_line(ev: RunEvidence, line: str, lineno: int, name: str) -> None:
     ts = _TIMESTAMP.search(line)
     if ts:
         try:
-            day = dt.date.fromisoformat(ts[1])
-            if ev.ended:
-                ev.next_date = day
-            else:
-                ev.measured_on = day
+            ev.measured_on = dt.date.fromisoformat(ts[1])
         except ValueError:
             pass
     progress = _progress(line)

@@ -597,24 +597,20 @@ class Predictor:
                         (r, status, None, need, m.id, kept_positions(m)))
         return dict(out)
 
-    def measured_failure(self, recipe: Recipe, gpu: str, run: Run) -> Optional[tuple[str, str, str]]:
-        """(id, kind, status) of a row on this card, of this run's kind (a probe's too for a real
-        run), whose recipe is this one or an easier one (rank, length, dropout, DoRA all at most
-        this recipe's, no more kept logits) and that ran out of memory or spilled: measured, so
-        the recipe will not fit whatever an interval says."""
+    def measured_failure(self, recipe: Recipe, gpu: str, run: Run) -> Optional[tuple[str, str]]:
+        """(id, status) of a row of this run's kind on this card whose recipe is this one or an
+        easier one (rank, length, dropout, DoRA all at most this recipe's, no more kept logits)
+        and that ran out of memory or spilled: measured, so the recipe will not fit whatever an
+        interval says. (A probe's OOM says nothing sure of a real run, which peaks lower.)"""
         if recipe.seq_len is None:
             return None
-        own = recipe_keep(recipe)
-        found = None
-        for kind in ((run, "probe") if run == "real" else (run,)):
-            for r, status, _, _, mid, keep in self._failure_rows.get((gpu, kind, model_name(recipe.model),
-                                                                      recipe.quant, recipe.fixes), ()):
-                more_logits = own is not None and keep is not None and keep > own
-                if (r.rank <= recipe.rank and r.seq_len <= recipe.seq_len and r.dropout <= recipe.dropout
-                        and r.dora <= recipe.dora and not more_logits):
-                    found = found or (mid, kind, status)
-            if found:
-                return found
+        own = recipe_keep(recipe) if run == "probe" else None
+        for r, status, _, _, mid, keep in self._failure_rows.get((gpu, run, model_name(recipe.model), recipe.quant,
+                                                                  recipe.fixes), ()):
+            more_logits = own is not None and keep is not None and keep > own
+            if (r.rank <= recipe.rank and r.seq_len <= recipe.seq_len and r.dropout <= recipe.dropout
+                    and r.dora <= recipe.dora and not more_logits):
+                return mid, status
         return None
 
     @cached_property
@@ -739,13 +735,9 @@ class Predictor:
         failed = self.measured_failure(recipe, gpu, run) if budget_mib is None or (
             low is not None and budget_mib <= (self.card_limit(gpu, entry, run)[0] or float("inf"))) else None
         if failed is not None and verdict != "won't fit":
-            fid, fkind, fstatus = failed
-            if fkind == run:
-                verdict, why = "won't fit", (f"{fid}, this recipe or an easier one, was measured on {gpu} and ran "
-                                             f"{'out of memory' if fstatus == 'oom' else 'past the card (spilled)'}")
-            elif verdict == "fits":
-                verdict, why = "tight", (f"the probe {fid}, this recipe or an easier one, ran out of memory on {gpu}: "
-                                         "a real run peaks a little lower, but not surely under the limit")
+            fid, fstatus = failed
+            verdict, why = "won't fit", (f"{fid}, this recipe or an easier one, was measured on {gpu} and ran "
+                                         f"{'out of memory' if fstatus == 'oom' else 'past the card (spilled)'}")
             if fid not in evidence:
                 evidence = [*evidence, fid]
         return Answer(gpu=gpu, card_source=source, recipe={k: v for k, v in recipe.__dict__.items()}, run=run,

@@ -21,7 +21,7 @@ def summary(path: Path) -> dict:
     except LogError as exc:
         return {"error": str(exc)}
     d = {k: v for k, v in asdict(e).items()
-         if v not in (None, [], {}) and k not in ("callback", "first_line", "last_line", "next_date")}
+         if v not in (None, [], {}) and k not in ("callback", "first_line", "last_line")}
     if e.oom:
         d["oom"] = e.oom.model_dump(mode="json", exclude_defaults=True, exclude={"message", "untrusted"})
     if e.measured_on:
@@ -110,8 +110,19 @@ def test_unparseable_log_is_one_line_and_nothing_is_written(ledger, capsys):
 
 
 def test_unknown_gpu_is_a_clear_error(ledger, capsys):
-    assert cli.main(["ingest-log", str(DATA / "logs" / "axolotl.log"), "--ledger", str(ledger), "--gpu", "h100"]) == 1
-    assert "unknown gpu 'h100'" in capsys.readouterr().err
+    before = ledger.read_bytes()
+    assert cli.main(["ingest-log", str(DATA / "logs" / "axolotl.log"), "--ledger", str(ledger), "--gpu",
+                     "GTX 480"]) == 1
+    err = capsys.readouterr().err
+    assert "unknown gpu 'GTX 480'" in err and "rtx-4090" in err and ledger.read_bytes() == before
+
+
+def test_a_card_of_the_card_table_joins_the_ledger_with_its_first_run(ledger):
+    assert "rtx-4090" not in store.load(ledger).gpus
+    assert cli.main(["ingest-log", str(DATA / "logs" / "axolotl.log"), "--ledger", str(ledger), "--gpu",
+                     "RTX 4090"]) == 0
+    lg = store.load(ledger)
+    assert lg.measurements[-1].gpu == "rtx-4090" and lg.gpus["rtx-4090"].total_mib == 24576.0
 
 
 def test_hf_deltas_are_recorded_as_deltas(ledger):

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import subprocess
 import xml.etree.ElementTree as ET
 
+import pytest
 
 from conftest import REPO, SMALL
 from ledger import cli, store
@@ -127,9 +131,61 @@ def test_validate_public(tmp_path, capsys):
     assert "version 99 is newer than this vram-ledger reads (1): upgrade vram-ledger" in capsys.readouterr().err
 
 
-def test_example_workflow_builds_with_a_base_url():
-    text = (REPO / "examples" / "deploy" / "publish-site.yml").read_text()
-    assert "build.py --base-url" in text and "--previous" in text
+def _workflow_steps() -> list[str]:
+    """The build job's shell steps of the example deploy workflow, as written."""
+    import yaml
+
+    doc = yaml.safe_load((REPO / "examples" / "deploy" / "publish-site.yml").read_text())
+    return [step["run"] for step in doc["jobs"]["build"]["steps"] if "run" in step]
+
+
+@pytest.mark.skipif(shutil.which("curl") is None or shutil.which("git") is None, reason="needs curl and git")
+def test_the_deploy_workflow_replayed_keeps_the_history(tmp_path):
+    """Three deploys of the example workflow, each in a fresh checkout, each publishing to a live
+    site served on the loopback interface that the next deploy fetches from: the third
+    publication's changes.json holds both change sets (the first deploy has none)."""
+    import functools
+    import http.server
+    import threading
+
+    live = tmp_path / "live"
+    live.mkdir()
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+    handler = functools.partial(Quiet, directory=str(live))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    steps = [s for s in _workflow_steps() if not s.startswith("pip install")]  # installed already
+    ledger = json.loads(SMALL.read_text())
+    rows = ledger["measurements"]
+    try:
+        for deploy in range(3):
+            checkout = tmp_path / f"checkout{deploy}"
+            shutil.copytree(REPO, checkout, ignore=shutil.ignore_patterns(".git", "site", "tests", "test-artifacts",
+                                                                          "__pycache__", "*.egg-info"))
+            doc = {**ledger, "measurements": rows[: len(rows) - 2 + deploy]}  # one row more each deploy
+            (checkout / "ledger" / "vram.json").write_text(json.dumps(doc, indent=1))
+            env = {**os.environ, "BASE_URL": base, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+                   "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t",
+                   "GIT_AUTHOR_DATE": f"2026-11-0{deploy + 1}T00:00:00Z",
+                   "GIT_COMMITTER_DATE": f"2026-11-0{deploy + 1}T00:00:00Z"}
+            for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", f"deploy {deploy}"]):
+                subprocess.run(cmd, cwd=checkout, env=env, check=True)
+            for step in steps:
+                # GitHub Actions runs a step as `bash --noprofile --norc -eo pipefail {0}`.
+                done = subprocess.run(["bash", "--noprofile", "--norc", "-eo", "pipefail", "-c", step], cwd=checkout, env=env,
+                                      capture_output=True, text=True, timeout=300)
+                assert done.returncode == 0, f"{step}\n{done.stderr}"
+            shutil.rmtree(live)
+            shutil.copytree(checkout / "site", live)  # what actions/deploy-pages publishes
+    finally:
+        server.shutdown()
+    history = json.loads((live / "changes.json").read_text())["history"]
+    assert len(history) == 2
+    assert [len(cs["measurements"]["added"]) for cs in history] == [1, 1]
 
 
 def test_the_public_schema_describes_the_derived_figures(tmp_path, capsys):

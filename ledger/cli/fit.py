@@ -71,10 +71,13 @@ def cmd_fit(args: argparse.Namespace) -> int:
                 row = {c.setting: c for c in cells if c.quant == q and c.fixes == f and c.seq_len == seq}
                 print(f"  {seq:>7}  " + "  ".join(f"{row[s].label() if s in row else '':<22}" for s, _, _ in SETTINGS))
     methods = sorted({c.method for c in cells})
+    loo = (f"median {p.dry_loo['median_abs_err_pct']}%, worst {p.dry_loo['max_abs_err_pct']}% (over {p.dry_loo['n']})"
+           if p.dry_loo["n"] else "not measured (no measured probe has a dry run of its recipe)")
+    derived = (f"widened by {p.dry_derivation['max_abs_err_pct']}% (the largest error of deriving a dry run it did "
+               "compute)" if p.dry_derivation["max_abs_err_pct"] is not None else
+               "not widened: no derivation error could be measured (too few dry runs)")
     print(f"\nanswered by: {', '.join(methods)}; the calibrated dry run's leave-one-out error on the ledger's measured "
-          f"probes: median {p.dry_loo['median_abs_err_pct']}%, worst {p.dry_loo['max_abs_err_pct']}% "
-          f"(over {p.dry_loo['n']}); a figure the grid derives rather than dry-runs has its interval widened by "
-          f"{p.dry_derivation['max_abs_err_pct']}% (the largest error of deriving a dry run it did compute)")
+          f"probes: {loo}; a figure the grid derives rather than dry-runs has its interval {derived}")
     measured = sorted({i for c in cells for i in c.measured})
     if measured:
         print(f"measured on this card: {', '.join(measured)}")
@@ -98,8 +101,16 @@ def _compute(args: argparse.Namespace) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(sweep_toml(points, f"fit-{model_name(args.model)}"))
-        proc = subprocess.run([sys.executable, "-m", "probe_kit.run_sweep", path, "--resume", "--ledger",
-                               str(target)], stdout=sys.stderr)
+        argv = [sys.executable, "-m", "probe_kit.run_sweep", path, "--resume", "--ledger", str(target)]
+        try:  # the sweep's progress goes to our stderr (its stdout too: ours is for the table)
+            out = sys.stderr.fileno()
+        except (AttributeError, OSError, ValueError):  # a stream with no file (captured in a library call)
+            out = None
+        if out is not None:
+            proc = subprocess.run(argv, stdout=out)
+        else:
+            proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            sys.stderr.write(proc.stdout or "")
     finally:
         os.unlink(path)
     if proc.returncode != 0:
