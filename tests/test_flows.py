@@ -293,3 +293,19 @@ def test_known_library_noise_is_silenced(tmp_path):
                           capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "kernels-community" not in done.stderr and "FutureWarning" not in done.stderr
+
+
+def test_the_dry_run_ceiling_says_each_dry_run_as_it_goes(monkeypatch, capsys):
+    """--find-ceiling runs several dry runs of seconds to minutes each: one line per dry run."""
+    from ledger.predictor import Predictor, load_dry_runs
+    from probe_kit import dry_run
+    from probe_kit.recipe import ProbeConfig
+
+    monkeypatch.setattr(dry_run, "predict", lambda cfg, multimodal=None: ({"peak_allocated_mib": 3000.0 + 10 * cfg.rank},
+                                                                          {}))
+    p = Predictor(store.load(SMALL), load_dry_runs())
+    doc = dry_run.find_ceiling(ProbeConfig(model="tiny-llama", rank=8, dropout=0.1, seq_len=512, response_len=64), p,
+                               budget_mib=5000.0)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dry run ")]
+    assert len(lines) == doc["probes"] > 1
+    assert all("tiny-llama 4bit" in line and "dropout 0.1" in line and "512 tokens" in line for line in lines)
