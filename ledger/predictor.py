@@ -605,8 +605,8 @@ class Predictor:
         if recipe.seq_len is None:
             return None
         own = recipe_keep(recipe) if run == "probe" else None
-        for r, status, _, _, mid, keep in self._failure_rows.get((gpu, run, model_name(recipe.model), recipe.quant,
-                                                                  recipe.fixes), ()):
+        for r, status, mid, keep in self._failure_rows.get((gpu, run, model_name(recipe.model), recipe.quant,
+                                                            recipe.fixes), ()):
             more_logits = own is not None and keep is not None and keep > own
             if (r.rank <= recipe.rank and r.seq_len <= recipe.seq_len and r.dropout <= recipe.dropout
                     and r.dora <= recipe.dora and not more_logits):
@@ -615,7 +615,8 @@ class Predictor:
 
     @cached_property
     def _failure_rows(self) -> dict[tuple, list]:
-        """Rows that ran out of memory or spilled, by (card, kind, model, quant, fixes)."""
+        """Rows that ran out of memory or spilled, by (card, kind, model, quant, fixes): (recipe,
+        status, id, kept logit positions)."""
         out: dict[tuple, list] = defaultdict(list)
         for m in self.ms:
             if m.kind not in ("probe", "real") or m.lora is None or not m.gpu or m.outcome.status not in ("oom", "spilled"):
@@ -623,7 +624,7 @@ class Predictor:
             r = self.recipe_for(m)
             if r is not None and r.seq_len is not None:
                 out[(m.gpu, m.kind, model_name(r.model), r.quant, r.fixes)].append(
-                    (r, m.outcome.status, None, None, m.id, kept_positions(m)))
+                    (r, m.outcome.status, m.id, kept_positions(m)))
         return dict(out)
 
     # -- limits ------------------------------------------------------------------------------------
@@ -732,8 +733,9 @@ class Predictor:
         else:
             low, high, lsrc = self.card_limit(gpu, entry, run)
         verdict, why = decide(judged, low, high, margin_mib)
+        # A measured failure on the card is one under any budget below the card's limit too.
         failed = self.measured_failure(recipe, gpu, run) if budget_mib is None or (
-            low is not None and budget_mib <= (self.card_limit(gpu, entry, run)[0] or float("inf"))) else None
+            budget_mib <= (self.card_limit(gpu, entry, run)[0] or float("inf"))) else None
         if failed is not None and verdict != "won't fit":
             fid, fstatus = failed
             verdict, why = "won't fit", (f"{fid}, this recipe or an easier one, was measured on {gpu} and ran "

@@ -162,7 +162,7 @@ HOSTILE = [
 
 def hostile_ledger():
     text = " ".join(HOSTILE)
-    prov = Provenance(source=text, notes=HOSTILE)
+    prov = Provenance(source=" ".join(h for h in HOSTILE if len(h) < 100), notes=HOSTILE)  # a source is one line
     return store.empty_ledger(about=text).model_copy(update=dict(
         gpus={"evil": Gpu(name=HOSTILE[0], os=HOSTILE[1], aliases=[HOSTILE[3]], provenance=prov)},
         measurements=[
