@@ -30,7 +30,10 @@ sys.path.insert(0, str(REPO / "sweeps"))
 from ledger import store  # noqa: E402
 from ledger.fits import GRID_MODELS, fit_table  # noqa: E402
 from ledger.paths import DEFAULT_LEDGER, DRY_RUNS  # noqa: E402
-from ledger.predictor import Predictor, Recipe, load_dry_runs, model_name, recipe_of  # noqa: E402
+from ledger.dry_runs import load_dry_runs  # noqa: E402
+from ledger.model_configs import model_name  # noqa: E402
+from ledger.predictor import Predictor  # noqa: E402
+from ledger.recipe import Recipe, recipe_of  # noqa: E402
 from make_fit_grid import held_out  # noqa: E402
 
 

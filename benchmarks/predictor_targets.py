@@ -32,10 +32,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from ledger import store  # noqa: E402
-from ledger.calibration import loo  # noqa: E402
+from ledger.calibration_report import loo  # noqa: E402
 from ledger.estimators import scoreboard  # noqa: E402
 from ledger.paths import DEFAULT_LEDGER, DRY_RUNS  # noqa: E402
-from ledger.predictor import Predictor, load_dry_runs  # noqa: E402
+from ledger.dry_runs import load_dry_runs  # noqa: E402
+from ledger.predictor import Predictor  # noqa: E402
 
 
 def main() -> None:
@@ -75,7 +76,7 @@ def main() -> None:
     for m in lg.measurements:
         if m.kind != "real" or m.outcome.status != "ok" or m.outcome.peak_allocated_mib is None:
             continue
-        recipe = full.recipe_for(m)
+        recipe = full.fit.recipe_for(m)
         if recipe is None or recipe.seq_len is None:
             continue
         p = Predictor(lg, dry, exclude=[m.id])
@@ -101,8 +102,8 @@ def main() -> None:
 
     card = full.dry_loo
     rows_all = []
-    for m, peak, d in full.dry_pairs:
-        others = [pp - dd for mm, pp, dd in full.dry_pairs if mm.id != m.id]
+    for m, peak, d in full.dry_cal.pairs:
+        others = [pp - dd for mm, pp, dd in full.dry_cal.pairs if mm.id != m.id]
         pred = d + statistics.median(others)
         rows_all.append((m.id, peak, pred, (pred - peak) / peak * 100))
     errs_all = [abs(e) for *_, e in rows_all]

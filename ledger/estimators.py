@@ -18,77 +18,18 @@ peak reserved, nearest to what a card must hold). No torch.
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterable, Optional
 
-from .paths import MODEL_CONFIGS
+from .model_configs import Arch, load_arch  # noqa: F401 (what the estimators read a model as)
 from .recipe import capacity_mib, fixes_key, seq_len_of
 from .models import Ledger, Measurement
 
 GIB = 2**30
 MIB = 2**20
 GB = 1e9
-CONFIG_DIR = MODEL_CONFIGS
-
-
-@dataclass
-class Arch:
-    """What the formulas need to know about a decoder model."""
-
-    name: str
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    tied: bool
-    family: str
-
-    @property
-    def linear_params(self) -> int:
-        q = self.hidden * self.heads * self.head_dim
-        kv = 2 * self.hidden * self.kv_heads * self.head_dim
-        o = self.heads * self.head_dim * self.hidden
-        mlp = 3 * self.hidden * self.intermediate
-        return (q + kv + o + mlp) * self.layers
-
-    @property
-    def embedding_params(self) -> int:
-        return self.vocab * self.hidden * (1 if self.tied else 2)
-
-    @property
-    def total_params(self) -> int:
-        norms = (4 * self.hidden + 2 * self.head_dim) * self.layers + self.hidden
-        return self.linear_params + self.embedding_params + norms
-
-
-def load_arch(model: str) -> Optional[Arch]:
-    """The architecture of a model: a config JSON path, or a model id / name whose config ships in
-    ledger/model_configs ('unsloth/gemma-3-4b-it' -> gemma-3-4b-it.json). None when unknown."""
-    path = Path(model)
-    if not (path.suffix == ".json" and path.is_file()):
-        path = CONFIG_DIR / f"{model.split('/')[-1]}.json"
-        if not path.is_file():
-            return None
-    data = json.loads(path.read_text(encoding="utf-8"))
-    text = data.get("text_config", data)
-    hidden = text["hidden_size"]
-    heads = text["num_attention_heads"]
-    model_type = str(text.get("model_type", data.get("model_type", "")))
-    family = "gemma" if "gemma" in model_type else ("qwen2" if "qwen" in model_type else
-                                                     ("mistral" if "mistral" in model_type else "llama"))
-    return Arch(
-        name=path.stem, hidden=hidden, layers=text["num_hidden_layers"], heads=heads,
-        kv_heads=text.get("num_key_value_heads", heads), head_dim=text.get("head_dim") or hidden // heads,
-        intermediate=text["intermediate_size"], vocab=text["vocab_size"],
-        tied=bool(text.get("tie_word_embeddings", data.get("tie_word_embeddings", True))), family=family,
-    )
 
 
 @dataclass
@@ -261,7 +202,7 @@ class VramLedger(Estimator):
         if self._full is None or self._full[0] is not ledger:
             self._full = (ledger, Predictor(ledger, []))
         # A real run's longest example, from its pairing, is a fact of the row (read on the full ledger).
-        recipe = self._full[1].recipe_for(m)
+        recipe = self._full[1].fit.recipe_for(m)
         p = Predictor(ledger, self.dry_runs, exclude=[m.id])
         if recipe is None or recipe.seq_len is None:
             return None

@@ -14,7 +14,10 @@ from dataclasses import dataclass, replace
 from typing import Iterable, Optional
 
 from .models import Gpu
-from .predictor import Predictor, Recipe, card_table, model_name, recipe_of
+from .cards import card_table
+from .model_configs import model_name
+from .predictor import Predictor
+from .recipe import Recipe, recipe_of
 from .recipe import fixes_key
 
 LENGTHS = (512, 2048, 4096, 8192, 16384)

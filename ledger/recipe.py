@@ -9,16 +9,18 @@ the legacy importer and the probe kit). Nothing here does I/O or imports torch.
 - ``fixes_key(value)``: one canonical text for a memory-fixes value ('all', 'none', a comma list
   in the recipe's order, '?' when unknown); ``parse_fixes(text)`` reads what users type;
 - ``RecipeKey`` / ``recipe_key(row)``: the named, typed key of a recipe on a card;
-- ``slug``, ``vendor_of``, ``resolve_gpu``: card names and keys (``ledger.cards`` resolves them).
+- ``slug``, ``vendor_of``, ``resolve_gpu``: card names and keys (``ledger.cards`` resolves them);
+- ``Recipe`` / ``recipe_of(row)``: the typed recipe every answer is for (a new axis of memory is a
+  field here, read by ``recipe_of``, and a term in the rung that models it).
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Mapping, NamedTuple, Optional, get_args
 
-from .errors import Issue, UserError
-from .models import FixName, Gpu, Ledger
+from .models import FixName, Gpu, Measurement
 
 #: Memory fixes a probe or run can switch on, in the recipe's order.
 FIX_NAMES: tuple[str, ...] = get_args(FixName)
@@ -149,3 +151,34 @@ def resolve_gpu(gpus: Mapping[str, Gpu], name: str) -> Optional[str]:
         if name in names or want in {slug(n) for n in names}:
             return key
     return None
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What decides a step's memory (the rank may be left open for a ceiling)."""
+
+    model: Optional[str]
+    rank: int = 16
+    quant: str = "4bit"
+    dropout: bool = False
+    dora: bool = False
+    seq_len: Optional[int] = None
+    fixes: str = "all"
+    response_len: Optional[int] = None
+
+    def group(self) -> GroupKey:
+        return GroupKey(self.model, self.quant, self.seq_len, self.dropout, self.dora, self.fixes)
+
+    def describe(self) -> str:
+        return (f"{self.model or 'the model'} {self.quant} r{self.rank}" + (" dropout" if self.dropout else "")
+                + (" DoRA" if self.dora else "") + (f" {self.seq_len} tokens" if self.seq_len else "")
+                + f" fixes {self.fixes}")
+
+
+def recipe_of(m: Measurement) -> Optional[Recipe]:
+    """A row's recipe (None for a row without LoRA settings)."""
+    if m.lora is None:
+        return None
+    return Recipe(model=m.model, rank=m.lora.rank, quant=m.quant or "4bit", dropout=bool(m.lora.dropout),
+                  dora=bool(m.lora.dora), seq_len=seq_len_of(m), fixes=fixes_key(m.memory_fixes),
+                  response_len=m.response_len)

@@ -303,13 +303,14 @@ def measurement(cfg: ProbeConfig, outcome: dict, breakdown: dict, gpu: Optional[
 
 
 def _predictor(ledger: Optional[str]):
-    from ledger.predictor import Predictor, load_dry_runs
+    from ledger.dry_runs import load_dry_runs
+    from ledger.predictor import Predictor
 
     return Predictor(store.load(ledger or DEFAULT_LEDGER), load_dry_runs())
 
 
 def _recipe(cfg: ProbeConfig):
-    from ledger.predictor import Recipe
+    from ledger.recipe import Recipe
 
     return Recipe(model=cfg.model, rank=cfg.rank, quant=cfg.quant, dropout=cfg.dropout > 0, dora=cfg.dora,
                   seq_len=cfg.seq_len, fixes=fixes_key(fixes_value(cfg.fixes)), response_len=cfg.response_len)
@@ -340,7 +341,7 @@ def main(argv=None) -> int:
         predictor = _predictor(args.ledger)
         gpu = entry = None
         if args.gpu:
-            from ledger.predictor import known_card_names, resolve_card
+            from ledger.cards import known_card_names, resolve_card
 
             found = resolve_card(predictor.ledger, args.gpu)
             if found is None:

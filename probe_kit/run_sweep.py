@@ -406,7 +406,10 @@ def predicted_start(group: list[Point], sweep: Sweep, ledger: str, start_rank: O
         if not sweep.gpu:
             return None, "no card to predict for: plain bisection"
         from ledger.paths import DEFAULT_LEDGER as BUNDLED
-        from ledger.predictor import Predictor, Recipe, load_dry_runs, resolve_card
+        from ledger.cards import resolve_card
+        from ledger.dry_runs import load_dry_runs
+        from ledger.predictor import Predictor
+        from ledger.recipe import Recipe
         from ledger.recipe import fixes_key, fixes_value
 
         path = ledger if Path(ledger).exists() else str(BUNDLED)

@@ -11,8 +11,11 @@ from hypothesis import strategies as st
 
 from conftest import FROZEN as BUNDLED
 from ledger import cli, store
-from ledger.calibration import before, calibrate, loo, overestimate, predict_real, rank_slope
-from ledger.predictor import Predictor, Recipe, load_dry_runs
+from ledger.calibration import before, overestimate, predict_real, rank_slope
+from ledger.calibration_report import calibrate, loo
+from ledger.dry_runs import load_dry_runs
+from ledger.predictor import Predictor
+from ledger.recipe import Recipe
 from ledger.models import SCHEMA_VERSION, Gpu, Ledger, Lora, Measurement, Outcome, Provenance
 
 
@@ -263,7 +266,7 @@ def test_a_shorter_sequence_never_has_a_lower_ceiling(capsys):
 
 
 def test_leave_one_out_verdicts_never_say_fits_for_an_oom(ledger):
-    from ledger.calibration import calibrate
+    from ledger.calibration_report import calibrate
 
     loo_doc = calibrate(ledger, with_loo=True, dry_runs=load_dry_runs())["loo"]
     costly = [v["id"] for v in loo_doc["verdicts"] if v["verdict"] == "fits" and not v["fits_actual"]]

@@ -90,7 +90,9 @@ def test_cli_appends_a_dry_run_kind(tmp_path, capsys):
 
 def test_find_ceiling_without_measurements(capsys):
     from ledger.paths import DEFAULT_LEDGER
-    from ledger.predictor import Predictor, Recipe, load_dry_runs
+    from ledger.dry_runs import load_dry_runs
+    from ledger.predictor import Predictor
+    from ledger.recipe import Recipe
 
     outcome, _ = predict(ProbeConfig(**{**BASE, "rank": 64}))
     # Whatever rank 64 needs, calibrated as the command line calibrates it: the ceiling is 64.
@@ -137,7 +139,9 @@ def test_one_models_committed_grid_rows_are_rebuilt_on_the_cpu():
     """The fit table's rows of the smallest model, rebuilt here from the grid's points, are the
     committed ones (ledger/dry-runs.json): the table is reproducible from the repository."""
     from ledger.fits import grid_points
-    from ledger.predictor import load_dry_runs, model_name, recipe_of
+    from ledger.dry_runs import load_dry_runs
+    from ledger.model_configs import model_name
+    from ledger.recipe import recipe_of
     from probe_kit.run_sweep import _config
 
     committed = {recipe_of(d): d for d in load_dry_runs() if model_name(d.model) == "qwen2.5-0.5b"

@@ -114,7 +114,8 @@ def test_dry_run_rows_join_the_scoreboard():
         id="dry-r16", kind="dry_run", model="gemma-3-4b-it", quant="4bit", lora=Lora(rank=16, dropout=0.0),
         seq_len=7177, response_len=237, memory_fixes="all", outcome=Outcome(status="ok", peak_allocated_mib=5551.5),
         provenance=Provenance(inferred=True)))
-    from ledger.predictor import Predictor, load_dry_runs
+    from ledger.dry_runs import load_dry_runs
+    from ledger.predictor import Predictor
 
     dry_rows = [m for m in load_dry_runs() if m.seq_len != 7177 or m.lora.rank != 16 or m.memory_fixes != "all"
                 or m.quant != "4bit" or m.lora.dora or m.lora.dropout]

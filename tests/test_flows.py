@@ -69,7 +69,9 @@ def test_a_measured_oom_of_the_recipe_is_wont_fit(capsys):
     r104 = next(r for r in c["ranks"] if r["rank"] == 104)
     assert r104["verdict"] == "won't fit" and "sweep-r104-drop" in r104["evidence"]
     assert c["fits_rank"] == 96 and c["tight_rank"] == 96
-    from ledger.predictor import Predictor, Recipe, load_dry_runs
+    from ledger.dry_runs import load_dry_runs
+    from ledger.predictor import Predictor
+    from ledger.recipe import Recipe
 
     p = Predictor(store.load(FROZEN), load_dry_runs())
     harder = p.predict(Recipe(model="gemma-3-4b-it", rank=112, dropout=True, seq_len=8192), "rtx-3070-ti")
@@ -297,7 +299,8 @@ def test_known_library_noise_is_silenced(tmp_path):
 
 def test_the_dry_run_ceiling_says_each_dry_run_as_it_goes(monkeypatch, capsys):
     """--find-ceiling runs several dry runs of seconds to minutes each: one line per dry run."""
-    from ledger.predictor import Predictor, load_dry_runs
+    from ledger.dry_runs import load_dry_runs
+    from ledger.predictor import Predictor
     from probe_kit import dry_run
     from probe_kit.recipe import ProbeConfig
 

@@ -10,7 +10,11 @@ from conftest import FROZEN as BUNDLED
 from ledger import cli, store
 from ledger.fits import LENGTHS, fit_table, grid_points, monotone
 from ledger.models import Gpu
-from ledger.predictor import Interval, Predictor, Recipe, card_table, decide, load_dry_runs, resolve_card
+from ledger.answers import Interval, decide
+from ledger.cards import card_table, resolve_card
+from ledger.dry_runs import load_dry_runs
+from ledger.predictor import Predictor
+from ledger.recipe import Recipe
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import argparse
 import datetime as dt
 
 from .. import store
-from ..calibration import calibrate
+from ..calibration_report import calibrate
 from ..errors import Issue, UserError
 from ..ingest import fixes_option
 from ..predictions import make_prediction, score_predictions
@@ -134,7 +134,7 @@ def add_ceiling_options(p: argparse.ArgumentParser) -> None:
 
 
 def recipe_from(args: argparse.Namespace, rank: int = 16):
-    from ..predictor import Recipe
+    from ..recipe import Recipe
 
     if args.seq_len is not None and args.seq_len <= 0:
         raise UserError(Issue("--seq-len", "", f"must be > 0, got {args.seq_len}"))
@@ -260,7 +260,7 @@ def cmd_cards(args: argparse.Namespace) -> int:
     """The cards --gpu accepts: the ledger's (limit measured there) and the common cards of the
     card table (ledger/cards.json: total MiB, what PyTorch reports as usable, where that figure
     comes from), each with the effective limit for peak allocated the predictor judges against."""
-    from ..predictor import card_table
+    from ..cards import card_table
 
     ledger = store.load(args.ledger)
     p = predictor_for(args, ledger)

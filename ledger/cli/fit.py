@@ -11,7 +11,7 @@ import tempfile
 from .. import store
 from ..errors import Issue, UserError
 from ..fits import LENGTHS, SETTINGS, fit_table, grid_points, stale_rows, sweep_toml
-from ..predictor import model_name
+from ..model_configs import model_name
 from ..dry_runs import cache_file
 from ..recipe import fixes_key
 from .calibrate import add_dry_runs_option, card_of, dry_rows, predictor_for

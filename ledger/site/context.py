@@ -614,7 +614,7 @@ def estimator_scoreboard(ledger: Ledger) -> Scoreboard:
     """How every VRAM estimator fares against the ledger's measured peaks."""
     from ..estimators import _sort_key, scoreboard
 
-    from ..predictor import load_dry_runs
+    from ..dry_runs import load_dry_runs
 
     board = scoreboard(ledger, keep_rows=ROW_LIMIT, dry_runs=load_dry_runs())
     # Views the pages show: each slice's values, and one row per measurement across estimators.
@@ -661,7 +661,8 @@ def fit_table_doc(ledger: Ledger) -> tuple[Optional[Fits], list]:
     """The fit table (site/fits.html) from the committed dry-run rows (None without any), and the
     first section's grids of the ledger's own cards (none above LOO_LIMIT rows)."""
     from ..fits import fits_document, ledger_grids
-    from ..predictor import Predictor, load_dry_runs
+    from ..dry_runs import load_dry_runs
+    from ..predictor import Predictor
 
     p = Predictor(ledger, load_dry_runs())
     small = len(ledger.measurements) <= LOO_LIMIT
@@ -674,9 +675,9 @@ def fit_table_doc(ledger: Ledger) -> tuple[Optional[Fits], list]:
 
 def fitted(ledger: Ledger) -> Calibration:
     """The calibration the page shows, computed from the ledger at build time."""
-    from ..calibration import calibrate
+    from ..calibration_report import calibrate
 
-    from ..predictor import load_dry_runs
+    from ..dry_runs import load_dry_runs
 
     small = len(ledger.measurements) <= LOO_LIMIT
     doc = calibrate(ledger, with_loo=small, with_ceilings=small, dry_runs=load_dry_runs())

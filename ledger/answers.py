@@ -1,0 +1,109 @@
+"""The one typed answer to "will it fit?" and its parts: intervals in MiB, the verdict rule.
+Every rung, the combiner, the ceiling search and every command speak these types."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict
+
+Verdict = Literal["fits", "tight", "won't fit", "unknown"]
+Run = Literal["probe", "real"]
+METHODS = ("measured real run", "measured probe", "interpolated", "dry run", "transferred",
+           "bounded by measured rows")
+
+
+class Interval(BaseModel):
+    """A predicted figure in MiB: the point and the interval around it (None: no bound that side)."""
+
+    model_config = ConfigDict(extra="forbid")
+    mib: Optional[float]
+    low_mib: Optional[float]
+    high_mib: Optional[float]
+
+
+def interval(mib: Optional[float], low: Optional[float], high: Optional[float]) -> Interval:
+    r = lambda x: None if x is None else round(x, 1)  # noqa: E731
+    return Interval(mib=r(mib), low_mib=r(low), high_mib=r(high))
+
+
+def around(mib: float, width: float) -> Interval:
+    """``mib`` with a relative interval of +-``width`` (a fraction)."""
+    return interval(mib, mib * (1 - width), mib * (1 + width))
+
+
+def shift(iv: Interval, mib: float) -> Interval:
+    return interval(*(None if v is None else v + mib for v in (iv.mib, iv.low_mib, iv.high_mib)))
+
+
+def scale(iv: Interval, factor: float, low_factor: float, high_factor: float) -> Interval:
+    return interval(None if iv.mib is None else iv.mib * factor,
+                    None if iv.low_mib is None else iv.low_mib * low_factor,
+                    None if iv.high_mib is None else iv.high_mib * high_factor)
+
+
+class Answer(BaseModel):
+    """The one typed answer: peaks (allocated and reserved, probe and real, each an interval), the
+    method and evidence, the limit it was judged against, and the verdict."""
+
+    model_config = ConfigDict(extra="forbid")
+    gpu: str
+    card_source: Literal["ledger", "card table", "budget"]
+    recipe: dict
+    run: Run
+    probe_allocated: Optional[Interval]
+    real_allocated: Optional[Interval]
+    reserved: Optional[Interval]
+    method: Optional[str]
+    method_text: str
+    evidence: list[str]
+    limit_low_mib: Optional[float]
+    limit_high_mib: Optional[float]
+    limit_source: str
+    margin_mib: float
+    verdict: Verdict
+    why: str
+
+    @property
+    def allocated(self) -> Optional[Interval]:
+        """The judged figure: the real run's for a real run, else the probe's."""
+        return self.real_allocated if self.run == "real" else self.probe_allocated
+
+
+class CeilingAnswer(BaseModel):
+    """The largest rank that fits and that is tight, with the answers at the ranks searched."""
+
+    model_config = ConfigDict(extra="forbid")
+    gpu: str
+    run: Run
+    seq_len: Optional[int]
+    fits_rank: Optional[int]
+    tight_rank: Optional[int]
+    status: Literal["ok", "none-fits", "unknown"]
+    step: int
+    max_rank: int
+    at_least: bool
+    note: str
+    limit_low_mib: Optional[float]
+    limit_high_mib: Optional[float]
+    margin_mib: float
+    ranks: list[dict]
+
+
+def decide(iv: Optional[Interval], low: Optional[float], high: Optional[float], margin: float) -> tuple[Verdict, str]:
+    """The verdict for a predicted interval against a limit interval, leaning safe."""
+    if iv is None or (iv.high_mib is None and iv.low_mib is None):
+        return "unknown", "no prediction: nothing measured or dry-run near this recipe"
+    if low is None:
+        return "unknown", "no limit known for this card: give --budget-mib"
+    top = iv.high_mib
+    if top is not None and top <= low - margin:
+        return "fits", (f"the interval's top, {top} MiB, is at most the limit's low end {low} MiB"
+                        + (f" less the {margin} MiB margin" if margin else ""))
+    if iv.low_mib is not None and iv.low_mib > (high if high is not None else low) - margin:
+        return "won't fit", (f"even the interval's bottom, {iv.low_mib} MiB, is over the limit's high end "
+                             f"{high if high is not None else low} MiB" + (f" less the {margin} MiB margin" if margin else ""))
+    if top is None:
+        return "tight", f"only a lower bound is known ({iv.low_mib} MiB), under the limit's high end {high} MiB"
+    return "tight", (f"the interval {iv.low_mib}–{top} MiB reaches past the limit's low end {low} MiB"
+                     + (f" less the {margin} MiB margin" if margin else ""))

@@ -1,0 +1,99 @@
+"""The calibration as ``vram calibrate`` and the site report it: the fits of ``ledger.calibration``
+(pairs, over-estimate, costs, limits), the predictor's ceilings, and the leave-one-out scores,
+which ask the predictor fitted without each row. It sits above the predictor; the fits it reports
+sit below."""
+
+from __future__ import annotations
+
+import datetime as dt
+import statistics
+from dataclasses import asdict
+from typing import Iterable, Optional
+
+from .calibration import (PeakModel, _date, _probes, before, calibration_hash, costs, kept_positions, limits,
+                          ok_peak, overestimate, predict_real)
+from .ceilings import ceiling_table
+from .models import Ledger, Measurement
+from .predictor import Predictor
+from .recipe import recipe_of
+from .recipe import recipe_key
+
+
+# -- leave-one-out --------------------------------------------------------------------------------
+
+
+def loo(ledger: Ledger, ms: list[Measurement], dry_runs: Iterable[Measurement] = ()) -> dict:
+    """Held-out scores: each probe's verdict (the one predictor, ``ledger.predictor``, fitted
+    without it) and each real run's peak from its probe and the over-estimate, refit without it."""
+    rows = []
+    correct = total = unaddressed = tight = costly = 0
+    dry_runs = list(dry_runs)
+    kept = {x.id for x in ms}
+    outside = [x.id for x in ledger.measurements if x.id not in kept]
+    for m in _probes(ms):
+        if m.outcome.status not in ("ok", "oom") or recipe_of(m) is None:
+            continue
+        p = Predictor(ledger, dry_runs, exclude=[*outside, m.id])
+        a = p.predict(recipe_of(m), m.gpu)
+        actual = m.outcome.status == "ok"
+        fig = a.probe_allocated
+        rows.append({"id": m.id, "verdict": a.verdict, "method": a.method, "predicted_mib": fig.mib if fig else None,
+                     "high_mib": fig.high_mib if fig else None, "fits_actual": actual,
+                     "limit": [a.limit_low_mib, a.limit_high_mib]})
+        if a.verdict == "unknown":
+            unaddressed += 1
+        elif a.verdict == "tight":
+            tight += 1
+        else:
+            total += 1
+            correct += int((a.verdict == "fits") == actual)
+            costly += int(a.verdict == "fits" and not actual)
+    errors = []
+    real_rows = []
+    for r in ms:
+        if r.kind != "real" or ok_peak(r) is None or r.lora is None:
+            continue
+        same = [p for p in _probes(ms) if recipe_key(p) == recipe_key(r) and ok_peak(p) is not None]
+        if not same:
+            continue
+        prior = [p for p in same if _date(p) <= _date(r)]
+        probe = max(prior, key=lambda p: (_date(p), p.id)) if prior else min(same, key=lambda p: (_date(p), p.id))
+        over = overestimate([x for x in ms if x.id != r.id])
+        pr = predict_real(ok_peak(probe), over, probe.model, kept_positions(probe))
+        if pr["predicted_mib"] is None:
+            continue
+        err = (pr["predicted_mib"] - ok_peak(r)) / ok_peak(r) * 100
+        errors.append(abs(err))
+        real_rows.append({"id": r.id, "probe": probe.id, "predicted_mib": pr["predicted_mib"],
+                          "actual_mib": ok_peak(r), "error_pct": round(err, 2)})
+    return {
+        "verdict_correct": correct, "verdict_total": total, "verdict_unaddressed": unaddressed,
+        "verdict_tight": tight, "verdict_costly": costly,
+        "verdict_pct": round(correct / total * 100, 1) if total else None,
+        "real_median_abs_err_pct": round(statistics.median(errors), 2) if errors else None,
+        "real_n": len(errors), "verdicts": rows, "reals": real_rows,
+    }
+
+
+def calibrate(ledger: Ledger, *, as_of: Optional[dt.date] = None, exclude: Iterable[str] = (),
+              with_loo: bool = True, with_ceilings: bool = False, dry_runs: Iterable[Measurement] = ()) -> dict:
+    """Everything ``vram calibrate --json`` prints (and, for the site, the ceiling table)."""
+    dry_runs = list(dry_runs)
+    ms = before(ledger.measurements, as_of, exclude)
+    over = overestimate(ms)
+    peaks = PeakModel(ms)
+    lims = limits(ledger, ms, peaks)
+    extra = ({"ceilings": ceiling_table(Predictor(ledger, dry_runs, as_of=as_of, exclude=exclude))}
+             if with_ceilings else {})
+    return {**extra,
+        "as_of": as_of.isoformat() if as_of else None,
+        "excluded": sorted(exclude),
+        "calibration_hash": calibration_hash(ms),
+        "anchors": [asdict(a) for a in over.anchors],
+        "pairs": [asdict(p) for p in over.pairs],
+        "overestimate_pct": {"median": over.pct, "low": over.low_pct, "high": over.high_pct,
+                             "kept_positions_max": over.keep_max},
+        "costs": costs(ms, peaks),
+        "limits": [asdict(lim) for lim in lims],
+        "loo": loo(ledger, ms, dry_runs) if with_loo else None,
+    }

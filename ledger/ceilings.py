@@ -1,0 +1,120 @@
+"""Ceilings: the largest LoRA rank (a multiple of a step) whose verdict is "fits" on a card, and
+the largest that is "tight", by asking the predictor rank by rank; then made consistent with the
+physics across recipes (never above an easier recipe's ceiling, never below a harder one's).
+``p`` is a ``ledger.predictor.Predictor`` (this module sits beside it and asks it only)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional
+
+from .answers import CeilingAnswer, Run
+from .model_configs import model_name
+from .models import Gpu
+from .recipe import Recipe
+
+
+def search(p, recipe: Recipe, gpu: str, *, entry: Optional[Gpu] = None, run: Run = "probe",
+            margin_mib: float = 0.0, budget_mib: Optional[float] = None, step: int = 8,
+            max_rank: int = 512, _depth: int = 0) -> CeilingAnswer:
+    """The largest rank (a multiple of ``step``) whose verdict is ``fits``, and the largest that
+    is ``tight`` or better, below the first rank that will not fit."""
+    recipe = p.resolve_model(recipe, gpu)
+    ranks: list[dict] = []
+    fits_rank = tight_rank = None
+    known = False
+    low = high = None
+    for rank in range(step, max_rank + 1, step):
+        a = p.predict(replace(recipe, rank=rank), gpu, entry=entry, run=run, margin_mib=margin_mib,
+                         budget_mib=budget_mib)
+        low, high = a.limit_low_mib, a.limit_high_mib
+        fig = a.allocated
+        ranks.append({"rank": rank, "verdict": a.verdict, "method": a.method,
+                      "mib": fig.mib if fig else None, "high_mib": fig.high_mib if fig else None,
+                      "evidence": a.evidence})
+        if a.verdict == "unknown":
+            continue
+        known = True
+        if a.verdict == "won't fit":
+            break
+        if a.verdict == "fits" and tight_rank == fits_rank:
+            fits_rank = rank
+        tight_rank = rank
+    first_known = next((r["rank"] for r in ranks if r["verdict"] != "unknown"), None)
+    if not known:
+        status, note = "unknown", p.predict(replace(recipe, rank=step), gpu, entry=entry, run=run,
+                                               budget_mib=budget_mib).why
+    elif fits_rank is None and tight_rank is None and first_known != step:
+        status, note = "unknown", (f"nothing is known below rank {first_known}, and rank {first_known} "
+                                   f"{ranks[-1]['verdict'] if ranks[-1]['rank'] == first_known else 'is known'}")
+    else:
+        status, note = ("ok" if fits_rank is not None or tight_rank is not None else "none-fits"), ""
+    if _depth == 0 and status == "ok":
+        fits_rank, tight_rank, why = _consistent(p, recipe, gpu, entry, run, margin_mib, budget_mib, step,
+                                                      max_rank, fits_rank, tight_rank)
+        note = why or note
+    at_least = fits_rank is not None and fits_rank + step > max_rank
+    if at_least:
+        note = f"at least {fits_rank}: the search stops at rank {max_rank}"
+    return CeilingAnswer(gpu=gpu, run=run, seq_len=recipe.seq_len, fits_rank=fits_rank, tight_rank=tight_rank,
+                         status=status, step=step, max_rank=max_rank, at_least=at_least, note=note,
+                         limit_low_mib=low, limit_high_mib=high, margin_mib=margin_mib,
+                         ranks=[r for r in ranks if r["verdict"] != "unknown"] or ranks[:1])
+
+
+def _consistent(p, recipe, gpu, entry, run, margin_mib, budget_mib, step, max_rank, fits_rank, tight_rank):
+    """Ceilings that respect the physics across recipes: never above an easier recipe's (a
+    shorter sequence probed on this card, no dropout, no DoRA), never below a harder one's."""
+    seqs = sorted({g.seq_len for g, by in p.fit.peaks.by_group.items() if gpu in by and g.seq_len
+                   and model_name(g.model) == model_name(recipe.model) and g.quant == recipe.quant
+                   and g.fixes == recipe.fixes} | {recipe.seq_len})
+    cap = floor = None
+    cap_from = floor_from = ""
+    for s in seqs:
+        for d in (False, True):
+            for k in (False, True):
+                other = replace(recipe, seq_len=s, dropout=d, dora=k)
+                if other == recipe:
+                    continue
+                easier = s <= recipe.seq_len and d <= recipe.dropout and k <= recipe.dora
+                harder = s >= recipe.seq_len and d >= recipe.dropout and k >= recipe.dora
+                if not (easier or harder):
+                    continue
+                key = (other, gpu, run, margin_mib, budget_mib, step, max_rank)
+                if key not in p.subceilings:
+                    p.subceilings[key] = search(p, other, gpu, entry=entry, run=run, margin_mib=margin_mib,
+                                                  budget_mib=budget_mib, step=step, max_rank=max_rank, _depth=1)
+                c = p.subceilings[key]
+                if c.status != "ok" or c.fits_rank is None:
+                    continue
+                what = f"{s} tokens{', dropout' if d else ''}{', DoRA' if k else ''}"
+                if easier and (cap is None or c.fits_rank < cap):
+                    cap, cap_from = c.fits_rank, what
+                if harder and (floor is None or c.fits_rank > floor):
+                    floor, floor_from = c.fits_rank, what
+    why = ""
+    if floor is not None and (fits_rank is None or floor > fits_rank):
+        fits_rank, why = floor, f"at least {floor}: rank {floor} fits the harder recipe at {floor_from}"
+    if cap is not None and fits_rank is not None and cap < fits_rank:
+        fits_rank, why = cap, f"capped at {cap}: the easier recipe at {cap_from} fits no more"
+    if fits_rank is not None and (tight_rank is None or tight_rank < fits_rank):
+        tight_rank = fits_rank
+    return fits_rank, tight_rank, why
+
+
+def ceiling_table(p, step: int = 8) -> list[dict]:
+    """Rank ceilings (fits and tight) per card x model x quant x fixes x probed length x (no
+    dropout, dropout, DoRA), for the site."""
+    rows = []
+    for gpu in p.ledger.gpus:
+        combos = sorted({(model, quant, fixes, seq) for (g, model, quant, fixes), seqs in p.fit.peaks.seqs.items()
+                         if g == gpu for seq in seqs}, key=lambda c: (str(c[0]), str(c[1]), str(c[2]), c[3]))
+        for model, quant, fixes, seq in combos:
+            cells = {}
+            for label, d, k in (("no dropout", False, False), ("dropout", True, False), ("DoRA", False, True)):
+                c = search(p, Recipe(model=model, quant=quant or "4bit", dropout=d, dora=k, seq_len=seq, fixes=fixes),
+                              gpu, step=step)
+                cells[label] = {"rank": c.fits_rank, "tight_rank": c.tight_rank, "status": c.status,
+                                "at_least": c.at_least}
+            rows.append({"gpu": gpu, "model": model, "quant": quant, "fixes": fixes, "seq_len": seq, "ceilings": cells})
+    return rows

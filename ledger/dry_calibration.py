@@ -1,0 +1,111 @@
+"""The dry run, calibrated: what fake tensors cannot see (workspaces, allocator and context
+differences) fitted as a remainder from pairs of measured probes and dry runs of the same recipe,
+per card, else per vendor, else over all cards, with its leave-one-out error as the interval."""
+
+from __future__ import annotations
+
+import statistics
+from functools import cached_property
+from typing import Optional
+
+from .answers import Interval, around
+from .calibration import _probes as probes, ok_peak
+from .dry_table import DryTable
+from .ledger_fit import LedgerFit
+from .model_configs import model_name
+from .models import Measurement
+from .recipe import Recipe, fixes_key
+
+
+class DryCalibration:
+    """The remainder and width a dry run is calibrated with on one ledger."""
+
+    def __init__(self, fit: LedgerFit, table: DryTable):
+        self.fit = fit
+        self.table = table
+        self._remainders: dict = {}
+
+    @cached_property
+    def pairs(self) -> list[tuple[Measurement, float, float]]:
+        """(measured ok probe, its peak, the dry run of the same recipe) for every probe that has one."""
+        index: dict[tuple, float] = {}
+        for d in self.fit.dry:
+            index[(model_name(d.model), d.quant, d.lora.rank, bool(d.lora.dropout), bool(d.lora.dora), d.seq_len,
+                   d.response_len, fixes_key(d.memory_fixes))] = d.outcome.peak_allocated_mib
+        out = []
+        for m in probes(self.fit.ms):
+            if ok_peak(m) is None or not m.seq_len or not m.response_len:
+                continue
+            key = (model_name(m.model), m.quant, m.lora.rank, bool(m.lora.dropout), bool(m.lora.dora), m.seq_len,
+                   m.response_len, fixes_key(m.memory_fixes))
+            if key in index:
+                out.append((m, ok_peak(m), index[key]))
+        return out
+
+    def remainder(self, gpu: str, vendor: Optional[str], leave_out: str = "") -> tuple[Optional[float], str]:
+        """MiB to add to a dry run for this card: the median of measured - dry run over the card's
+        pairs (at least two), else its vendor's, else all pairs."""
+        key = (gpu, vendor, leave_out)
+        if key not in self._remainders:
+            self._remainders[key] = self._remainder(gpu, vendor, leave_out)
+        return self._remainders[key]
+
+    def _remainder(self, gpu: str, vendor: Optional[str], leave_out: str) -> tuple[Optional[float], str]:
+        pairs_ = [(m, p, d) for m, p, d in self.pairs if m.id != leave_out]
+        for scope, rows in ((gpu, [x for x in pairs_ if x[0].gpu == gpu]),
+                            (f"{vendor} cards", [x for x in pairs_ if vendor and self.fit.vendor(x[0].gpu) == vendor]),
+                            ("all cards", pairs_)):
+            if len(rows) >= 2:
+                return statistics.median(p - d for _, p, d in rows), f"{scope} ({len(rows)} pairs)"
+        return None, "no measured probe has a dry run"
+
+    @cached_property
+    def loo(self) -> dict:
+        """Leave-one-out errors of the calibrated dry run over its pairs (signed %, by row)."""
+        rows = []
+        for m, peak, dry in self.pairs:
+            rem, _ = self.remainder(m.gpu, self.fit.vendor(m.gpu), leave_out=m.id)
+            if rem is None:
+                continue
+            rows.append({"id": m.id, "gpu": m.gpu, "measured_mib": peak, "dry_run_mib": round(dry, 1),
+                         "predicted_mib": round(dry + rem, 1), "error_pct": round((dry + rem - peak) / peak * 100, 2)})
+        errs = [abs(r["error_pct"]) for r in rows]
+        return {"rows": rows, "n": len(rows), "median_abs_err_pct": round(statistics.median(errs), 2) if errs else None,
+                "max_abs_err_pct": round(max(errs), 2) if errs else None}
+
+    def width(self, recipe: Recipe, derived: bool) -> tuple[float, str]:
+        width = (self.loo["max_abs_err_pct"] or 0.0) / 100
+        text = f"±{width * 100:.2f}% (the largest leave-one-out error over {self.loo['n']} measured probes)"
+        extra = self.table.derivation["max_abs_err_pct"] if derived else None
+        if extra:
+            width += extra / 100
+            text = (f"±{width * 100:.2f}%: {text[1:]} + {extra:.2f}% (the largest error of deriving, from the "
+                    f"others, the {len(self.table.derivation['errors_pct'])} dry runs the grid does not need; this "
+                    "figure is derived, not dry-run itself)")
+        return width, text
+
+    def calibrated(self, recipe: Recipe, gpu: str, vendor: Optional[str]) -> Optional[tuple[Interval, list[str], str]]:
+        raw, ids = self.table.raw(recipe)
+        if raw is None:
+            return None
+        rem, scope = self.remainder(gpu, vendor)
+        if rem is None:
+            rem, scope = 0.0, "no remainder fitted (no measured probe has a dry run): raw dry run"
+        width, wtext = self.width(recipe, not self.table.exact(recipe))
+        mib = raw + rem
+        text = (f"dry run {raw:.1f} MiB + remainder {rem:+.1f} MiB fitted on {scope}; interval {wtext}"
+                + self.family_note(recipe))
+        return around(mib, width), ids, text
+
+    @cached_property
+    def fitted_on(self) -> list[str]:
+        """Models whose measured probes the dry run's remainder is fitted on."""
+        return sorted({model_name(m.model) for m, _, _ in self.pairs})
+
+    def family_note(self, recipe: Recipe) -> str:
+        """Says so when the remainder and its error come from another model's measured rows."""
+        fitted = self.fitted_on
+        if not fitted or model_name(recipe.model) in fitted:
+            return ""
+        return (f"; the remainder and its error are measured on {', '.join(fitted)} only, not on "
+                f"{model_name(recipe.model)}")

@@ -1,0 +1,140 @@
+"""The dry-run table: the committed dry-run rows of a model, and every other recipe derived from
+them (affine in rank, the slope per rank linear in length, dropout's and DoRA's cost over the plain
+recipe interpolated in length), with how well that derivation does on rows it did not need."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from functools import cached_property
+from typing import Optional
+
+from .model_configs import model_name
+from .models import Measurement
+from .recipe import Recipe, fixes_key, recipe_of
+
+
+class DryTable:
+    """Dry-run peaks by model, quant, fixes, dropout, DoRA and response span; ``raw`` answers any
+    rank and length the rows reach."""
+
+    def __init__(self, dry: list[Measurement]):
+        self.dry = dry
+        self._tables: dict = {}
+        self._by_model: Optional[dict] = None
+
+    def table(self, name: Optional[str], quant: str, fixes: str, dropout: bool, dora: bool,
+                   response_len: Optional[int]) -> dict[int, dict[int, tuple[float, str]]]:
+        """Dry-run peaks by length and rank for one model, quant, fixes, dropout and DoRA (the
+        highest where several response lengths match)."""
+        key = (name, quant, fixes, dropout, dora, response_len)
+        if key not in self._tables:
+            if self._by_model is None:
+                self._by_model = defaultdict(list)
+                for d in self.dry:
+                    self._by_model[model_name(d.model)].append(d)
+            table: dict[int, dict[int, tuple[float, str]]] = defaultdict(dict)
+            for d in self._by_model.get(name, []):
+                if (d.quant == quant and bool(d.lora.dropout) == dropout and bool(d.lora.dora) == dora
+                        and fixes_key(d.memory_fixes) == fixes and (response_len is None or d.response_len == response_len)):
+                    cell = table[d.seq_len]
+                    if d.lora.rank not in cell or d.outcome.peak_allocated_mib > cell[d.lora.rank][0]:
+                        cell[d.lora.rank] = (d.outcome.peak_allocated_mib, d.id)
+            self._tables[key] = dict(table)
+        return self._tables[key]
+
+    @staticmethod
+    def _slope(table: dict, seq: int) -> Optional[float]:
+        """MiB per rank at a length: from its two ranks, else linear in length between the nearest
+        lengths that have two (LoRA's saved activations are tokens x rank), else the nearest's."""
+        def at(s):
+            (r1, (y1, _)), (r2, (y2, _)) = sorted(table[s].items())[0], sorted(table[s].items())[-1]
+            return (y2 - y1) / (r2 - r1)
+        two = sorted(s for s, c in table.items() if len(c) >= 2)
+        if not two:
+            return None
+        if seq in two:
+            return at(seq)
+        lower, upper = [s for s in two if s < seq], [s for s in two if s > seq]
+        if lower and upper:
+            s1, s2 = lower[-1], upper[0]
+            return at(s1) + (at(s2) - at(s1)) * (seq - s1) / (s2 - s1)
+        return at(min(two, key=lambda s: abs(s - seq)))
+
+    def _at(self, table: dict, seq: int, rank: int, slope_table: dict) -> tuple[Optional[float], list[str]]:
+        cell = table.get(seq)
+        if not cell:
+            return None, []
+        if rank in cell:
+            return cell[rank][0], [cell[rank][1]]
+        ranks = sorted(cell)
+        if len(ranks) >= 2:
+            lo = [r for r in ranks if r < rank]
+            hi = [r for r in ranks if r > rank]
+            a, b = (lo[-1], hi[0]) if lo and hi else (ranks[0], ranks[1]) if not lo else (ranks[-2], ranks[-1])
+            (ya, ia), (yb, ib) = cell[a], cell[b]
+            return ya + (yb - ya) * (rank - a) / (b - a), [ia, ib]
+        slope = self._slope(table, seq)
+        if slope is None:
+            slope = self._slope(slope_table, seq)
+        if slope is None:
+            return None, []
+        y0, i0 = cell[ranks[0]]
+        return y0 + slope * (rank - ranks[0]), [i0]
+
+    def raw(self, recipe: Recipe) -> tuple[Optional[float], list[str]]:
+        """The dry run's peak for a recipe from the committed rows of the same model, quant and fixes
+        (and response length when given): affine in rank (a length with one rank takes its slope
+        per rank from the lengths with two, linear in length); between two dry-run lengths, linear
+        in length - for dropout or DoRA, the plain recipe at this length plus their cost over it,
+        interpolated in length."""
+        if recipe.seq_len is None:
+            return None, []
+        name, seq, rank = model_name(recipe.model), recipe.seq_len, recipe.rank
+        args = (name, recipe.quant, recipe.fixes)
+        own = self.table(*args, recipe.dropout, recipe.dora, recipe.response_len)
+        plain = self.table(*args, False, False, recipe.response_len)
+        if seq in own:
+            return self._at(own, seq, rank, plain)
+        lower = [s for s in own if s < seq]
+        upper = [s for s in own if s > seq]
+        if not lower or not upper:
+            return None, []
+        s1, s2 = max(lower), min(upper)
+        (y1, i1), (y2, i2) = self._at(own, s1, rank, plain), self._at(own, s2, rank, plain)
+        if y1 is None or y2 is None:
+            return None, []
+        if (recipe.dropout or recipe.dora) and seq in plain and s1 in plain and s2 in plain:
+            (p0, i0), (p1, _), (p2, _) = (self._at(plain, s, rank, plain) for s in (seq, s1, s2))
+            if None not in (p0, p1, p2):
+                d1, d2 = y1 - p1, y2 - p2
+                return p0 + d1 + (d2 - d1) * (seq - s1) / (s2 - s1), i0 + i1 + i2
+        return y1 + (y2 - y1) * (seq - s1) / (s2 - s1), i1 + i2
+
+    def exact(self, recipe: Recipe) -> bool:
+        """Whether a committed dry-run row is of this very recipe (else its figure is derived)."""
+        table = self.table(model_name(recipe.model), recipe.quant, recipe.fixes, recipe.dropout, recipe.dora,
+                                recipe.response_len)
+        return recipe.rank in table.get(recipe.seq_len, {})
+
+    @cached_property
+    def derivation(self) -> dict:
+        """How well the table derives a dry run it did not compute: each committed row that is not a
+        grid point (rank 8 anywhere; rank 64, dropout and DoRA at a model's shortest and longest
+        length) - the held-out points of the fit grid and the ledger recipes' rows - derived from
+        the others. Signed % errors by id, and the largest |error| (the width added to derived cells)."""
+        lengths: dict[str, tuple[int, int]] = {}
+        for d in self.dry:
+            name = model_name(d.model)
+            lo, hi = lengths.get(name, (d.seq_len, d.seq_len))
+            lengths[name] = (min(lo, d.seq_len), max(hi, d.seq_len))
+        rows = {}
+        for d in self.dry:
+            r = recipe_of(d)
+            ends = lengths[model_name(d.model)]
+            grid = (r.rank == 8 and not (r.dropout or r.dora)) or (r.seq_len in ends and r.rank in (8, 64))
+            if grid:
+                continue
+            derived, _ = DryTable([x for x in self.dry if x.id != d.id]).raw(r)
+            if derived is not None:
+                rows[d.id] = round((derived - d.outcome.peak_allocated_mib) / d.outcome.peak_allocated_mib * 100, 2)
+        return {"errors_pct": rows, "max_abs_err_pct": max((abs(e) for e in rows.values()), default=None)}

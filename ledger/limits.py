@@ -1,0 +1,86 @@
+"""Each card's effective limit for peak allocated: measured on the ledger's cards (the largest peak
+that fit and the smallest that did not, ``ledger.calibration.limits``), derived for a card of the
+card table (its usable memory less the CUDA context, over the reserved/allocated ratio, both
+measured on the ledger's cards), and the reserved/allocated ratio a peak reserved is scaled by."""
+
+from __future__ import annotations
+
+import statistics
+from functools import cached_property
+from typing import Literal, Optional
+
+from .calibration import Limit, _probes as probes, limit_for, ok_peak
+from .ledger_fit import LedgerFit
+from .models import Gpu
+from .recipe import capacity_mib
+
+Run = Literal["probe", "real"]
+
+
+class CardLimits:
+    """The limits of one ledger's cards, and of the card table's by derivation."""
+
+    def __init__(self, fit: LedgerFit):
+        self.fit = fit
+        self._limits: dict = {}
+        self._ratios: dict = {}
+
+    def card_limit(self, gpu: str, entry: Optional[Gpu], run: Run) -> tuple[Optional[float], Optional[float], str]:
+        """(low, high, where from) of the effective limit for peak allocated."""
+        key = (gpu, None if entry is None else (entry.name, entry.total_mib, entry.usable_gib_torch), run)
+        if key not in self._limits:
+            self._limits[key] = self._card_limit(gpu, entry, run)
+        return self._limits[key]
+
+    def _card_limit(self, gpu: str, entry: Optional[Gpu], run: Run) -> tuple[Optional[float], Optional[float], str]:
+        lim: Optional[Limit] = None
+        if gpu in self.fit.ledger.gpus:
+            lim = (limit_for(self.fit.lims, gpu, "real") if run == "real" else None) or limit_for(self.fit.lims, gpu, "probe")
+        if lim is not None and lim.low_mib is not None:
+            return lim.low_mib, lim.high_mib, (f"{gpu}'s {lim.kind} limit: largest peak that fit {lim.low_mib} MiB "
+                                               f"({lim.fit_id}), smallest that did not {lim.high_mib} MiB "
+                                               f"({lim.exceeded_id or 'the card'})")
+        usable = capacity_mib(entry)
+        if usable is None:
+            return None, None, "no limit known for this card: give --budget-mib"
+        fit = self.overheads
+        if not fit["context"]:
+            return None, None, f"no measured card to derive {gpu}'s limit from: give --budget-mib"
+        low = (usable - max(fit["context"])) / max(fit["ratio"])
+        high = (usable - min(fit["context"])) / min(fit["ratio"])
+        return round(low, 1), round(min(high, usable), 1), (
+            f"{usable} MiB usable (card table) less the CUDA context ({min(fit['context']):.0f}–"
+            f"{max(fit['context']):.0f} MiB), over reserved/allocated ({min(fit['ratio']):.3f}–{max(fit['ratio']):.3f}), "
+            f"as measured on {', '.join(fit['cards'])}")
+
+    @cached_property
+    def overheads(self) -> dict:
+        """Per measured card with both limit ends: the context (usable - limit x reserved ratio)."""
+        ctx, ratios, cards = [], [], []
+        for lim in self.fit.lims:
+            # Only cards whose limit is pinned by an out-of-memory probe close above a fit (within 5%):
+            # a card that never ran out of memory says nothing about where its limit is.
+            exceeded = next((m for m in self.fit.ms if m.id == lim.exceeded_id), None)
+            if (lim.kind != "probe" or lim.low_mib is None or lim.high_mib is None or exceeded is None
+                    or exceeded.outcome.status != "oom" or lim.high_mib - lim.low_mib > 0.05 * lim.high_mib):
+                continue
+            usable = capacity_mib(self.fit.ledger.gpus.get(lim.gpu))
+            rs = [m.outcome.peak_reserved_mib / m.outcome.peak_allocated_mib for m in probes(self.fit.ms)
+                  if m.gpu == lim.gpu and ok_peak(m) and m.outcome.peak_reserved_mib]
+            if usable is None or not rs:
+                continue
+            ratio = statistics.median(rs)
+            ctx += [usable - lim.high_mib * ratio, usable - lim.low_mib * ratio]
+            ratios.append(ratio)
+            cards.append(lim.gpu)
+        return {"context": ctx, "ratio": ratios, "cards": cards}
+
+    def reserved_ratio(self, gpu: str) -> Optional[tuple[float, float, float]]:
+        """(median, min, max) of peak reserved / peak allocated over the card's ok probes, else
+        every card's; None when no probe has both."""
+        if gpu not in self._ratios:
+            probes = [m for m in self.fit.peaks.probes if ok_peak(m) and m.outcome.peak_reserved_mib]
+            rs = [m.outcome.peak_reserved_mib / ok_peak(m) for m in probes if m.gpu == gpu] or \
+                [m.outcome.peak_reserved_mib / ok_peak(m) for m in probes]
+            self._ratios[gpu] = (statistics.median(rs), min(rs), max(rs)) if rs else None
+        return self._ratios[gpu]

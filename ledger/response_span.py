@@ -1,0 +1,83 @@
+"""The probe-to-real step and the response-span rules, in one place.
+
+A probe keeps the fp32 logits of the response span it computes the loss on (with the
+logits_to_keep fix); a real run's peak does not follow them. So a real run's peak is the probe's
+*core* (its peak less those logits) x (1 - the calibrated over-estimate), and a recipe that keeps
+logits for more positions than the probes behind its figure needs at least their fp32 logits
+more, at most the whole logits chain."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .answers import Interval, scale, shift
+from .calibration import LOGIT_BYTES, kept_positions, kept_positions_of, logits_mib
+from .ledger_fit import LedgerFit
+from .recipe import Recipe
+
+#: Bytes per vocabulary entry of one response position along the whole logits chain (bf16 logits,
+#: their fp32 copy, log-softmax, its gradient): the top of what a longer response span can add.
+LOGIT_CHAIN_BYTES = 14
+
+
+def recipe_keep(recipe: Recipe) -> Optional[int]:
+    """Positions a recipe keeps logits for (None: unknown, or the logits_to_keep fix is off)."""
+    return kept_positions_of(recipe.fixes, None, recipe.response_len)
+
+
+class ProbeToReal:
+    """The span rules and the probe-to-real step on one ledger's fits."""
+
+    def __init__(self, fit: LedgerFit):
+        self.fit = fit
+
+    def _evidence_keep(self, evidence: list[str]) -> tuple[bool, Optional[int]]:
+        """(any probe among the evidence, the fewest positions they kept logits for - None when
+        one of them does not say)."""
+        rows = [m for m in map(self.fit.by_id.get, evidence) if m is not None and m.kind == "probe"]
+        keeps = [kept_positions(m) for m in rows]
+        return bool(rows), (None if not rows or None in keeps else min(keeps))
+
+    def figure_keep(self, recipe: Recipe, evidence: list[str]) -> Optional[int]:
+        """Positions the lm_head kept logits for in a probe figure: its evidence probes' fewest (each
+        must be known), the recipe's own when the figure was raised to it (``_longer_span``) or has no
+        probe behind it."""
+        has_rows, keep = self._evidence_keep(evidence)
+        own = recipe_keep(recipe)
+        if not has_rows:
+            return own
+        if keep is not None and own is not None and own > keep:
+            return own
+        return keep
+
+    def longer_span(self, recipe: Recipe, probe: Optional[Interval], evidence: list[str]):
+        """A recipe that keeps logits for more response positions than the probes behind its figure
+        needs more: at least their fp32 logits (vocabulary x 4 bytes per position, what the RTX 3070 Ti
+        probes moved by between 73 and 319 kept positions), at most the whole logits chain
+        (vocabulary x 14 bytes: bf16 logits, their fp32 copy, log-softmax and its gradient)."""
+        own = recipe_keep(recipe)
+        _, keep = self._evidence_keep(evidence)
+        if probe is None or own is None or keep is None or own <= keep:
+            return probe, ""
+        low = logits_mib(recipe.model, own - keep)
+        if low is None:
+            return probe, ""
+        high = low * LOGIT_CHAIN_BYTES / LOGIT_BYTES
+        top = None if probe.high_mib is None else round(probe.high_mib + high, 1)
+        return (shift(probe, low).model_copy(update={"high_mib": top}),
+                f"the recipe keeps logits for {own - keep} more response positions than the probes behind it: "
+                f"+{low:.1f} MiB (their fp32 logits) to +{high:.1f} MiB (the whole logits chain)")
+
+    def probe_to_real(self, probe: Interval, recipe: Recipe, evidence: list[str]) -> tuple[Interval, str]:
+        """A real run's peak from a probe figure: its core (less the kept logits a real run does not
+        follow, see ``ledger.calibration``) x (1 - the calibrated over-estimate), with the text saying so."""
+        o = self.fit.over
+        keep = self.figure_keep(recipe, evidence)
+        off = o.logits_off_mib(recipe.model, keep)
+        core = shift(probe, -off)
+        real = scale(core, 1 - o.pct / 100, 1 - o.high_pct / 100, 1 - o.low_pct / 100)
+        logits = (f"(probe - {off:.1f} MiB of fp32 logits for {min(keep, o.keep_max)} kept positions)" if off else
+                  "probe (kept logits unknown: nothing subtracted)")
+        return real, (f"real run = {logits} x (1 - {o.pct}%), the median over-estimate of the anchors "
+                      f"({', '.join(a.probe for a in o.anchors)}) on the probe's core, interval from every pair "
+                      f"({o.low_pct}–{o.high_pct}%)")
