@@ -1,9 +1,11 @@
 """Real-run measurements from training logs and from the TrainerCallback (the library half of
 ``vram ingest-log``; the command is ``ledger.cli.ingest_log``).
 
-Idempotent: a measurement's id comes from the log's content, so ingesting the same log twice
-adds nothing. Nothing is written unless every log given could be read. The run is described by
-a typed ``RunSpec`` (the recipe flags), never by parsed command-line arguments.
+Data coming in only: scoring predictions is the caller's (the command passes it as ``then``, run
+inside the same locked write). Idempotent: a measurement's id comes from the log's content, so
+ingesting the same log twice adds nothing. Nothing is written unless every log given could be
+read. The run is described by a typed ``RunSpec`` (the recipe flags), never by parsed
+command-line arguments.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Callable, Optional, TypeVar
 
 from . import store
 from .checks import MAX_SPILL_MIB, measurement_issues
@@ -26,8 +28,7 @@ from .models import Dataset, Environment, Ledger, Lora, Measurement, Outcome, Pr
 from .cards import require_card
 from .recipe import capacity_mib, fixes_value, parse_fixes
 
-if TYPE_CHECKING:
-    from .predictions import ScoreReport
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -139,12 +140,11 @@ def measurement_from_log(path: Path, text: str, ev: RunEvidence, fields: dict, m
     return m.model_copy(update={"provenance": m.provenance.model_copy(update={"notes": [note, *m.provenance.notes]})})
 
 
-def record_callback(doc: dict, ledger_path: str, spec: RunSpec) -> list[Measurement]:
+def record_callback(doc: dict, ledger_path: str, spec: RunSpec,
+                    then: Optional[Callable[[Ledger], object]] = None) -> list[Measurement]:
     """Append what the TrainerCallback measured (its record, as printed) to a ledger; returns
-    what was added (nothing when the same record is there already). Prediction scoring as for a
-    log."""
-    from .predictions import score_predictions
-
+    what was added (nothing when the same record is there already). ``then`` runs on the ledger in
+    the same locked write when a row was added (the callback scores predictions with it)."""
     ev = evidence_from_callback(doc)
     ledger = store.load_or_new(ledger_path)
     fields = config_fields(spec, ledger)
@@ -166,7 +166,8 @@ def record_callback(doc: dict, ledger_path: str, spec: RunSpec) -> list[Measurem
         if all(x.id != m.id for x in lg.measurements):
             lg.measurements.append(m)
             added.append(m)
-            score_predictions(lg)
+            if then is not None:
+                then(lg)
 
     store.update(ledger_path, change, create=True)
     return added
@@ -328,12 +329,11 @@ def _sort(result: Ingested, old: Optional[Measurement], m: Measurement, raw: str
         result.new.append(m)
 
 
-def apply(ledger_path: str, found: Ingested) -> ScoreReport:
-    """Write what ``ingest`` found: replacements in place, new rows appended, predictions scored.
-    Returns what scoring found."""
-    from .predictions import ScoreReport, score_predictions
-
-    report = ScoreReport()
+def apply(ledger_path: str, found: Ingested, then: Optional[Callable[[Ledger], T]] = None) -> Optional[T]:
+    """Write what ``ingest`` found: replacements in place, new rows appended; ``then`` runs on the
+    ledger in the same locked write (the command scores predictions with it) and its result is
+    returned."""
+    out: list = [None]
 
     def change(ledger: Ledger) -> None:
         for key, entry in found.cards.items():
@@ -341,8 +341,8 @@ def apply(ledger_path: str, found: Ingested) -> ScoreReport:
         replacing = {m.id: m for m in found.replaced}
         ledger.measurements[:] = [replacing.pop(m.id, m) for m in ledger.measurements]
         ledger.measurements.extend(found.new)
-        result = score_predictions(ledger)
-        report.scored[:], report.unscorable[:] = result.scored, result.unscorable
+        if then is not None:
+            out[0] = then(ledger)
 
     store.update(ledger_path, change, create=True)
-    return report
+    return out[0]

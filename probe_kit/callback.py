@@ -154,6 +154,7 @@ class VramLedgerCallback(TrainerCallback):
         ``vram ingest-log`` reads) and a warning says how to add it."""
         from ledger.errors import UserError
         from ledger.ingest import RunSpec, record_callback
+        from ledger.predictions import score_predictions
 
         spec = dict(self.config)
         if doc.get("meter") != "allocator" and spec.get("gpu"):
@@ -161,7 +162,7 @@ class VramLedgerCallback(TrainerCallback):
             log.warning("vram-ledger: measured on the CPU, so recorded without gpu=%r", spec["gpu"])
             spec["gpu"] = None
         try:
-            record_callback(doc, self.ledger, RunSpec(**spec))
+            record_callback(doc, self.ledger, RunSpec(**spec), then=score_predictions)
         except (UserError, OSError, ValueError) as exc:
             self.failures.append(str(exc))
             kept = self._keep(doc)

@@ -397,7 +397,7 @@ def find_ceiling(cfg: ProbeConfig, predictor, *, gpu: Optional[str] = None, entr
     also the largest that is at worst "tight". With ``progress``, one line on stderr per dry run."""
     from dataclasses import replace
 
-    from .run_sweep import find_ceiling as bisect
+    from .bisect import find_ceiling as bisect
 
     ranks = list(range(8, 513, 8))
     answers: dict[int, dict] = {}

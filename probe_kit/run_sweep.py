@@ -46,6 +46,7 @@ from ledger.errors import Issue, UserError
 from ledger.models import Environment, Gpu, Measurement, Outcome, Provenance
 from ledger.paths import DEFAULT_LEDGER, DRY_RUNS, shown
 
+from .bisect import find_ceiling
 from .probe_vram import EXIT_CRASHED, EXIT_REFUSED
 from .recipe import ProbeConfig, RecipeError, parse_fixes
 
@@ -362,41 +363,6 @@ def ceiling_groups(sweep: Sweep, axis: str) -> list[list[Point]]:
         other = {k: v for k, v in p.options.items() if k != axis}
         groups.setdefault(repr(sorted(other.items())), []).append(p)
     return [sorted(g, key=lambda p: p.config.rank) for g in groups.values()]
-
-
-def find_ceiling(points: list[Point], fits: Callable[[Point], bool],
-                 start: Optional[int] = None) -> tuple[Optional[Point], int]:
-    """The largest point that fits, in points sorted by rank (monotone: a larger rank never uses
-    less), and how many probes it took. With ``start`` (the index of the predicted ceiling), confirm
-    first: probe it and the point above (2 probes when the prediction is right), then bisect only
-    what the two left open. Plain bisection takes at most ceil(log2(len + 1)) <= ceil(log2(len)) + 1."""
-    lo, hi, probes = -1, len(points), 0  # invariant: points[lo] fits (or lo = -1); points[hi] does not
-    if start is not None and 0 <= start < len(points):
-        probes += 1
-        if fits(points[start]):
-            lo = start
-            if start + 1 < len(points):
-                probes += 1
-                if fits(points[start + 1]):
-                    lo = start + 1
-                else:
-                    hi = start + 1
-        else:
-            hi = start
-            if start > 0:
-                probes += 1
-                if fits(points[start - 1]):
-                    lo = start - 1
-                else:
-                    hi = start - 1
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        probes += 1
-        if fits(points[mid]):
-            lo = mid
-        else:
-            hi = mid
-    return (points[lo] if lo >= 0 else None), probes
 
 
 def predicted_start(group: list[Point], sweep: Sweep, ledger: str, start_rank: Optional[int]) -> tuple[Optional[int], str]:

@@ -10,10 +10,10 @@ import pytest
 from conftest import REPO
 
 
-def imports(path: Path) -> list[tuple[str, bool]]:
+def imports(path: Path, root: Path = REPO) -> list[tuple[str, bool]]:
     """(module imported, at the top level?) for every import in a file, relative ones resolved."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    package = ".".join(path.relative_to(REPO).with_suffix("").parts[:-1])
+    package = ".".join(path.relative_to(root).with_suffix("").parts[:-1])
     top = {id(n) for n in tree.body}
     out = []
     for node in ast.walk(tree):
@@ -27,6 +27,57 @@ def imports(path: Path) -> list[tuple[str, bool]]:
             names = [f"{base}.{a.name}" for a in node.names] if node.module is None or node.level else [base]
             out += [(n, id(node) in top) for n in names]
     return out
+
+
+def import_graph(root: Path, packages: tuple[str, ...]) -> dict[str, set[str]]:
+    """Module -> the project modules it imports, at any depth of the file (inside functions too);
+    ``from pkg import name`` counts as importing ``pkg.name`` when that is a module, else ``pkg``."""
+    mods: dict[str, Path] = {}
+    for pkg in packages:
+        for p in sorted((root / pkg).rglob("*.py")):
+            rel = p.relative_to(root).with_suffix("")
+            mods[".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)] = p
+
+    def resolve(name: str) -> str | None:
+        parts = name.split(".")
+        while parts and ".".join(parts) not in mods:
+            parts.pop()
+        return ".".join(parts) or None
+
+    return {n: {r for m, _ in imports(p, root) if (r := resolve(m)) not in (None, n)} for n, p in mods.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every set of modules that import each other round a loop (Tarjan's strongly connected
+    components of more than one module, or a module importing itself)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1 or v in graph.get(v, ()):
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
 
 
 def files(folder: str) -> list[Path]:
@@ -69,3 +120,59 @@ def test_the_rules_are_the_documented_ones():
     text = (REPO / "ARCHITECTURE.md").read_text(encoding="utf-8")
     for rule in ("never imports `probe_kit`, `ledger.cli`, `torch` or\n  `argparse`", "imports only `ledger.cli`"):
         assert rule in text
+
+
+GRAPH = import_graph(REPO, ("ledger", "probe_kit"))
+
+
+def test_no_module_imports_itself_round_a_loop():
+    assert cycles(GRAPH) == []
+
+
+def test_a_loop_through_an_import_inside_a_function_is_caught(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from . import b\n")
+    (pkg / "b.py").write_text("def late():\n    from .c import x\n    return x\n")
+    (pkg / "c.py").write_text("def x():\n    from pkg.a import b\n    return b\n")
+    assert cycles(import_graph(tmp_path, ("pkg",))) == [["pkg.a", "pkg.b", "pkg.c"]]
+    (pkg / "c.py").write_text("def x():\n    return 1\n")
+    assert cycles(import_graph(tmp_path, ("pkg",))) == []
+
+
+def layers() -> list[list[str]]:
+    """The library's layers, bottom first, as ARCHITECTURE.md lists them (its ``layers`` block)."""
+    text = (REPO / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    block = text.split("```layers\n", 1)[1].split("```", 1)[0]
+    return [[f"ledger.{m}" if m != "ledger" else m for m in line.split(":", 1)[1].split()]
+            for line in block.splitlines() if ":" in line]
+
+
+def test_every_library_module_has_a_documented_layer():
+    listed = [m for layer in layers() for m in layer]
+    library = {m for m in GRAPH if m.startswith("ledger") and not m.startswith("ledger.cli")}
+    assert sorted(library - set(listed)) == [] and sorted(set(listed) - library) == []
+    assert len(listed) == len(set(listed))
+
+
+def test_imports_run_down_the_layers_only():
+    """A library module imports its own layer or those below it, never one above (function-level
+    imports included): data flows one way."""
+    level = {m: i for i, layer in enumerate(layers()) for m in layer}
+    against = sorted(f"{m} -> {d}" for m, deps in GRAPH.items() if m in level
+                     for d in deps if d in level and level[d] > level[m])
+    assert against == []
+
+
+def test_data_coming_in_never_reaches_up_and_nothing_above_reads_it():
+    """The modules that bring data in (ingest, logs, legacy) import nothing that answers, and no
+    answering or publishing module imports them: only the command line and the probe kit do."""
+    data_in = {"ledger.ingest", "ledger.logs", "ledger.legacy"}
+    level = {m: i for i, layer in enumerate(layers()) for m in layer}
+    top_of_data_in = max(level[m] for m in data_in)
+    for m in data_in:
+        assert all(level.get(d, 0) <= top_of_data_in for d in GRAPH[m]), m
+    readers = sorted(m for m, deps in GRAPH.items() if deps & data_in and m not in data_in
+                     and not m.startswith(("ledger.cli", "probe_kit")))
+    assert readers == []

@@ -15,7 +15,8 @@ import pytest
 from conftest import REPO
 from ledger import store
 from probe_kit import run_sweep
-from probe_kit.run_sweep import find_ceiling, load_sweep, shard
+from probe_kit.bisect import find_ceiling
+from probe_kit.run_sweep import load_sweep, shard
 
 SWEEP = """
 [sweep]

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from ..ingest import RunSpec, apply, ingest
+from ..predictions import score_predictions
 from .options import Command, add_json_option, add_ledger_option, add_recipe_options, dump_json
 
 
@@ -36,7 +37,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     found = ingest(args.logs, args.ledger, spec, mid=args.id, replace=args.replace)
     new, already = found.new + found.replaced, found.already
     if not args.dry_run and new:
-        report = apply(args.ledger, found)
+        report = apply(args.ledger, found, then=score_predictions)
         for pid in report.scored:
             print(f"scored prediction {pid}", file=sys.stderr)
         for line in report.unscorable:
