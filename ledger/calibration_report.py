@@ -10,8 +10,8 @@ import statistics
 from dataclasses import asdict
 from typing import Iterable, Optional
 
-from .calibration import (PeakModel, _date, _probes, before, calibration_hash, costs, kept_positions, limits,
-                          ok_peak, overestimate, predict_real)
+from .calibration import calibration_hash, costs, kept_positions, limits, overestimate, predict_real
+from .peaks import PeakModel, date_of, probes, before, ok_peak
 from .ceilings import ceiling_table
 from .models import Ledger, Measurement
 from .predictor import Predictor
@@ -30,7 +30,7 @@ def loo(ledger: Ledger, ms: list[Measurement], dry_runs: Iterable[Measurement] =
     dry_runs = list(dry_runs)
     kept = {x.id for x in ms}
     outside = [x.id for x in ledger.measurements if x.id not in kept]
-    for m in _probes(ms):
+    for m in probes(ms):
         if m.outcome.status not in ("ok", "oom") or recipe_of(m) is None:
             continue
         p = Predictor(ledger, dry_runs, exclude=[*outside, m.id])
@@ -53,11 +53,11 @@ def loo(ledger: Ledger, ms: list[Measurement], dry_runs: Iterable[Measurement] =
     for r in ms:
         if r.kind != "real" or ok_peak(r) is None or r.lora is None:
             continue
-        same = [p for p in _probes(ms) if recipe_key(p) == recipe_key(r) and ok_peak(p) is not None]
+        same = [p for p in probes(ms) if recipe_key(p) == recipe_key(r) and ok_peak(p) is not None]
         if not same:
             continue
-        prior = [p for p in same if _date(p) <= _date(r)]
-        probe = max(prior, key=lambda p: (_date(p), p.id)) if prior else min(same, key=lambda p: (_date(p), p.id))
+        prior = [p for p in same if date_of(p) <= date_of(r)]
+        probe = max(prior, key=lambda p: (date_of(p), p.id)) if prior else min(same, key=lambda p: (date_of(p), p.id))
         over = overestimate([x for x in ms if x.id != r.id])
         pr = predict_real(ok_peak(probe), over, probe.model, kept_positions(probe))
         if pr["predicted_mib"] is None:

@@ -10,7 +10,8 @@ from functools import cached_property
 from typing import Optional
 
 from .answers import Interval, Run, interval
-from .calibration import _exceeded_peak, kept_positions, ok_peak
+from .calibration import _exceeded_peak, kept_positions
+from .peaks import ok_peak
 from .ledger_fit import LedgerFit
 from .model_configs import model_name
 from .models import Measurement

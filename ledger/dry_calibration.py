@@ -9,7 +9,7 @@ from functools import cached_property
 from typing import Optional
 
 from .answers import Interval, around
-from .calibration import _probes as probes, ok_peak
+from .peaks import probes, ok_peak
 from .dry_table import DryTable
 from .ledger_fit import LedgerFit
 from .model_configs import model_name

@@ -9,7 +9,8 @@ from dataclasses import replace
 from functools import cached_property
 from typing import Iterable, Optional
 
-from .calibration import Overestimate, PeakModel, _probes, before, limits, ok_peak, overestimate, pairs
+from .calibration import Overestimate, limits, overestimate, pairs
+from .peaks import PeakModel, probes, before, ok_peak
 from .models import Ledger, Measurement
 from .recipe import GroupKey, Recipe, group_key, recipe_of, seq_len_of
 
@@ -39,7 +40,7 @@ class LedgerFit:
     def widths(self) -> dict[str, Optional[float]]:
         """Largest held-out relative error of each rung (fractions), from the ledger's own probes."""
         interp, transfer = [], []
-        for m in _probes(self.ms):
+        for m in probes(self.ms):
             peak = ok_peak(m)
             if peak is None:
                 continue

@@ -9,7 +9,8 @@ import statistics
 from functools import cached_property
 from typing import Literal, Optional
 
-from .calibration import Limit, _probes as probes, limit_for, ok_peak
+from .calibration import Limit, limit_for
+from .peaks import probes, ok_peak
 from .ledger_fit import LedgerFit
 from .models import Gpu
 from .recipe import capacity_mib

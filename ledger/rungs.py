@@ -17,7 +17,8 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from .answers import Interval, around, interval
-from .calibration import _exceeded_peak, ok_peak
+from .calibration import _exceeded_peak
+from .peaks import ok_peak
 from .dry_calibration import DryCalibration
 from .ledger_fit import LedgerFit
 from .model_configs import model_name

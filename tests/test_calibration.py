@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from conftest import FROZEN as BUNDLED
 from ledger import cli, store
-from ledger.calibration import before, overestimate, predict_real, rank_slope
+from ledger.calibration import overestimate, predict_real
+from ledger.peaks import before, rank_slope
 from ledger.calibration_report import calibrate, loo
 from ledger.dry_runs import load_dry_runs
 from ledger.predictor import Predictor

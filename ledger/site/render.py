@@ -25,7 +25,8 @@ from jinja2 import ChoiceLoader, Environment, FileSystemLoader, StrictUndefined,
 
 from ..errors import Issue, UserError
 from ..models import Ledger
-from ..store import atomic_write_text, gc_paused
+from ..atomic import atomic_write_text
+from ..store import gc_paused
 from . import filters
 from .context import (SiteContext, all_tables, build_context, canonical_json, estimator_plot, estimator_scoreboard, fit_table_doc,
                       fitted, ledger_hash, make_plots, training_gpu_key)
