@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 
 from ledger import store  # noqa: E402
 from ledger.calibration_report import loo  # noqa: E402
-from ledger.estimators import scoreboard  # noqa: E402
+from ledger.scoreboard import scoreboard  # noqa: E402
 from ledger.paths import DEFAULT_LEDGER, DRY_RUNS  # noqa: E402
 from ledger.dry_runs import load_dry_runs  # noqa: E402
 from ledger.predictor import Predictor  # noqa: E402

@@ -116,7 +116,7 @@ def test_bad_input_is_one_line(capsys):
                                            ("qwen2.5-1.5b", 1.54), ("qwen2.5-3b", 3.09), ("qwen2.5-14b", 14.77),
                                            ("qwen3-4b", 4.02), ("qwen3-8b", 8.19), ("phi-3.5-mini", 3.82)])
 def test_shipped_configs_have_the_published_sizes(name, billions):
-    from ledger.estimators import load_arch
+    from ledger.model_configs import load_arch
 
     recipe.load_config(name)  # transformers accepts it
     assert load_arch(name).total_params / 1e9 == pytest.approx(billions, abs=0.01)

@@ -8,7 +8,9 @@ import pytest
 
 from conftest import FROZEN as BUNDLED
 from ledger import cli, store
-from ledger.estimators import FT01, GB, Arch, Canifinetune, Recipe, UnslothStudio, load_arch, scoreboard
+from ledger.estimators import FT01, GB, Canifinetune, Recipe, UnslothStudio
+from ledger.model_configs import Arch, load_arch
+from ledger.scoreboard import scoreboard
 from ledger.models import SCHEMA_VERSION, Ledger, Measurement, Outcome
 
 # A small llama-shaped model whose arithmetic fits in a comment.

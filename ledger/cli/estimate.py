@@ -6,7 +6,8 @@ import argparse
 
 from .. import store
 from ..errors import Issue, UserError
-from ..estimators import Recipe, estimate_all, load_arch, nearest_row
+from ..estimators import Recipe, estimate_all, nearest_row
+from ..model_configs import load_arch
 from ..ingest import fixes_option
 from ..recipe import capacity_mib, fixes_key, seq_len_of
 from .calibrate import add_dry_runs_option, card_of, predictor_for, recipe_from

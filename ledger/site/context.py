@@ -612,7 +612,7 @@ LOO_LIMIT = 1000
 
 def estimator_scoreboard(ledger: Ledger) -> Scoreboard:
     """How every VRAM estimator fares against the ledger's measured peaks."""
-    from ..estimators import _sort_key, scoreboard
+    from ..scoreboard import _sort_key, scoreboard
 
     from ..dry_runs import load_dry_runs
 

@@ -1,0 +1,216 @@
+"""The scoreboard: every addressable measurement scored by every estimator (``ledger.estimators``)
+and by this project's own answer (the one predictor, held out: a row never predicts itself) and
+the dry run as the command line applies it; medians overall and per slice, and the fit / no-fit
+confusion at each card's capacity."""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from typing import Iterable, Optional
+
+from .estimators import ESTIMATORS, MIB, Canifinetune, Estimate, Estimator, Recipe, recipe_of
+from .model_configs import Arch, load_arch
+from .models import Ledger, Measurement
+from .predictor import Predictor
+from .recipe import capacity_mib
+
+
+# -- this project --------------------------------------------------------------------------------
+
+
+class VramLedger(Estimator):
+    """This project's answer (``ledger.predictor``), held out: each row is predicted by a predictor
+    fitted without it, and its verdict (fits / tight / won't fit / unknown) is the one
+    ``vram ceiling`` and ``vram predict`` give."""
+
+    name = "vram-ledger"
+    predicts = "allocated"
+    leaves_out = ("configurations far from any probe, real run or dry run (it says unknown instead), and what one "
+                  "forward+backward does not see in a long run: allocator fragmentation and optimizer state.")
+
+    def __init__(self, dry_runs: Iterable[Measurement] = ()):
+        self.dry_runs = list(dry_runs)
+        self._full: Optional[tuple[Ledger, object]] = None
+
+    def answer(self, ledger: Ledger, m: Measurement):
+        if m.lora is None or not m.gpu:
+            return None
+        if self._full is None or self._full[0] is not ledger:
+            self._full = (ledger, Predictor(ledger, []))
+        # A real run's longest example, from its pairing, is a fact of the row (read on the full ledger).
+        recipe = self._full[1].fit.recipe_for(m)
+        p = Predictor(ledger, self.dry_runs, exclude=[m.id])
+        if recipe is None or recipe.seq_len is None:
+            return None
+        return p.predict(recipe, m.gpu, run="real" if m.kind == "real" else "probe")
+
+    def estimate(self, arch, recipe, gpu_total_mib=None):
+        return None  # needs a ledger row's context: see answer and vram estimate
+
+
+class DryRunRows(Estimator):
+    """The dry run as the command line answers it: the committed dry-run row of the measured row's
+    recipe (``ledger/dry-runs.json``) plus the card's remainder fitted without the row."""
+
+    name = "dry-run"
+    predicts = "allocated"
+    leaves_out = ("what a one-step probe's tracker cannot see beyond the fitted remainder: a long run's "
+                  "fragmentation and optimizer state.")
+
+    def __init__(self, ledger: Ledger, dry_runs: Iterable[Measurement]):
+        self.by_id = {r["id"]: r["predicted_mib"] for r in Predictor(ledger, list(dry_runs)).dry_loo["rows"]}
+
+    def predict_row(self, m: Measurement) -> Optional[float]:
+        return self.by_id.get(m.id)
+
+    def estimate(self, arch, recipe, gpu_total_mib=None):
+        return None
+
+
+#: The project's own held-out predictions refit once per row: above this size they are skipped.
+HELD_OUT_LIMIT = 1000
+
+
+
+# -- scoring ---------------------------------------------------------------------------------------
+
+
+def _measured(m: Measurement, predicts: str) -> tuple[Optional[float], str]:
+    o = m.outcome
+    if predicts == "reserved" and o.peak_reserved_mib is not None:
+        return o.peak_reserved_mib, "reserved"
+    if o.peak_allocated_mib is not None:
+        return o.peak_allocated_mib, "allocated"
+    return None, ""
+
+
+def _card_mib(ledger: Ledger, gpu: Optional[str]) -> Optional[float]:
+    return capacity_mib(ledger.gpus.get(gpu)) if gpu else None
+
+
+def _seq_bucket(seq: int) -> str:
+    for edge in (2048, 4096, 8192, 16384):
+        if seq <= edge:
+            return f"<= {edge}"
+    return "> 16384"
+
+
+def _slice_keys(m: Measurement, r: Recipe) -> dict[str, str]:
+    return {"seq_len": _seq_bucket(r.seq_len), "rank": str(r.rank), "dropout": "yes" if r.dropout else "no",
+            "dora": "yes" if r.dora else "no", "fixes": r.fixes, "kind": m.kind, "gpu": m.gpu or "", "quant": r.quant}
+
+
+def scoreboard(ledger: Ledger, estimators: Optional[list[Estimator]] = None, keep_rows: int = 2000,
+               dry_runs: Iterable[Measurement] = ()) -> dict:
+    """Every addressable measurement scored by every estimator: medians overall and per slice, and
+    the fit / no-fit confusion at each card's capacity. Per-row detail is kept up to ``keep_rows``
+    rows (every row is in the ledger)."""
+    if estimators is None:
+        dry_runs = list(dry_runs) + [m for m in ledger.measurements if m.kind == "dry_run"]
+        estimators = [*ESTIMATORS, VramLedger(dry_runs)]
+        dry = DryRunRows(ledger, dry_runs)
+        if dry.by_id:
+            estimators.append(dry)
+    arch_cache: dict[Optional[str], Optional[Arch]] = {}
+    cards = {key: _card_mib(ledger, key) for key in ledger.gpus}
+    addressable = []
+    for m in ledger.measurements:
+        if m.kind not in ("probe", "real") or m.outcome.status not in ("ok", "oom", "spilled"):
+            continue
+        r = recipe_of(m)
+        if r is None:
+            continue
+        if m.model not in arch_cache:
+            arch_cache[m.model] = load_arch(m.model) if m.model else None
+        arch = arch_cache[m.model]
+        if arch is None:
+            continue
+        addressable.append((m, r, arch, cards.get(m.gpu), _slice_keys(m, r)))
+    out: dict = {"addressable": len(addressable), "estimators": [], "fit_rule": (
+        "an estimate fits when it is at most the card's capacity as torch reports it (its total where that is "
+        "unknown); vram-ledger's own verdict is the one vram ceiling and vram predict give (ledger.predictor, "
+        "fitted without the row scored): 'fits' only when the predicted interval's top is under the low end of the "
+        "card's effective limit, and 'tight' or 'won't fit' count as not fitting; the costly mistake is 'fits' for "
+        "a row that ran out of memory")}
+    keep = len(addressable) <= keep_rows
+    for est in estimators:
+        entry = {"name": est.name, "predicts": est.predicts, "leaves_out": est.leaves_out,
+                 "available": not (isinstance(est, Canifinetune) and not est.available()), "skipped": None}
+        if isinstance(est, VramLedger) and len(ledger.measurements) > HELD_OUT_LIMIT:
+            entry.update(skipped=f"held-out scoring refits once per row; skipped above {HELD_OUT_LIMIT} rows",
+                         n=0, median_abs_err_pct=None, median_signed_err_pct=None, slices={}, confusion=None, rows=[],
+                         rows_kept=False)
+            out["estimators"].append(entry)
+            continue
+        cache: dict[tuple, Optional[Estimate]] = {}
+        rows, errors = [], []
+        by_slice: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+        confusion = {"fits_and_fit": 0, "fits_but_oom": 0, "oom_but_fit": 0, "oom_and_oom": 0}
+        for m, r, arch, card, slices in addressable:
+            answer = None
+            if isinstance(est, VramLedger):
+                answer = est.answer(ledger, m)
+                fig = answer.allocated if answer else None
+                pred = fig.mib if fig is not None else None
+                e = None if pred is None else Estimate(est.name, pred * MIB, est.predicts,
+                                                       low_bytes=(fig.low_mib or 0) * MIB or None,
+                                                       high_bytes=(fig.high_mib or 0) * MIB or None)
+            elif isinstance(est, DryRunRows):
+                pred = est.predict_row(m)
+                e = None if pred is None else Estimate(est.name, pred * MIB, est.predicts)
+            else:
+                key = (arch.name, r.quant, r.rank, r.seq_len, r.dropout, r.dora, r.batch, card)
+                if key not in cache:
+                    cache[key] = est.estimate(arch, r, card)
+                e = cache[key]
+            if e is None:
+                continue
+            ok = m.outcome.status == "ok"
+            measured, quantity = _measured(m, est.predicts) if ok else (None, None)
+            estimate_mib = e.mib
+            err = round((estimate_mib - measured) / measured * 100, 1) if measured else None
+            if isinstance(est, VramLedger):
+                # This project's verdict, as `vram ceiling` gives it (an OOM is decided by reserved
+                # memory and the card's effective limit, not by its capacity).
+                fits = None if answer is None or answer.verdict == "unknown" else answer.verdict == "fits"
+            else:
+                fits = (estimate_mib <= card) if card else None
+            if err is not None:
+                errors.append(err)
+                for k, v in slices.items():
+                    by_slice[k][v].append(abs(err))
+            if fits is not None:
+                key = ("fits_and_fit" if ok else "fits_but_oom") if fits else ("oom_but_fit" if ok else "oom_and_oom")
+                confusion[key] += 1
+            if keep:
+                rows.append({"id": m.id, "estimate_mib": estimate_mib,
+                             "low_mib": round(e.low_bytes / MIB, 1) if e.low_bytes else None,
+                             "high_mib": round(e.high_bytes / MIB, 1) if e.high_bytes else None,
+                             "measured_mib": measured, "measured_quantity": quantity,
+                             "allocated_mib": m.outcome.peak_allocated_mib, "reserved_mib": m.outcome.peak_reserved_mib,
+                             "status": m.outcome.status, "slices": slices, "error_pct": err,
+                             "fits_predicted": fits, "fits_actual": ok,
+                             **({"verdict": answer.verdict} if answer is not None else {})})
+        entry.update(
+            n=len(errors),
+            median_abs_err_pct=round(statistics.median(abs(x) for x in errors), 1) if errors else None,
+            median_signed_err_pct=round(statistics.median(errors), 1) if errors else None,
+            slices={k: {v: {"median_abs_err_pct": round(statistics.median(xs), 1), "n": len(xs)}
+                        for v, xs in sorted(groups.items(), key=lambda kv: _sort_key(kv[0]))}
+                    for k, groups in by_slice.items()},
+            confusion=confusion, rows=rows, rows_kept=keep,
+        )
+        out["estimators"].append(entry)
+    return out
+
+
+def _sort_key(text: object):
+    """Numeric slice labels ('seq 4096') in numeric order, then the rest as text; a slice with no
+    value (a row without a gpu) has an empty or missing label."""
+    text = "" if text is None else str(text)
+    words = text.split()
+    try:
+        return (0, float(words[-1]), text)
+    except (ValueError, IndexError):
+        return (1, 0.0, text)
