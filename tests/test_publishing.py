@@ -13,7 +13,7 @@ import pytest
 
 from conftest import REPO, SMALL
 from ledger import cli, store
-from ledger.site.context import ledger_hash
+from ledger.site.index_page import ledger_hash
 from ledger.site.render import render_site
 
 ATOM = "{http://www.w3.org/2005/Atom}"

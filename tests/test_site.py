@@ -18,7 +18,7 @@ from conftest import BENCHMARKS, BUNDLED, GOLDEN, REGEN_GOLDEN, SMALL
 from ledger import cli, store
 from ledger.models import Detail, Figure, Finding, Gpu, Lora, Measurement, Outcome, Provenance
 from ledger.site import filters
-from ledger.site.context import ROW_LIMIT
+from ledger.site.views import ROW_LIMIT
 from ledger.site.render import SiteWriter, render_site
 from ledger.errors import UserError
 

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import csv
 import io
+
 from ..models import Ledger, Measurement
-from ..recipe import fixes_key
-
-
-def _fixes(m: Measurement) -> str:
-    return "" if m.memory_fixes is None else fixes_key(m.memory_fixes)
+from .index_page import fixes_text
 
 
 #: A text cell starting with one of these is a formula to a spreadsheet (CSV injection).
@@ -49,7 +46,7 @@ def csv_row(m: Measurement) -> list:
     return [
         _v(m.id), m.kind, _v(m.gpu), _v(m.model), _v(m.quant),
         *((lora.rank, _v(lora.alpha), _v(lora.rslora), _v(lora.dropout), _v(lora.dora)) if lora else _NO_LORA),
-        _v(m.seq_len), _v(m.response_len), _v(m.batch_size), _fixes(m), _v(m.logits_to_keep),
+        _v(m.seq_len), _v(m.response_len), _v(m.batch_size), fixes_text(m), _v(m.logits_to_keep),
         *((_v(ds.name), _v(ds.examples), _v(ds.longest_example_tokens)) if ds else _NO_DATASET),
         _v(o.status), _v(o.after_load_mib), _v(o.pre_step_mib), _v(o.peak_allocated_mib), _v(o.peak_reserved_mib),
         _v(o.peak_delta_mib), _v(o.step_s),

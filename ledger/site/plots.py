@@ -10,7 +10,7 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
 
-from .context import Plot  # noqa: E402
+from .views import Plot  # noqa: E402
 
 _STYLE = {
     "svg.hashsalt": "vram-ledger",  # ids in the SVG come from this salt, not from random state

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..models import Ledger, canonical_schema
 from ..results import Calibration, Fits, Scoreboard
-from .context import Plot
+from .views import Plot
 
 #: Version of the public document's format (not of the ledger inside it).
 PUBLIC_SCHEMA_VERSION = 1
@@ -86,7 +86,7 @@ def validate_public(path) -> list:
         return issues
     doc = PublicDocument.model_validate(data)
     issues = [Issue(name, f"ledger.{i.location}", i.message) for i in ledger_issues(doc.ledger, name)]
-    from .context import ledger_hash
+    from .index_page import ledger_hash
 
     sha = ledger_hash(doc.ledger)
     if sha != doc.ledger_sha256:

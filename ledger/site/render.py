@@ -28,8 +28,12 @@ from ..models import Ledger
 from ..atomic import atomic_write_text
 from ..store import gc_paused
 from . import filters
-from .context import (SiteContext, all_tables, build_context, canonical_json, estimator_plot, estimator_scoreboard, fit_table_doc,
-                      fitted, ledger_hash, make_plots, training_gpu_key)
+from .context import all_tables, build_context, fitted
+from .estimators_page import estimator_plot, estimator_scoreboard
+from .fits_page import fit_table_doc
+from .index_page import canonical_json, ledger_hash, training_gpu_key
+from .plot_data import make_plots
+from .views import SiteContext
 from .changes import atom_feed, history_for, load_previous
 from .downloads import fits_csv, measurements_csv
 from .public import PUBLIC_SCHEMA_VERSION, Derived, public_schema
