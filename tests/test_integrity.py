@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from markdown_it import MarkdownIt
 
 from conftest import REPO, SMALL
-from ledger import cli, store
+from ledger import atomic, cli, store
 from ledger.models import Measurement, Outcome, Provenance
 
 HOSTILE = [
@@ -166,9 +166,9 @@ def test_read_only_folder_and_full_disk_are_one_line_and_keep_the_old_file(small
     if failing == "lock":
         monkeypatch.setattr(filelock.FileLock, "acquire", fail)
     elif failing == "temp":
-        monkeypatch.setattr(store.tempfile, "mkstemp", fail)
+        monkeypatch.setattr(atomic.tempfile, "mkstemp", fail)
     else:
-        monkeypatch.setattr(store.os, "fsync", fail)
+        monkeypatch.setattr(atomic.os, "fsync", fail)
     assert run("merge", shard, "-o", small_ledger) == 1
     err = one_line_error(capsys, f"{small_ledger}: cannot ")
     assert text in err
