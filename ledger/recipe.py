@@ -89,10 +89,6 @@ class RecipeKey(NamedTuple):
     dora: bool
     fixes: str
 
-    def without_model(self) -> "RecipeKey":
-        """The key with the model left out (rows that do not name their model still match)."""
-        return self._replace(model=None)
-
 
 class GroupKey(NamedTuple):
     """Rows of one group differ only in rank and card."""
