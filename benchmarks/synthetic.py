@@ -45,3 +45,24 @@ def synthetic_ledger(n: int, seed: int = 0) -> Ledger:
         )
     return Ledger(schema_version=SCHEMA_VERSION, about="Synthetic benchmark ledger.", gpus=dict(GPUS),
                   measurements=out)
+
+
+def realistic_ledger(n: int, base=None) -> Ledger:
+    """A ledger of n measurements made of the bundled ledger's rows and clones of them with new
+    ids (what a user's ledger looks like after a few sweeps of the same recipes: a third of the rows
+    pair with a committed dry run, against a few percent of the synthetic ones). The bundled
+    findings and predictions are kept (they cite the original rows, which stay)."""
+    from ledger import store
+    from ledger.paths import DEFAULT_LEDGER
+
+    base = base or store.load(DEFAULT_LEDGER)
+    rows = list(base.measurements)
+    out = list(rows)
+    k = 0
+    while len(out) < n:
+        k += 1
+        for m in rows:
+            if len(out) >= n:
+                break
+            out.append(m.model_copy(update={"id": f"{m.id}-c{k}"}))
+    return base.model_copy(update={"measurements": out[:n] if n >= len(rows) else out})

@@ -90,17 +90,33 @@ class CeilingAnswer(BaseModel):
     ranks: list[dict]
 
 
+def verdict_for(bottom: Optional[float], top: Optional[float], low: Optional[float], high: Optional[float],
+                margin: float) -> Verdict:
+    """The verdict alone for a predicted interval (bottom, top) against a limit (low, high): the
+    rule ``decide`` explains."""
+    if top is None and bottom is None:
+        return "unknown"
+    if low is None:
+        return "unknown"
+    if top is not None and top <= low - margin:
+        return "fits"
+    if bottom is not None and bottom > (high if high is not None else low) - margin:
+        return "won't fit"
+    return "tight"
+
+
 def decide(iv: Optional[Interval], low: Optional[float], high: Optional[float], margin: float) -> tuple[Verdict, str]:
     """The verdict for a predicted interval against a limit interval, leaning safe."""
+    verdict = verdict_for(None if iv is None else iv.low_mib, None if iv is None else iv.high_mib, low, high, margin)
     if iv is None or (iv.high_mib is None and iv.low_mib is None):
-        return "unknown", "no prediction: nothing measured or dry-run near this recipe"
-    if low is None:
-        return "unknown", "no limit known for this card: give --budget-mib"
+        return verdict, "no prediction: nothing measured or dry-run near this recipe"
+    if verdict == "unknown":
+        return verdict, "no limit known for this card: give --budget-mib"
     top = iv.high_mib
-    if top is not None and top <= low - margin:
+    if verdict == "fits":
         return "fits", (f"the interval's top, {top} MiB, is at most the limit's low end {low} MiB"
                         + (f" less the {margin} MiB margin" if margin else ""))
-    if iv.low_mib is not None and iv.low_mib > (high if high is not None else low) - margin:
+    if verdict == "won't fit":
         return "won't fit", (f"even the interval's bottom, {iv.low_mib} MiB, is over the limit's high end "
                              f"{high if high is not None else low} MiB" + (f" less the {margin} MiB margin" if margin else ""))
     if top is None:

@@ -16,7 +16,7 @@ from .ceilings import ceiling_table
 from .models import Ledger, Measurement
 from .predictor import Predictor
 from .recipe import recipe_of
-from .recipe import recipe_key
+from .recipe import recipe_key, row_keys_cached
 
 
 # -- leave-one-out --------------------------------------------------------------------------------
@@ -75,6 +75,7 @@ def loo(ledger: Ledger, ms: list[Measurement], dry_runs: Iterable[Measurement] =
     }
 
 
+@row_keys_cached()
 def calibrate(ledger: Ledger, *, as_of: Optional[dt.date] = None, exclude: Iterable[str] = (),
               with_loo: bool = True, with_ceilings: bool = False, dry_runs: Iterable[Measurement] = ()) -> dict:
     """Everything ``vram calibrate --json`` prints (and, for the site, the ceiling table)."""

@@ -11,7 +11,7 @@ from typing import Optional
 from .answers import CeilingAnswer, Run
 from .model_configs import model_name
 from .models import Gpu
-from .recipe import Recipe
+from .recipe import Recipe, row_keys_cached
 
 
 def search(p, recipe: Recipe, gpu: str, *, entry: Optional[Gpu] = None, run: Run = "probe",
@@ -102,6 +102,7 @@ def _consistent(p, recipe, gpu, entry, run, margin_mib, budget_mib, step, max_ra
     return fits_rank, tight_rank, why
 
 
+@row_keys_cached()
 def ceiling_table(p, step: int = 8) -> list[dict]:
     """Rank ceilings (fits and tight) per card x model x quant x fixes x probed length x (no
     dropout, dropout, DoRA), for the site."""

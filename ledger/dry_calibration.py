@@ -5,6 +5,7 @@ per card, else per vendor, else over all cards, with its leave-one-out error as 
 from __future__ import annotations
 
 import statistics
+from bisect import bisect_left
 from functools import cached_property
 from typing import Optional
 
@@ -17,6 +18,29 @@ from .models import Measurement
 from .recipe import Recipe, fixes_key
 
 
+def median_without(values: list[float], drop: list[float]) -> float:
+    """``statistics.median`` of sorted ``values`` less one occurrence of each of ``drop`` (sorted,
+    each in ``values``), without copying the list: a leave-one-out median in O(log n)."""
+    gone, last, count = [], None, 0
+    for v in drop:
+        count = count + 1 if v == last else 0
+        gone.append(bisect_left(values, v) + count)
+        last = v
+    gone.sort()
+
+    def kth(k: int) -> float:
+        j = k
+        for g in gone:
+            if g <= j:
+                j += 1
+        return values[j]
+
+    n = len(values) - len(gone)
+    if n % 2:
+        return kth(n // 2)
+    return (kth(n // 2 - 1) + kth(n // 2)) / 2
+
+
 class DryCalibration:
     """The remainder and width a dry run is calibrated with on one ledger."""
 
@@ -24,6 +48,8 @@ class DryCalibration:
         self.fit = fit
         self.table = table
         self._remainders: dict = {}
+        self._scopes: dict = {}
+        self._fractions: dict = {}
 
     @cached_property
     def pairs(self) -> list[tuple[Measurement, float, float]]:
@@ -51,13 +77,30 @@ class DryCalibration:
         return self._remainders[key]
 
     def _remainder(self, gpu: str, vendor: Optional[str], leave_out: str) -> tuple[Optional[float], str]:
-        pairs_ = [(m, p, d) for m, p, d in self.pairs if m.id != leave_out]
-        for scope, rows in ((gpu, [x for x in pairs_ if x[0].gpu == gpu]),
-                            (f"{vendor} cards", [x for x in pairs_ if vendor and self.fit.vendor(x[0].gpu) == vendor]),
-                            ("all cards", pairs_)):
-            if len(rows) >= 2:
-                return statistics.median(p - d for _, p, d in rows), f"{scope} ({len(rows)} pairs)"
+        left = self._differences_of.get(leave_out, [])  # the pairs left out, as (card, difference)
+        for scope, ok in ((gpu, lambda g: g == gpu),
+                          (f"{vendor} cards", lambda g: bool(vendor) and self.fit.vendor(g) == vendor),
+                          ("all cards", lambda g: True)):
+            key = ("card", gpu) if scope == gpu else ("vendor", vendor) if scope != "all cards" else ("all",)
+            diffs = self._sorted_differences(key, ok)
+            drop = sorted(x for g, x in left if ok(g))
+            n = len(diffs) - len(drop)
+            if n >= 2:
+                return median_without(diffs, drop), f"{scope} ({n} pairs)"
         return None, "no measured probe has a dry run"
+
+    def _sorted_differences(self, key: tuple, ok) -> list[float]:
+        """measured - dry run over the pairs of a scope, sorted (computed once per scope)."""
+        if key not in self._scopes:
+            self._scopes[key] = sorted(p - d for m, p, d in self.pairs if ok(m.gpu))
+        return self._scopes[key]
+
+    @cached_property
+    def _differences_of(self) -> dict[str, list[tuple[str, float]]]:
+        out: dict[str, list[tuple[str, float]]] = {}
+        for m, p, d in self.pairs:
+            out.setdefault(m.id, []).append((m.gpu, p - d))
+        return out
 
     @cached_property
     def loo(self) -> dict:
@@ -73,7 +116,13 @@ class DryCalibration:
         return {"rows": rows, "n": len(rows), "median_abs_err_pct": round(statistics.median(errs), 2) if errs else None,
                 "max_abs_err_pct": round(max(errs), 2) if errs else None}
 
-    def width(self, recipe: Recipe, derived: bool) -> tuple[float, str]:
+    def width_fraction(self, derived: bool) -> float:
+        """The interval's half-width, as a fraction (``width``'s figure, remembered)."""
+        if derived not in self._fractions:
+            self._fractions[derived] = self.width(None, derived)[0]
+        return self._fractions[derived]
+
+    def width(self, recipe: Optional[Recipe], derived: bool) -> tuple[float, str]:
         width = (self.loo["max_abs_err_pct"] or 0.0) / 100
         text = f"±{width * 100:.2f}% (the largest leave-one-out error over {self.loo['n']} measured probes)"
         extra = self.table.derivation["max_abs_err_pct"] if derived else None

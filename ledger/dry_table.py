@@ -21,6 +21,8 @@ class DryTable:
         self.dry = dry
         self._tables: dict = {}
         self._by_model: Optional[dict] = None
+        self._slopes: dict = {}
+        self._ranks: dict = {}
 
     def table(self, name: Optional[str], quant: str, fixes: str, dropout: bool, dora: bool,
                    response_len: Optional[int]) -> dict[int, dict[int, tuple[float, str]]]:
@@ -42,8 +44,15 @@ class DryTable:
             self._tables[key] = dict(table)
         return self._tables[key]
 
+    def _slope(self, table: dict, seq: int) -> Optional[float]:
+        """MiB per rank at a length (remembered per table and length: tables are never changed)."""
+        key = (id(table), seq)
+        if key not in self._slopes:
+            self._slopes[key] = self._slope_of(table, seq)
+        return self._slopes[key]
+
     @staticmethod
-    def _slope(table: dict, seq: int) -> Optional[float]:
+    def _slope_of(table: dict, seq: int) -> Optional[float]:
         """MiB per rank at a length: from its two ranks, else linear in length between the nearest
         lengths that have two (LoRA's saved activations are tokens x rank), else the nearest's."""
         def at(s):
@@ -66,7 +75,9 @@ class DryTable:
             return None, []
         if rank in cell:
             return cell[rank][0], [cell[rank][1]]
-        ranks = sorted(cell)
+        if id(cell) not in self._ranks:
+            self._ranks[id(cell)] = sorted(cell)
+        ranks = self._ranks[id(cell)]
         if len(ranks) >= 2:
             lo = [r for r in ranks if r < rank]
             hi = [r for r in ranks if r > rank]
@@ -81,7 +92,7 @@ class DryTable:
         y0, i0 = cell[ranks[0]]
         return y0 + slope * (rank - ranks[0]), [i0]
 
-    def raw(self, recipe: Recipe) -> tuple[Optional[float], list[str]]:
+    def raw(self, recipe: Recipe, rank: Optional[int] = None) -> tuple[Optional[float], list[str]]:
         """The dry run's peak for a recipe from the committed rows of the same model, quant and fixes
         (and response length when given): affine in rank (a length with one rank takes its slope
         per rank from the lengths with two, linear in length); between two dry-run lengths, linear
@@ -89,7 +100,7 @@ class DryTable:
         interpolated in length."""
         if recipe.seq_len is None:
             return None, []
-        name, seq, rank = model_name(recipe.model), recipe.seq_len, recipe.rank
+        name, seq, rank = model_name(recipe.model), recipe.seq_len, recipe.rank if rank is None else rank
         args = (name, recipe.quant, recipe.fixes)
         own = self.table(*args, recipe.dropout, recipe.dora, recipe.response_len)
         plain = self.table(*args, False, False, recipe.response_len)
@@ -110,11 +121,12 @@ class DryTable:
                 return p0 + d1 + (d2 - d1) * (seq - s1) / (s2 - s1), i0 + i1 + i2
         return y1 + (y2 - y1) * (seq - s1) / (s2 - s1), i1 + i2
 
-    def exact(self, recipe: Recipe) -> bool:
-        """Whether a committed dry-run row is of this very recipe (else its figure is derived)."""
+    def exact(self, recipe: Recipe, rank: Optional[int] = None) -> bool:
+        """Whether a committed dry-run row is of this very recipe (else its figure is derived);
+        ``rank`` in place of the recipe's."""
         table = self.table(model_name(recipe.model), recipe.quant, recipe.fixes, recipe.dropout, recipe.dora,
                                 recipe.response_len)
-        return recipe.rank in table.get(recipe.seq_len, {})
+        return (recipe.rank if rank is None else rank) in table.get(recipe.seq_len, {})
 
     @cached_property
     def derivation(self) -> dict:

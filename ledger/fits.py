@@ -17,7 +17,7 @@ from .models import Gpu
 from .cards import card_table
 from .model_configs import model_name
 from .predictor import Predictor
-from .recipe import Recipe, recipe_of
+from .recipe import Recipe, recipe_of, row_keys_cached
 from .recipe import fixes_key
 
 LENGTHS = (512, 2048, 4096, 8192, 16384)
@@ -114,10 +114,7 @@ def _dry_ceiling(p: Predictor, recipe: Recipe, gpu: str, entry: Gpu) -> tuple[Op
 
     def verdict(rank: int) -> str:
         if rank not in cache:
-            r = replace(recipe, rank=rank)
-            raw, _ = p.dry_raw(r)
-            cache[rank] = "unknown" if raw is None else p.judge_dry(r, raw, gpu, entry=entry,
-                                                                    derived=not p.dry_exact(r)).verdict
+            cache[rank] = p.dry_verdict(recipe, gpu, entry, rank)
         return cache[rank]
 
     if verdict(STEP) == "unknown":
@@ -142,6 +139,7 @@ def _dry_ceiling(p: Predictor, recipe: Recipe, gpu: str, entry: Gpu) -> tuple[Op
     return fits, tight, "ok" if (fits or tight) else "none-fits", at_least
 
 
+@row_keys_cached()
 def fit_table(p: Predictor, *, models: Optional[Iterable[str]] = None, gpus: Optional[Iterable[str]] = None,
               lengths: Iterable[int] = LENGTHS, ladder: bool = True) -> list[FitCell]:
     lengths = sorted(lengths)

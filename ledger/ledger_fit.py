@@ -11,6 +11,7 @@ from typing import Iterable, Optional
 
 from .calibration import Overestimate, limits, overestimate, pairs
 from .peaks import PeakModel, probes, before, ok_peak
+from .model_configs import model_name
 from .models import Ledger, Measurement
 from .recipe import GroupKey, Recipe, group_key, recipe_of, seq_len_of
 
@@ -40,12 +41,14 @@ class LedgerFit:
     def widths(self) -> dict[str, Optional[float]]:
         """Largest held-out relative error of each rung (fractions), from the ledger's own probes."""
         interp, transfer = [], []
+        same_cell: dict[tuple, list[str]] = {}  # (card, group) -> every row's id
+        for x in self.ms:
+            same_cell.setdefault((x.gpu, m_group(x)), []).append(x.id)
         for m in probes(self.ms):
             peak = ok_peak(m)
             if peak is None:
                 continue
-            rest = [x for x in self.ms if x.id != m.id]
-            pm = PeakModel(rest)
+            pm = self.peaks.without((m.id,))
             rows = pm.by_group.get(m_group(m), {})
             if rows.get(m.gpu):
                 pred, _ = pm.predict(m.gpu, m_group(m), m.lora.rank)
@@ -53,7 +56,7 @@ class LedgerFit:
                     interp.append(abs(pred - peak) / peak)
             others = {g: r for g, r in rows.items() if g != m.gpu}
             if others:
-                alone = PeakModel([x for x in rest if not (x.gpu == m.gpu and m_group(x) == m_group(m))])
+                alone = self.peaks.without((m.id, *same_cell[(m.gpu, m_group(m))]))
                 pred, _ = alone.predict(m.gpu, m_group(m), m.lora.rank)
                 if pred is not None:
                     transfer.append(abs(pred - peak) / peak)
@@ -80,6 +83,15 @@ class LedgerFit:
         if r is not None and r.seq_len is None and m.kind == "real" and m.id in self.real_seq:
             r = replace(r, seq_len=self.real_seq[m.id])
         return r
+
+    @cached_property
+    def models_named(self) -> dict[Optional[str], str]:
+        """The ledger's own spelling of each model, by short name (the first in sort order)."""
+        names: dict[Optional[str], set[str]] = {}
+        for m in self.ms:
+            if m.model:
+                names.setdefault(model_name(m.model), set()).add(m.model)
+        return {k: sorted(v)[0] for k, v in names.items()}
 
     @cached_property
     def by_id(self) -> dict[str, Measurement]:

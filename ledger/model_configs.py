@@ -15,6 +15,7 @@ from .paths import MODEL_CONFIGS
 CONFIG_DIR = MODEL_CONFIGS
 
 
+@lru_cache(maxsize=4096)
 def model_name(model: Optional[str]) -> Optional[str]:
     """A model's short name, as configs ship: 'unsloth/gemma-3-4b-it' -> 'gemma-3-4b-it'."""
     if not model:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import datetime as dt
 import statistics
 from collections import defaultdict
-from dataclasses import dataclass
+from bisect import bisect_left, insort
 from typing import Iterable, Optional
 
 from .models import Measurement
@@ -39,6 +39,15 @@ def before(ms: list[Measurement], as_of: Optional[dt.date], exclude: Iterable[st
 # -- peaks of configurations --------------------------------------------------------------------
 
 
+def _best(rows: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
+    """A cell's points, one per rank: the highest (peak, id) of each (repeats of a rank are one point)."""
+    cell: dict[float, tuple[float, str]] = {}
+    for rank, peak, i in rows:
+        if rank not in cell or (peak, i) > cell[rank]:
+            cell[rank] = (peak, i)
+    return [(x, y, i) for x, (y, i) in sorted(cell.items())]
+
+
 def fit_slope(points: list[tuple[float, float]]) -> Optional[float]:
     xs = {x for x, _ in points}
     if len(xs) < 2:
@@ -67,62 +76,182 @@ def rank_slope(ms: list[Measurement], gpu: Optional[str] = None, quant: Optional
     return sxy / sxx if sxx else None
 
 
-@dataclass
+def _term(key: tuple, pts: list[tuple[float, float, str, int]]) -> Optional[tuple]:
+    """One group's share of the pooled slope, as rank_slope adds it (None under two ranks)."""
+    if len({x for x, *_ in pts}) < 2:
+        return None
+    mx = sum(x for x, *_ in pts) / len(pts)
+    my = sum(y for _, y, *_ in pts) / len(pts)
+    return (pts[0][3], key[0], key[2], sum((x - mx) * (y - my) for x, y, *_ in pts),
+            sum((x - mx) ** 2 for x, *_ in pts))
+
+
 class PeakModel:
-    """Predicts a probe's peak allocated for (card, group, rank) from ok probes."""
+    """Predicts a probe's peak allocated for (card, group, rank) from ok probes.
 
-    ms: list[Measurement]
+    ``without(ids)`` is the model fitted on the same rows less some (leave-one-out, held-out
+    widths): it shares every group the removed rows are not in and recomputes the rest, so the
+    answers are those of ``PeakModel([m for m in ms if m.id not in ids])`` at the cost of the groups
+    touched, not of the ledger."""
 
-    def __post_init__(self) -> None:
-        # Per group and card, the highest ok peak at each rank (repeats of a rank are one point).
-        best: dict[tuple, dict[float, tuple[float, str]]] = defaultdict(dict)
+    def __init__(self, ms: list[Measurement]):
+        self._root: Optional["PeakModel"] = None
+        self._excluded: frozenset = frozenset()
+        self._ms: Optional[list[Measurement]] = list(ms)
+        self._probes: Optional[list[Measurement]] = probes(self._ms)
+        # Per group and card, the ok probes as (rank, peak, id); per fixes key, the probed lengths.
+        self._cells: dict[tuple, list[tuple[float, float, str]]] = defaultdict(list)
+        self._seq_rows: dict[tuple, list[tuple[str, int]]] = defaultdict(list)
+        self._cell_of: dict[str, tuple] = {}
+        self._seq_of: dict[str, tuple] = {}
         self.seqs: dict[tuple, set] = defaultdict(set)
-        self.probes = probes(self.ms)
-        for m in self.probes:
+        for m in self._probes:
             if seq_len_of(m):
-                self.seqs[(m.gpu, m.model, m.quant, fixes_key(m.memory_fixes))].add(seq_len_of(m))
+                key = (m.gpu, m.model, m.quant, fixes_key(m.memory_fixes))
+                self.seqs[key].add(seq_len_of(m))
+                self._seq_rows[key].append((m.id, seq_len_of(m)))
+                self._seq_of[m.id] = key
             peak = ok_peak(m)
             if peak is not None:
-                cell = best[(group_key(m), m.gpu)]
-                rank = float(m.lora.rank)
-                if rank not in cell or (peak, m.id) > cell[rank]:
-                    cell[rank] = (peak, m.id)
+                key = (group_key(m), m.gpu)
+                self._cells[key].append((float(m.lora.rank), peak, m.id))
+                self._cell_of[m.id] = key
         self.by_group: dict[tuple, dict[str, list[tuple[float, float, str]]]] = defaultdict(dict)
-        for (group, gpu), cell in best.items():
-            self.by_group[group][gpu] = [(x, y, i) for x, (y, i) in sorted(cell.items())]
+        for (group, gpu), rows in self._cells.items():
+            self.by_group[group][gpu] = _best(rows)
+        self._reset()
+
+    def _reset(self) -> None:
         self._slopes: dict = {}
         self._cache: dict = {}
         self._observed: Optional[dict] = None
         self._offsets: dict = {}
 
+    @property
+    def ms(self) -> list[Measurement]:
+        if self._ms is None:
+            self._ms = [m for m in self._root._ms if m.id not in self._excluded]
+        return self._ms
+
+    @property
+    def probes(self) -> list[Measurement]:
+        if self._probes is None:
+            self._probes = [m for m in self._root._probes if m.id not in self._excluded]
+        return self._probes
+
+    def without(self, ids) -> "PeakModel":
+        """This model less the rows ``ids`` (see the class docstring)."""
+        root = self._root or self
+        excluded = self._excluded | frozenset(ids)
+        view = object.__new__(PeakModel)
+        view._root, view._excluded, view._ms, view._probes = root, excluded, None, None
+        cells = {root._cell_of[i] for i in excluded if i in root._cell_of}
+        view.by_group = defaultdict(dict, root.by_group)
+        for group, gpu in cells:
+            rows = [r for r in root._cells[(group, gpu)] if r[2] not in excluded]
+            by_gpu = {g: v for g, v in view.by_group[group].items() if g != gpu}
+            if rows:
+                by_gpu[gpu] = _best(rows)
+            if by_gpu:
+                view.by_group[group] = by_gpu
+            else:
+                del view.by_group[group]
+        view.seqs = defaultdict(set, root.seqs)
+        for key in {root._seq_of[i] for i in excluded if i in root._seq_of}:
+            left = {s for i, s in root._seq_rows[key] if i not in excluded}
+            if left:
+                view.seqs[key] = left
+            else:
+                del view.seqs[key]
+        view._touched = {group for group, _ in cells}
+        view._reset()
+        return view
+
     def observed(self, gpu: str, group: tuple) -> dict[int, Measurement]:
         """Probes of this card and group that ran to an outcome (ok, oom or spilled), by rank."""
+        if self._root is not None:
+            out = self._root.observed(gpu, group)
+            if any(m.id in self._excluded for m in out.values()):  # a removed row may hide another
+                out = {}
+                for m in self._root._observed_rows.get((gpu, group), []):
+                    if m.id not in self._excluded:
+                        out[m.lora.rank] = m
+            return out
         if self._observed is None:
             self._observed = defaultdict(dict)
+            self._observed_rows: dict[tuple, list[Measurement]] = defaultdict(list)
             for m in self.probes:
                 if m.outcome.status in ("ok", "oom", "spilled"):
                     self._observed[(m.gpu, group_key(m))][m.lora.rank] = m
+                    self._observed_rows[(m.gpu, group_key(m))].append(m)
         return self._observed.get((gpu, group), {})
 
     def offset(self, gpu: str, other: str) -> float:
         """Median difference of this card's peaks over another's at the same group and rank
         (allocator and library versions differ a little); 0 when they share no row."""
-        if (gpu, other) in self._offsets:
-            return self._offsets[(gpu, other)]
-        diffs = []
-        for rows in self.by_group.values():
-            mine = {x: y for x, y, _ in rows.get(gpu, [])}
-            for x, y, _ in rows.get(other, []):
-                if x in mine:
-                    diffs.append(mine[x] - y)
-        self._offsets[(gpu, other)] = statistics.median(diffs) if diffs else 0.0
+        if (gpu, other) not in self._offsets:
+            if self._root is None:
+                diffs = sorted(d for group in self.by_group for d in self._diffs(group, gpu, other))
+            else:  # the root's differences, those of the groups this view changed recomputed
+                diffs = list(self._root._sorted_diffs(gpu, other))
+                for group in self._touched:
+                    for d in self._root._diffs(group, gpu, other):
+                        del diffs[bisect_left(diffs, d)]
+                    for d in self._diffs(group, gpu, other):
+                        insort(diffs, d)
+            self._offsets[(gpu, other)] = statistics.median(diffs) if diffs else 0.0
         return self._offsets[(gpu, other)]
 
+    def _diffs(self, group: tuple, gpu: str, other: str) -> list[float]:
+        rows = self.by_group.get(group, {})
+        mine = {x: y for x, y, _ in rows.get(gpu, [])}
+        return [mine[x] - y for x, y, _ in rows.get(other, []) if x in mine]
+
+    def _sorted_diffs(self, gpu: str, other: str) -> list[float]:
+        key = ("sorted", gpu, other)
+        if key not in self._offsets:
+            self._offsets[key] = sorted(d for group in self.by_group for d in self._diffs(group, gpu, other))
+        return self._offsets[key]
+
     def slope(self, gpu: str, quant: Optional[str]) -> Optional[float]:
+        """MiB per rank: ``rank_slope`` of this card and quant, else of the quant, else of all."""
         if (gpu, quant) not in self._slopes:
-            self._slopes[(gpu, quant)] = (rank_slope(self.ms, gpu, quant) or rank_slope(self.ms, None, quant)
-                                          or rank_slope(self.ms))
+            self._slopes[(gpu, quant)] = (self._pooled(gpu, quant) or self._pooled(None, quant)
+                                          or self._pooled(None, None))
         return self._slopes[(gpu, quant)]
+
+    def _pooled(self, gpu: Optional[str], quant: Optional[str]) -> Optional[float]:
+        """``rank_slope(self.ms, gpu, quant)``, from each group's sums (the root's, those of the groups
+        a view changed recomputed), added in the order rank_slope meets the groups."""
+        terms = self._slope_terms()
+        sxy = sxx = 0.0
+        for pos, g, q, gxy, gxx in terms:
+            if (gpu is None or g == gpu) and (quant is None or q == quant):
+                sxy += gxy
+                sxx += gxx
+        return sxy / sxx if sxx else None
+
+    def _slope_terms(self) -> list[tuple]:
+        """(first position, card, quant, sxy, sxx) of each group with two ranks, in order."""
+        if "terms" in self._slopes:
+            return self._slopes["terms"]
+        root = self._root or self
+        if root is self:
+            self._points: dict[tuple, list[tuple[float, float, str, int]]] = defaultdict(list)
+            for pos, m in enumerate(self.probes):
+                if ok_peak(m) is not None:
+                    self._points[(m.gpu, *group_key(m))].append((float(m.lora.rank), ok_peak(m), m.id, pos))
+            self._terms = {k: _term(k, pts) for k, pts in self._points.items()}
+            terms = [t for t in self._terms.values() if t is not None]
+        else:
+            root._slope_terms()
+            terms = dict(root._terms)
+            for group in self._touched:
+                for k in [k for k in root._points if tuple(k[1:]) == tuple(group)]:
+                    terms[k] = _term(k, [p for p in root._points[k] if p[2] not in self._excluded])
+            terms = sorted((t for t in terms.values() if t is not None), key=lambda t: t[0])
+        self._slopes["terms"] = terms
+        return terms
 
     def predict(self, gpu: str, group: tuple, rank: int) -> tuple[Optional[float], list[str]]:
         """(predicted peak, ids of the rows it rests on); (None, []) when unknown."""

@@ -48,7 +48,7 @@ from functools import cached_property
 from typing import Iterable, Optional
 
 from . import ceilings
-from .answers import Answer, CeilingAnswer, Interval, Run, around, decide, scale
+from .answers import Answer, CeilingAnswer, Interval, Run, around, decide, scale, verdict_for
 from .dominance import Dominance
 from .dry_calibration import DryCalibration
 from .dry_table import DryTable
@@ -122,9 +122,9 @@ class Predictor:
         entry = entry or self.ledger.gpus.get(gpu)
         source = "ledger" if gpu in self.ledger.gpus else "card table"
         if recipe.model and gpu in self.ledger.gpus:
-            known = {m.model for m in self.ms if model_name(m.model) == model_name(recipe.model)}
+            known = self.fit.models_named.get(model_name(recipe.model))
             if known:
-                recipe = replace(recipe, model=sorted(known)[0])
+                recipe = replace(recipe, model=known)
         probe, method, text, evidence = self.probe_figure(recipe, gpu, entry.vendor if entry else None)
         if method != "dry run":
             probe, span_text = self.span.longer_span(recipe, probe, evidence)
@@ -184,26 +184,46 @@ class Predictor:
         workspaces, as the committed rows are): plus the card's remainder (all cards' without a
         card), with the leave-one-out interval, judged against the card's limit or the budget."""
         entry = entry or (self.ledger.gpus.get(gpu) if gpu else None)
-        rem, scope = self.remainder(gpu or "", entry.vendor if entry else None)
-        if rem is None:
-            rem, scope = 0.0, "no remainder fitted (no measured probe has a dry run)"
-        width, wtext = self.dry_cal.width(recipe, derived)
-        iv = around(raw_mib + rem, width)
+        iv, (low, high, lsrc, source), (rem, scope, wtext) = self._dry_judged(recipe, raw_mib, gpu, entry, budget_mib,
+                                                                             derived)
         text = (f"dry run {raw_mib:.1f} MiB + remainder {rem:+.1f} MiB fitted on {scope}; interval {wtext}"
                 + self.dry_cal.family_note(recipe))
-        if budget_mib is not None:
-            low, high, lsrc, source = budget_mib, budget_mib, f"--budget-mib {budget_mib}", "budget"
-        elif gpu:
-            (low, high, lsrc), source = self.card_limit(gpu, entry, "probe"), (
-                "ledger" if gpu in self.ledger.gpus else "card table")
-        else:
-            low, high, lsrc, source = None, None, "no card or budget given", "budget"
         ratio = self.reserved_ratio(gpu or "")
         verdict, why = decide(iv, low, high, margin_mib)
         return Answer(gpu=gpu or "", card_source=source, recipe=dict(recipe.__dict__), run="probe", probe_allocated=iv,
                       real_allocated=None, reserved=scale(iv, *ratio) if ratio else None, method="dry run",
                       method_text=text, evidence=[], limit_low_mib=low, limit_high_mib=high, limit_source=lsrc,
                       margin_mib=margin_mib, verdict=verdict, why=why)
+
+    def _dry_judged(self, recipe: Recipe, raw_mib: float, gpu: Optional[str], entry: Optional[Gpu],
+                    budget_mib: Optional[float], derived: bool):
+        """(interval, (limit low, high, where from, card source), (remainder, its scope, width text))."""
+        rem, scope = self.remainder(gpu or "", entry.vendor if entry else None)
+        if rem is None:
+            rem, scope = 0.0, "no remainder fitted (no measured probe has a dry run)"
+        width, wtext = self.dry_cal.width(recipe, derived)
+        iv = around(raw_mib + rem, width)
+        if budget_mib is not None:
+            limit = budget_mib, budget_mib, f"--budget-mib {budget_mib}", "budget"
+        elif gpu:
+            limit = (*self.card_limit(gpu, entry, "probe"), "ledger" if gpu in self.ledger.gpus else "card table")
+        else:
+            limit = None, None, "no card or budget given", "budget"
+        return iv, limit, (rem, scope, wtext)
+
+    def dry_verdict(self, recipe: Recipe, gpu: str, entry: Optional[Gpu] = None, rank: Optional[int] = None) -> str:
+        """``judge_dry(...).verdict`` for the committed rows' figure of this recipe at ``rank`` (the
+        recipe's by default; "unknown" where the dry-run table does not reach it), computed from
+        the figures alone: the fit table asks it some hundred thousand times."""
+        raw, _ = self.table.raw(recipe, rank)
+        if raw is None:
+            return "unknown"
+        entry = entry or self.ledger.gpus.get(gpu)
+        rem, _ = self.remainder(gpu or "", entry.vendor if entry else None)
+        mib = raw + (rem or 0.0)
+        width = self.dry_cal.width_fraction(not self.table.exact(recipe, rank))
+        low, high, _ = self.card_limit(gpu, entry, "probe")
+        return verdict_for(round(mib * (1 - width), 1), round(mib * (1 + width), 1), low, high, 0.0)
 
     def ceiling(self, recipe: Recipe, gpu: str, **kw) -> CeilingAnswer:
         """The largest rank whose verdict is "fits", and the largest that is "tight" (``ledger.ceilings``)."""

@@ -17,13 +17,49 @@ the legacy importer and the probe kit). Nothing here does I/O or imports torch.
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Mapping, NamedTuple, Optional, get_args
+from typing import Callable, Iterator, Mapping, NamedTuple, Optional, TypeVar, get_args
 
 from .models import FixName, Gpu, Measurement
 
 #: Memory fixes a probe or run can switch on, in the recipe's order.
 FIX_NAMES: tuple[str, ...] = get_args(FixName)
+
+
+# -- keys of rows, computed once per row while a long computation runs ---------------------------
+
+T = TypeVar("T")
+_KEYS: Optional[dict] = None
+
+
+@contextmanager
+def row_keys_cached() -> Iterator[None]:
+    """Within this block a row's keys (``recipe_key``, ``group_key``, ``recipe_of``) are computed
+    once and remembered by the row object: the build, the calibration and the scoreboard ask them
+    millions of times of rows nobody changes while they run. Rows must not be modified inside the
+    block; outside it nothing is remembered."""
+    global _KEYS
+    outer = _KEYS
+    if outer is None:
+        _KEYS = {}
+    try:
+        yield
+    finally:
+        if outer is None:
+            _KEYS = None
+
+
+def _remembered(kind: str, row, compute: Callable[[], T]) -> T:
+    cache = _KEYS
+    if cache is None:
+        return compute()
+    hit = cache.get((kind, id(row)))
+    if hit is not None and hit[0] is row:
+        return hit[1]
+    value = compute()
+    cache[(kind, id(row))] = (row, value)  # the row is held, so its id is not reused meanwhile
+    return value
 
 
 def capacity_mib(gpu: Optional[Gpu]) -> Optional[float]:
@@ -102,12 +138,20 @@ class GroupKey(NamedTuple):
 
 
 def recipe_key(row) -> RecipeKey:
+    return _remembered("recipe_key", row, lambda: _recipe_key(row))
+
+
+def _recipe_key(row) -> RecipeKey:
     lora = row.lora
     return RecipeKey(row.gpu, row.model, row.quant, lora.rank if lora else None, bool(lora and lora.dropout),
                      bool(lora and lora.dora), fixes_key(row.memory_fixes))
 
 
 def group_key(row) -> GroupKey:
+    return _remembered("group_key", row, lambda: _group_key(row))
+
+
+def _group_key(row) -> GroupKey:
     lora = row.lora
     return GroupKey(row.model, row.quant, seq_len_of(row), bool(lora and lora.dropout), bool(lora and lora.dora),
                     fixes_key(row.memory_fixes))
@@ -173,6 +217,10 @@ class Recipe:
 
 def recipe_of(m: Measurement) -> Optional[Recipe]:
     """A row's recipe (None for a row without LoRA settings)."""
+    return _remembered("recipe_of", m, lambda: _recipe_of(m))
+
+
+def _recipe_of(m: Measurement) -> Optional[Recipe]:
     if m.lora is None:
         return None
     return Recipe(model=m.model, rank=m.lora.rank, quant=m.quant or "4bit", dropout=bool(m.lora.dropout),

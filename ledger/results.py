@@ -350,3 +350,11 @@ class Fits(_Result):
     derivation_n: int = Field(0, description="Dry runs that error is measured on.")
     stale: list[str] = Field(default_factory=list, description="Dry-run rows computed with other library versions "
                                                                "than the build's (none when the build has no torch).")
+
+    def by_row(self) -> dict[tuple[str, str, str, str, str], list[FitCellResult]]:
+        """The cells of each table row, (model, quant, fixes, setting, card) -> cells by length:
+        the pages look rows up here rather than filtering every cell for every row."""
+        rows: dict[tuple[str, str, str, str, str], list[FitCellResult]] = {}
+        for c in self.cells:
+            rows.setdefault((c.model, c.quant, c.fixes, c.setting, c.gpu), []).append(c)
+        return {k: sorted(v, key=lambda c: c.seq_len) for k, v in rows.items()}

@@ -13,7 +13,7 @@ from .estimators import ESTIMATORS, MIB, Canifinetune, Estimate, Estimator, Reci
 from .model_configs import Arch, load_arch
 from .models import Ledger, Measurement
 from .predictor import Predictor
-from .recipe import capacity_mib
+from .recipe import capacity_mib, row_keys_cached
 
 
 # -- this project --------------------------------------------------------------------------------
@@ -101,6 +101,7 @@ def _slice_keys(m: Measurement, r: Recipe) -> dict[str, str]:
             "dora": "yes" if r.dora else "no", "fixes": r.fixes, "kind": m.kind, "gpu": m.gpu or "", "quant": r.quant}
 
 
+@row_keys_cached()
 def scoreboard(ledger: Ledger, estimators: Optional[list[Estimator]] = None, keep_rows: int = 2000,
                dry_runs: Iterable[Measurement] = ()) -> dict:
     """Every addressable measurement scored by every estimator: medians overall and per slice, and

@@ -1,0 +1,64 @@
+"""The peak model fitted less some rows (``PeakModel.without``) answers exactly as one fitted on
+the remaining rows: leave-one-out and the held-out widths rely on it."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+from synthetic import synthetic_ledger  # noqa: E402
+
+from ledger import store  # noqa: E402
+from ledger.paths import DEFAULT_LEDGER  # noqa: E402
+from ledger.peaks import PeakModel, rank_slope  # noqa: E402
+from ledger.recipe import group_key  # noqa: E402
+
+DATA = Path(__file__).parent / "data"
+
+
+def _answers(pm: PeakModel, ms) -> dict:
+    gpus = sorted({m.gpu for m in ms if m.gpu})
+    groups = sorted({group_key(m) for m in ms if m.lora}, key=str)
+    quants = sorted({m.quant for m in ms if m.quant}) + [None]
+    return {
+        "by_group": {g: dict(sorted(by.items())) for g, by in pm.by_group.items()},
+        "seqs": dict(pm.seqs),
+        "observed": {(gpu, g): {r: m.id for r, m in pm.observed(gpu, g).items()} for gpu in gpus for g in groups},
+        "offsets": {(a, b): pm.offset(a, b) for a in gpus for b in gpus if a != b},
+        "slopes": {(gpu, q): pm.slope(gpu, q) for gpu in gpus for q in quants},
+        "predict": {(gpu, g, r): pm.predict(gpu, g, r) for gpu in gpus for g in groups for r in (8, 40, 96, 300)},
+        "probes": [m.id for m in pm.probes],
+        "ms": [m.id for m in pm.ms],
+    }
+
+
+@pytest.mark.parametrize("source", ["bundled", "small", "synthetic"])
+def test_without_equals_a_model_fitted_on_the_rest(source):
+    ms = {"bundled": lambda: store.load(DEFAULT_LEDGER).measurements,
+          "small": lambda: store.load(DATA / "small-ledger.json").measurements,
+          "synthetic": lambda: synthetic_ledger(160, seed=7).measurements}[source]()
+    full = PeakModel(ms)
+    rng = random.Random(1)
+    for trial in range(12):
+        drop = {m.id for m in rng.sample(ms, k=min(len(ms), 1 + trial % 4))}
+        if trial % 3 == 0:  # a whole cell at once, as the held-out transfer width removes it
+            m = rng.choice([m for m in ms if m.kind == "probe" and m.lora])
+            drop |= {x.id for x in ms if x.gpu == m.gpu and x.lora and group_key(x) == group_key(m)}
+        rest = [m for m in ms if m.id not in drop]
+        assert _answers(full.without(drop), ms) == _answers(PeakModel(rest), ms), (source, trial, sorted(drop))
+        # a view of a view removes the union
+        first, second = set(list(drop)[:1]), set(list(drop)[1:])
+        assert _answers(full.without(first).without(second), ms) == _answers(PeakModel(rest), ms)
+
+
+def test_pooled_slope_is_rank_slope():
+    ms = synthetic_ledger(120, seed=2).measurements
+    pm = PeakModel(ms)
+    for gpu in ("rtx-3070-ti", "rx-7900-xtx", None):
+        for quant in ("4bit", "bf16", None):
+            assert pm._pooled(gpu, quant) == rank_slope(ms, gpu, quant)
