@@ -36,7 +36,7 @@ import hashlib
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Optional
 
 from .model_configs import vocab_size
 from .models import Ledger, Measurement
@@ -89,52 +89,60 @@ class Pair:
     raw_overestimate_pct: Optional[float] = None
 
 
-def pairs(ms: list[Measurement]) -> list[Pair]:
-    """Every probe/real pair of the same recipe key (see the module's rules)."""
-    probes: dict[tuple, list[Measurement]] = defaultdict(list)
-    reals: dict[tuple, list[Measurement]] = defaultdict(list)
+def pair_rows(ms: list[Measurement]) -> dict[tuple, tuple[list[Measurement], list[Measurement]]]:
+    """The ok probes and ok real runs of each recipe key (the rows pairs are made of), in ledger order."""
+    out: dict[tuple, tuple[list[Measurement], list[Measurement]]] = {}
     for m in ms:
-        if m.lora is None or not m.gpu or ok_peak(m) is None:
+        if m.lora is None or not m.gpu or ok_peak(m) is None or m.kind not in ("probe", "real"):
             continue
-        if m.kind == "probe":
-            probes[recipe_key(m)].append(m)
-        elif m.kind == "real":
-            reals[recipe_key(m)].append(m)
+        out.setdefault(recipe_key(m), ([], []))[0 if m.kind == "probe" else 1].append(m)
+    return out
+
+
+def key_pairs(key: tuple, ps: list[Measurement], rs: list[Measurement]) -> list[Pair]:
+    """The pairs of one recipe key from its ok probes and ok real runs (see the module's rules)."""
     out: list[Pair] = []
-    for key, ps in probes.items():
-        rs = reals.get(key)
-        if not rs:
+    if not ps or not rs:
+        return out
+    # One probe per day (the highest), and per day the real runs' highest peak and ids.
+    per_day: dict[dt.date, Measurement] = {}
+    for p in ps:
+        d = date_of(p)
+        if d not in per_day or (ok_peak(p), p.id) > (ok_peak(per_day[d]), per_day[d].id):
+            per_day[d] = p
+    real_days: dict[dt.date, list[Measurement]] = defaultdict(list)
+    for r in rs:
+        real_days[date_of(r)].append(r)
+    rdays = sorted(real_days)
+    pdays = sorted(per_day)
+    for i, day in enumerate(pdays):
+        p = per_day[day]
+        end = pdays[i + 1] if i + 1 < len(pdays) else dt.date.max
+        seg_days = rdays[bisect.bisect_left(rdays, day):bisect.bisect_left(rdays, end)]
+        seg = [r for d in seg_days for r in real_days[d]]
+        if not seg:
             continue
-        # One probe per day (the highest), and per day the real runs' highest peak and ids.
-        per_day: dict[dt.date, Measurement] = {}
-        for p in ps:
-            d = date_of(p)
-            if d not in per_day or (ok_peak(p), p.id) > (ok_peak(per_day[d]), per_day[d].id):
-                per_day[d] = p
-        real_days: dict[dt.date, list[Measurement]] = defaultdict(list)
-        for r in rs:
-            real_days[date_of(r)].append(r)
-        rdays = sorted(real_days)
-        pdays = sorted(per_day)
-        for i, day in enumerate(pdays):
-            p = per_day[day]
-            end = pdays[i + 1] if i + 1 < len(pdays) else dt.date.max
-            seg_days = rdays[bisect.bisect_left(rdays, day):bisect.bisect_left(rdays, end)]
-            seg = [r for d in seg_days for r in real_days[d]]
-            if not seg:
-                continue
-            top = max(seg, key=lambda r: (ok_peak(r), r.id))
-            pp, rp = ok_peak(p), ok_peak(top)
-            keep = kept_positions(p)
-            lg = logits_mib(p.model, keep)
-            core = pp - (lg or 0.0)
-            out.append(Pair(probe=p.id, reals=sorted(r.id for r in seg), probe_mib=pp, real_mib=rp,
-                            overestimate_pct=round((core - rp) / core * 100, 3), key=list(key),
-                            probe_seq_len=seq_len_of(p), on=p.provenance.measured_on.isoformat()
-                            if p.provenance.measured_on else None, kept_positions=keep if lg is not None else None,
-                            logits_mib=None if lg is None else round(lg, 1), core_mib=round(core, 1),
-                            raw_overestimate_pct=round((pp - rp) / pp * 100, 3)))
-    return sorted(out, key=lambda x: (x.on or "", x.probe))
+        top = max(seg, key=lambda r: (ok_peak(r), r.id))
+        pp, rp = ok_peak(p), ok_peak(top)
+        keep = kept_positions(p)
+        lg = logits_mib(p.model, keep)
+        core = pp - (lg or 0.0)
+        out.append(Pair(probe=p.id, reals=sorted(r.id for r in seg), probe_mib=pp, real_mib=rp,
+                        overestimate_pct=round((core - rp) / core * 100, 3), key=list(key),
+                        probe_seq_len=seq_len_of(p), on=p.provenance.measured_on.isoformat()
+                        if p.provenance.measured_on else None, kept_positions=keep if lg is not None else None,
+                        logits_mib=None if lg is None else round(lg, 1), core_mib=round(core, 1),
+                        raw_overestimate_pct=round((pp - rp) / pp * 100, 3)))
+    return out
+
+
+def sorted_pairs(by_key: Iterable[list[Pair]]) -> list[Pair]:
+    return sorted((p for ps in by_key for p in ps), key=lambda x: (x.on or "", x.probe))
+
+
+def pairs(ms: list[Measurement]) -> list[Pair]:
+    """Every probe/real pair of the same recipe key (see the module's rules), by date."""
+    return sorted_pairs(key_pairs(k, ps, rs) for k, (ps, rs) in pair_rows(ms).items())
 
 
 @dataclass
@@ -154,8 +162,9 @@ class Overestimate:
         return logits_mib(model, min(keep, self.keep_max)) or 0.0
 
 
-def overestimate(ms: list[Measurement]) -> Overestimate:
-    ps = pairs(ms)
+def overestimate(ms: list[Measurement], ps: Optional[list[Pair]] = None) -> Overestimate:
+    """The probe's over-estimate of real runs from the pairs of ``ms`` (``ps``: those pairs, made already)."""
+    ps = pairs(ms) if ps is None else ps
     latest: dict[tuple, Pair] = {}
     for p in ps:  # sorted by date: the last one per key wins
         latest[tuple(p.key)] = p
@@ -221,13 +230,22 @@ def _exceeded_peak(m: Measurement, model: PeakModel) -> Optional[float]:
 
 def limits(ledger: Ledger, ms: list[Measurement], model: Optional[PeakModel] = None) -> list[Limit]:
     """Each card's interval for the peak allocated that fits, from probes and from real runs."""
-    model = model or PeakModel(ms)
-    out: list[Limit] = []
+    return limits_of(ledger, limit_rows(ms), model or PeakModel(ms))
+
+
+def limit_rows(ms: list[Measurement]) -> dict[tuple, list[Measurement]]:
+    """The rows a card's limits rest on, by (card, kind): training steps only (LoRA set), since a
+    forward-only or load row says little about a step's limit."""
     by_card: dict[tuple, list[Measurement]] = defaultdict(list)
     for m in ms:
-        # Training steps only (LoRA set): a forward-only or load row says little about a step's limit.
         if m.lora is not None and m.kind in ("probe", "real"):
             by_card[(m.gpu, m.kind)].append(m)
+    return by_card
+
+
+def limits_of(ledger: Ledger, by_card: dict[tuple, list[Measurement]], model: PeakModel) -> list[Limit]:
+    """``limits`` from the rows ``limit_rows`` picked."""
+    out: list[Limit] = []
     for gpu in ledger.gpus:
         for kind in ("probe", "real"):
             rows = by_card.get((gpu, kind), [])

@@ -10,10 +10,12 @@ import statistics
 from dataclasses import asdict
 from typing import Iterable, Optional
 
-from .calibration import calibration_hash, costs, kept_positions, limits, overestimate, predict_real
+from .calibration import (calibration_hash, costs, kept_positions, key_pairs, limits, overestimate, pair_rows,
+                          predict_real, sorted_pairs)
 from .peaks import PeakModel, date_of, probes, before, ok_peak
 from .ceilings import ceiling_table
 from .models import Ledger, Measurement
+from .held_out import held_out
 from .predictor import Predictor
 from .recipe import recipe_of
 from .recipe import recipe_key, row_keys_cached
@@ -30,11 +32,11 @@ def loo(ledger: Ledger, ms: list[Measurement], dry_runs: Iterable[Measurement] =
     dry_runs = list(dry_runs)
     kept = {x.id for x in ms}
     outside = [x.id for x in ledger.measurements if x.id not in kept]
+    answers = held_out(ledger, dry_runs, outside)
     for m in probes(ms):
         if m.outcome.status not in ("ok", "oom") or recipe_of(m) is None:
             continue
-        p = Predictor(ledger, dry_runs, exclude=[*outside, m.id])
-        a = p.predict(recipe_of(m), m.gpu)
+        a = answers.answer(m, recipe_of(m))
         actual = m.outcome.status == "ok"
         fig = a.probe_allocated
         rows.append({"id": m.id, "verdict": a.verdict, "method": a.method, "predicted_mib": fig.mib if fig else None,
@@ -50,15 +52,25 @@ def loo(ledger: Ledger, ms: list[Measurement], dry_runs: Iterable[Measurement] =
             costly += int(a.verdict == "fits" and not actual)
     errors = []
     real_rows = []
+    same_key: dict[tuple, list[Measurement]] = {}
+    for p in probes(ms):
+        if ok_peak(p) is not None:
+            same_key.setdefault(recipe_key(p), []).append(p)
+    key_rows = pair_rows(ms)
+    by_key = {k: key_pairs(k, ps, rs) for k, (ps, rs) in key_rows.items()}
     for r in ms:
         if r.kind != "real" or ok_peak(r) is None or r.lora is None:
             continue
-        same = [p for p in probes(ms) if recipe_key(p) == recipe_key(r) and ok_peak(p) is not None]
+        same = same_key.get(recipe_key(r))
         if not same:
             continue
         prior = [p for p in same if date_of(p) <= date_of(r)]
         probe = max(prior, key=lambda p: (date_of(p), p.id)) if prior else min(same, key=lambda p: (date_of(p), p.id))
-        over = overestimate([x for x in ms if x.id != r.id])
+        # The over-estimate refit without the run: only its own key's pairs change.
+        k = recipe_key(r)
+        ps, rs = key_rows.get(k, ([], []))
+        without = {**by_key, k: key_pairs(k, ps, [x for x in rs if x.id != r.id])}
+        over = overestimate([], sorted_pairs(without.values()))
         pr = predict_real(ok_peak(probe), over, probe.model, kept_positions(probe))
         if pr["predicted_mib"] is None:
             continue

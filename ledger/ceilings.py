@@ -65,9 +65,7 @@ def search(p, recipe: Recipe, gpu: str, *, entry: Optional[Gpu] = None, run: Run
 def _consistent(p, recipe, gpu, entry, run, margin_mib, budget_mib, step, max_rank, fits_rank, tight_rank):
     """Ceilings that respect the physics across recipes: never above an easier recipe's (a
     shorter sequence probed on this card, no dropout, no DoRA), never below a harder one's."""
-    seqs = sorted({g.seq_len for g, by in p.fit.peaks.by_group.items() if gpu in by and g.seq_len
-                   and model_name(g.model) == model_name(recipe.model) and g.quant == recipe.quant
-                   and g.fixes == recipe.fixes} | {recipe.seq_len})
+    seqs = sorted(p.fit.peaks.model_lengths(gpu, recipe.model, recipe.quant, recipe.fixes) | {recipe.seq_len})
     cap = floor = None
     cap_from = floor_from = ""
     for s in seqs:

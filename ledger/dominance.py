@@ -15,7 +15,7 @@ from .peaks import ok_peak
 from .ledger_fit import LedgerFit
 from .model_configs import model_name
 from .models import Measurement
-from .recipe import Recipe
+from .recipe import Recipe, fixes_key
 from .response_span import recipe_keep
 
 
@@ -32,10 +32,16 @@ def real_need(m: Measurement) -> Optional[float]:
 
 
 class Dominance:
-    """The rows that bound other recipes on one ledger, by card, kind, model, quant and fixes."""
+    """The rows that bound other recipes on one ledger, by card, kind, model, quant and fixes.
+    ``base``: the same ledger's dominance with fewer rows excluded (leave-one-out); a key's rows are
+    then the base's less the rows left out, with what an OOM needed read from this fit's peaks and
+    the real runs whose longest example this fit reads otherwise made again."""
 
-    def __init__(self, fit: LedgerFit):
+    def __init__(self, fit: LedgerFit, base: Optional["Dominance"] = None):
         self.fit = fit
+        self.base = base if base is not None and fit.base is base.fit else None
+        self._keys: dict[tuple, list] = {}
+        self._fail_keys: dict[tuple, list] = {}
 
     def clamp(self, recipe: Recipe, gpu: str, run: Run, iv: Optional[Interval]) -> tuple[Optional[Interval], list[str], str]:
         """Clamp an interval by rows of harder recipes that fit (top) and easier ones that did not
@@ -44,8 +50,8 @@ class Dominance:
         cap_id = floor_id = None
         if recipe.seq_len is not None:
             own = recipe_keep(recipe) if run == "probe" else None
-            for r, status, peak, need, mid, keep in self._rows.get((gpu, run, model_name(recipe.model),
-                                                                             recipe.quant, recipe.fixes), ()):
+            for r, status, peak, need, mid, keep in self.rows((gpu, run, model_name(recipe.model),
+                                                               recipe.quant, recipe.fixes)):
                 # A probe that kept logits for fewer (or unknown) positions than the recipe is not harder.
                 longer = own is None or (keep is not None and keep >= own)
                 if status == "ok" and longer and (r.rank >= recipe.rank and r.seq_len >= recipe.seq_len
@@ -81,25 +87,63 @@ class Dominance:
 
     @cached_property
     def _rows(self) -> dict[tuple, list]:
-        """Rows that bound others, by (card, kind, model, quant, fixes): (recipe, status, ok peak,
-        what an OOM needed at least, id, kept logit positions)."""
-        out: dict[tuple, list] = defaultdict(list)
-        for m in self.fit.ms:
-            if m.kind not in ("probe", "real") or m.lora is None or not m.gpu:
-                continue
-            r = self.fit.recipe_for(m)
-            if r is None or r.seq_len is None:
-                continue
-            status = m.outcome.status
-            if status == "ok" and ok_peak(m) is not None:
-                out[(m.gpu, m.kind, model_name(r.model), r.quant, r.fixes)].append(
-                    (r, "ok", ok_peak(m), None, m.id, kept_positions(m)))
-            elif status in ("oom", "spilled"):
-                need = _exceeded_peak(m, self.fit.peaks) if m.kind == "probe" else real_need(m)
-                if need is not None:
-                    out[(m.gpu, m.kind, model_name(r.model), r.quant, r.fixes)].append(
-                        (r, status, None, need, m.id, kept_positions(m)))
-        return dict(out)
+        """Every key's bounding rows (``rows``), for a whole view of them."""
+        return {k: v for k in self._positions() if (v := self.rows(k))}
+
+    def rows(self, key: tuple) -> list:
+        """Rows that bound others of one (card, kind, model, quant, fixes): (recipe, status, ok
+        peak, what an OOM needed at least, id, kept logit positions), in ledger order."""
+        if key not in self._keys:
+            if self.base is not None:  # the base's entries, but for those this fit reads otherwise
+                done = {e[4]: e for e in self.base.rows(key)}
+                changed = self.fit.changed_reals()
+                entries = [done.get(m.id) if m.id not in changed and not (m.kind == "probe" and m.outcome.status == "oom")
+                           else self._entry(m) for _, m in self._positions().get(key, ())]
+            else:
+                entries = [self._entry(m) for _, m in self._positions().get(key, ())]
+            self._keys[key] = [e for e in entries if e is not None]
+        return self._keys[key]
+
+    def _entry(self, m: Measurement) -> Optional[tuple]:
+        r = self.fit.recipe_for(m)
+        if r is None or r.seq_len is None:
+            return None
+        status = m.outcome.status
+        if status == "ok" and ok_peak(m) is not None:
+            return (r, "ok", ok_peak(m), None, m.id, kept_positions(m))
+        if status in ("oom", "spilled"):
+            need = _exceeded_peak(m, self.fit.peaks) if m.kind == "probe" else real_need(m)
+            if need is not None:
+                return (r, status, None, need, m.id, kept_positions(m))
+        return None
+
+    def _positions(self) -> dict[tuple, list[tuple[int, Measurement]]]:
+        """The rows that may bound others, by key, as (position in the ledger, row)."""
+        if "_pos" not in self.__dict__:
+            if self.base is not None:
+                extra = self.fit.exclude - self.base.fit.exclude
+                self.__dict__["_pos"] = {k: [(i, m) for i, m in rows if m.id not in extra]
+                                         for k, rows in self.base._positions().items()}
+            else:
+                out: dict[tuple, list] = defaultdict(list)
+                for i, m in enumerate(self.fit.ms):
+                    if m.kind not in ("probe", "real") or m.lora is None or not m.gpu:
+                        continue
+                    out[(m.gpu, m.kind, model_name(m.model), m.quant or "4bit", _fixes(m))].append((i, m))
+                self.__dict__["_pos"] = dict(out)
+        return self.__dict__["_pos"]
+
+    def _failure_entries(self, key: tuple) -> list:
+        if key not in self._fail_keys:
+            out = []
+            for _, m in self._positions().get(key, ()):
+                if m.outcome.status not in ("oom", "spilled"):
+                    continue
+                r = self.fit.recipe_for(m)
+                if r is not None and r.seq_len is not None:
+                    out.append((r, m.outcome.status, m.id, kept_positions(m)))
+            self._fail_keys[key] = out
+        return self._fail_keys[key]
 
     def measured_failure(self, recipe: Recipe, gpu: str, run: Run) -> Optional[tuple[str, str]]:
         """(id, status) of a row of this run's kind on this card whose recipe is this one or an
@@ -109,24 +153,14 @@ class Dominance:
         if recipe.seq_len is None:
             return None
         own = recipe_keep(recipe) if run == "probe" else None
-        for r, status, mid, keep in self._failure_rows.get((gpu, run, model_name(recipe.model), recipe.quant,
-                                                            recipe.fixes), ()):
+        for r, status, mid, keep in self._failure_entries((gpu, run, model_name(recipe.model), recipe.quant,
+                                                           recipe.fixes)):
             more_logits = own is not None and keep is not None and keep > own
             if (r.rank <= recipe.rank and r.seq_len <= recipe.seq_len and r.dropout <= recipe.dropout
                     and r.dora <= recipe.dora and not more_logits):
                 return mid, status
         return None
 
-    @cached_property
-    def _failure_rows(self) -> dict[tuple, list]:
-        """Rows that ran out of memory or spilled, by (card, kind, model, quant, fixes): (recipe,
-        status, id, kept logit positions)."""
-        out: dict[tuple, list] = defaultdict(list)
-        for m in self.fit.ms:
-            if m.kind not in ("probe", "real") or m.lora is None or not m.gpu or m.outcome.status not in ("oom", "spilled"):
-                continue
-            r = self.fit.recipe_for(m)
-            if r is not None and r.seq_len is not None:
-                out[(m.gpu, m.kind, model_name(r.model), r.quant, r.fixes)].append(
-                    (r, m.outcome.status, m.id, kept_positions(m)))
-        return dict(out)
+
+def _fixes(m: Measurement) -> str:
+    return fixes_key(m.memory_fixes)

@@ -5,8 +5,9 @@ recipe interpolated in length), with how well that derivation does on rows it di
 from __future__ import annotations
 
 from collections import defaultdict
+from bisect import bisect_left
 from functools import cached_property
-from typing import Optional
+from typing import Callable, Optional
 
 from .model_configs import model_name
 from .models import Measurement
@@ -120,6 +121,76 @@ class DryTable:
                 d1, d2 = y1 - p1, y2 - p2
                 return p0 + d1 + (d2 - d1) * (seq - s1) / (s2 - s1), i0 + i1 + i2
         return y1 + (y2 - y1) * (seq - s1) / (s2 - s1), i1 + i2
+
+    def rank_figure(self, recipe: Recipe) -> Callable[[int], Optional[float]]:
+        """``raw(recipe, rank)``'s figure as a function of the rank alone, the tables and lengths it
+        reads looked up once (the fit table asks some ten ranks of each of ten thousand cells)."""
+        none = lambda rank: None  # noqa: E731
+        if recipe.seq_len is None:
+            return none
+        name, seq = model_name(recipe.model), recipe.seq_len
+        args = (name, recipe.quant, recipe.fixes)
+        own = self.table(*args, recipe.dropout, recipe.dora, recipe.response_len)
+        plain = self.table(*args, False, False, recipe.response_len)
+        if seq in own:
+            return self._cell_figure(own, seq, plain)
+        lower = [s for s in own if s < seq]
+        upper = [s for s in own if s > seq]
+        if not lower or not upper:
+            return none
+        s1, s2 = max(lower), min(upper)
+        f1, f2 = self._cell_figure(own, s1, plain), self._cell_figure(own, s2, plain)
+        if (recipe.dropout or recipe.dora) and seq in plain and s1 in plain and s2 in plain:
+            g0, g1, g2 = (self._cell_figure(plain, x, plain) for x in (seq, s1, s2))
+
+            def with_cost(rank: int) -> Optional[float]:
+                y1, y2 = f1(rank), f2(rank)
+                if y1 is None or y2 is None:
+                    return None
+                p0, p1, p2 = g0(rank), g1(rank), g2(rank)
+                if None in (p0, p1, p2):
+                    return y1 + (y2 - y1) * (seq - s1) / (s2 - s1)
+                d1, d2 = y1 - p1, y2 - p2
+                return p0 + d1 + (d2 - d1) * (seq - s1) / (s2 - s1)
+            return with_cost
+
+        def between(rank: int) -> Optional[float]:
+            y1, y2 = f1(rank), f2(rank)
+            if y1 is None or y2 is None:
+                return None
+            return y1 + (y2 - y1) * (seq - s1) / (s2 - s1)
+        return between
+
+    def _cell_figure(self, table: dict, seq: int, slope_table: dict) -> Callable[[int], Optional[float]]:
+        """``_at(table, seq, rank, slope_table)``'s figure as a function of the rank."""
+        cell = table.get(seq)
+        if not cell:
+            return lambda rank: None
+        ranks = sorted(cell)
+        if len(ranks) >= 2:
+            def interpolated(rank: int) -> float:
+                if rank in cell:
+                    return cell[rank][0]
+                i = bisect_left(ranks, rank)
+                a, b = (ranks[i - 1], ranks[i]) if 0 < i < len(ranks) else (ranks[0], ranks[1]) if i == 0 \
+                    else (ranks[-2], ranks[-1])
+                ya, yb = cell[a][0], cell[b][0]
+                return ya + (yb - ya) * (rank - a) / (b - a)
+            return interpolated
+        slope = self._slope(table, seq)
+        if slope is None:
+            slope = self._slope(slope_table, seq)
+        r0 = ranks[0]
+        y0 = cell[r0][0]
+        if slope is None:
+            return lambda rank: y0 if rank == r0 else None
+        return lambda rank: y0 if rank == r0 else y0 + slope * (rank - r0)
+
+    def exact_ranks(self, recipe: Recipe) -> set:
+        """The ranks a committed dry-run row has of this very recipe at its length."""
+        table = self.table(model_name(recipe.model), recipe.quant, recipe.fixes, recipe.dropout, recipe.dora,
+                           recipe.response_len)
+        return set(table.get(recipe.seq_len, {}))
 
     def exact(self, recipe: Recipe, rank: Optional[int] = None) -> bool:
         """Whether a committed dry-run row is of this very recipe (else its figure is derived);

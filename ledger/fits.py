@@ -111,10 +111,11 @@ def cards(p: Predictor) -> dict[str, Gpu]:
 def _dry_ceiling(p: Predictor, recipe: Recipe, gpu: str, entry: Gpu) -> tuple[Optional[int], Optional[int], str, bool]:
     """(fits, tight, status, at least) from the calibrated dry run alone, by bisection over ranks."""
     cache: dict[int, str] = {}
+    judge = p.dry_judge(recipe, gpu, entry)
 
     def verdict(rank: int) -> str:
         if rank not in cache:
-            cache[rank] = p.dry_verdict(recipe, gpu, entry, rank)
+            cache[rank] = judge(rank)
         return cache[rank]
 
     if verdict(STEP) == "unknown":

@@ -9,11 +9,11 @@ from dataclasses import replace
 from functools import cached_property
 from typing import Iterable, Optional
 
-from .calibration import Overestimate, limits, overestimate, pairs
+from .calibration import Overestimate, key_pairs, limit_rows, limits_of, overestimate, pair_rows, sorted_pairs
 from .peaks import PeakModel, probes, before, ok_peak
 from .model_configs import model_name
 from .models import Ledger, Measurement
-from .recipe import GroupKey, Recipe, group_key, recipe_of, seq_len_of
+from .recipe import GroupKey, Recipe, group_key, recipe_key, recipe_of, seq_len_of
 
 
 def m_group(m: Measurement) -> GroupKey:
@@ -24,22 +24,59 @@ class LedgerFit:
     """The rows (``ms``: measured; ``dry``: dry runs of a recipe that ran) and their shared fits."""
 
     def __init__(self, ledger: Ledger, dry_runs: Iterable[Measurement] = (), as_of: Optional[dt.date] = None,
-                 exclude: Iterable[str] = ()):
+                 exclude: Iterable[str] = (), base: Optional["LedgerFit"] = None):
         self.ledger = ledger
         self.exclude = set(exclude)
+        self.as_of = as_of
         self.ms = before(ledger.measurements, as_of, self.exclude)
         # Dry runs are computations, not observations: any of them could have been run on any date,
         # so only the measured rows their remainder is fitted on are limited to ``as_of``.
         self.dry = [m for m in dry_runs if m.id not in self.exclude
                     and m.kind == "dry_run" and m.lora is not None and m.outcome.status == "ok"
                     and m.outcome.peak_allocated_mib is not None and m.seq_len]
-        self.peaks = PeakModel(self.ms)
-        self.lims = limits(ledger, self.ms, self.peaks)
-        self.over: Overestimate = overestimate(self.ms)
+        # ``base``: the same ledger's fit with fewer rows excluded (leave-one-out): its peak model is
+        # shared less the extra rows (the same figures as a fresh one, at the cost of their groups).
+        self.base = base if base is not None and base.shares(ledger, as_of, self.exclude) else None
+        self.peaks = self.base.peaks.without(self.exclude - self.base.exclude) if self.base else PeakModel(self.ms)
+        if self.base is not None:
+            extra = self.exclude - self.base.exclude
+            self.limit_rows = {k: [m for m in rows if m.id not in extra] for k, rows in self.base.limit_rows.items()}
+        else:
+            self.limit_rows = limit_rows(self.ms)
+        self.lims = limits_of(ledger, self.limit_rows, self.peaks)
+        self.pair_rows, self.pairs_by_key = self._pairs()
+        self.pairs = sorted_pairs(self.pairs_by_key.values())
+        self.over: Overestimate = overestimate(self.ms, self.pairs)
+
+    def _pairs(self) -> tuple[dict, dict]:
+        """The rows of each recipe key pairs are made of, and its pairs: the base's, with the keys of
+        the rows it excludes besides made again."""
+        if self.base is None:
+            rows = pair_rows(self.ms)
+            return rows, {k: key_pairs(k, ps, rs) for k, (ps, rs) in rows.items()}
+        extra = self.exclude - self.base.exclude
+        touched = {recipe_key(m) for m in self.base.removed(extra)}
+        rows, by_key = dict(self.base.pair_rows), dict(self.base.pairs_by_key)
+        for k in touched & rows.keys():
+            ps, rs = ([m for m in lst if m.id not in extra] for lst in rows[k])
+            rows[k] = (ps, rs)
+            by_key[k] = key_pairs(k, ps, rs)
+        return rows, by_key
+
+    def removed(self, ids: Iterable[str]) -> list[Measurement]:
+        """This fit's rows among ``ids`` (the rows a fit started from this one leaves out)."""
+        return [self.by_id[i] for i in ids if i in self.by_id]
+
+    def shares(self, ledger: Ledger, as_of: Optional[dt.date], exclude: set) -> bool:
+        """Whether a fit of ``ledger`` as of ``as_of`` less ``exclude`` may start from this one."""
+        return ledger is self.ledger and as_of == self.as_of and self.exclude <= exclude
 
     @cached_property
     def widths(self) -> dict[str, Optional[float]]:
         """Largest held-out relative error of each rung (fractions), from the ledger's own probes."""
+        if self.base is not None and not any(ok_peak(m) is not None and m.kind == "probe"
+                                             for m in self.base.removed(self.exclude - self.base.exclude)):
+            return self.base.widths  # the peak model reads ok probes alone: without them it is the same
         interp, transfer = [], []
         same_cell: dict[tuple, list[str]] = {}  # (card, group) -> every row's id
         for x in self.ms:
@@ -67,8 +104,10 @@ class LedgerFit:
     def real_seq(self) -> dict[str, int]:
         """A real run's longest example: its own, else that of the probe it was paired with (the
         probe measured the worst case of the corpus the run trained on)."""
+        if self.base is not None:
+            return self._real_seq_from_base()[0]
         out = {}
-        for p in pairs(self.ms):
+        for p in self.pairs:
             for rid in p.reals:
                 if p.probe_seq_len:
                     out.setdefault(rid, p.probe_seq_len)
@@ -76,6 +115,56 @@ class LedgerFit:
             if m.kind == "real" and seq_len_of(m):
                 out[m.id] = seq_len_of(m)
         return out
+
+    def _real_seq_from_base(self) -> tuple[dict[str, int], set[str]]:
+        """``real_seq`` from the base's: a real run pairs only within its recipe key, so only the real
+        runs of the keys this fit re-paired (and the rows it leaves out) can differ. Also the ids
+        whose value differs from the base's."""
+        if "_derived_seq" not in self.__dict__:
+            base = self.base.real_seq
+            out = dict(base)
+            extra = self.exclude - self.base.exclude
+            for i in extra:
+                out.pop(i, None)
+            touched = {recipe_key(m) for m in self.base.removed(extra)} & self.pair_rows.keys()
+            reals = [m for k in touched for m in self.base.pair_rows[k][1]]
+            for m in reals:
+                out.pop(m.id, None)
+            for k in touched:
+                for p in sorted(self.pairs_by_key[k], key=lambda x: (x.on or "", x.probe)):
+                    for rid in p.reals:
+                        if p.probe_seq_len:
+                            out.setdefault(rid, p.probe_seq_len)
+            for m in reals:
+                if m.id not in extra and seq_len_of(m):
+                    out[m.id] = seq_len_of(m)
+            changed = {m.id for m in reals if out.get(m.id) != base.get(m.id)}
+            self.__dict__["_derived_seq"] = (out, changed)
+        return self.__dict__["_derived_seq"]
+
+    def changed_reals(self) -> set[str]:
+        """Real runs (kept) whose longest example differs from the base fit's (empty without a base)."""
+        return self._real_seq_from_base()[1] - self.exclude if self.base is not None else set()
+
+    def reals_on(self, gpu: str) -> list[Measurement]:
+        """This fit's real runs on a card, in ledger order."""
+        if "_reals_on" not in self.__dict__:
+            if self.base is not None:
+                extra = self.exclude - self.base.exclude
+                self.__dict__["_reals_on"] = {g: [m for m in rs if m.id not in extra]
+                                               for g, rs in self.base._reals_index().items()}
+            else:
+                self._reals_index()
+        return self.__dict__["_reals_on"].get(gpu, [])
+
+    def _reals_index(self) -> dict[str, list[Measurement]]:
+        if "_reals_on" not in self.__dict__:
+            index: dict[str, list[Measurement]] = {}
+            for m in self.ms:
+                if m.kind == "real" and m.gpu:
+                    index.setdefault(m.gpu, []).append(m)
+            self.__dict__["_reals_on"] = index
+        return self.__dict__["_reals_on"]
 
     def recipe_for(self, m: Measurement) -> Optional[Recipe]:
         """A row's recipe, a real run's longest example filled in from the probe it was paired with."""

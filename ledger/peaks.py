@@ -10,6 +10,7 @@ from collections import defaultdict
 from bisect import bisect_left, insort
 from typing import Iterable, Optional
 
+from .model_configs import model_name
 from .models import Measurement
 from .recipe import fixes_key, group_key, seq_len_of
 
@@ -166,6 +167,29 @@ class PeakModel:
         view._touched = {group for group, _ in cells}
         view._reset()
         return view
+
+    def lengths(self, gpu: str, group: tuple) -> list[int]:
+        """The lengths this card has ok probes of in the groups that differ from ``group`` by their
+        sequence length alone, sorted."""
+        if "lengths" not in self._offsets:
+            index: dict[tuple, set] = defaultdict(set)
+            for g, by in self.by_group.items():
+                if g.seq_len:
+                    for card in by:
+                        index[(card, g._replace(seq_len=None))].add(g.seq_len)
+            self._offsets["lengths"] = {k: sorted(v) for k, v in index.items()}
+        return self._offsets["lengths"].get((gpu, group._replace(seq_len=None)), [])
+
+    def model_lengths(self, gpu: str, model: Optional[str], quant: str, fixes: str) -> set[int]:
+        """The lengths this card has ok probes of for a model (by short name), quant and fixes."""
+        if "model_lengths" not in self._offsets:
+            index: dict[tuple, set] = defaultdict(set)
+            for g, by in self.by_group.items():
+                if g.seq_len:
+                    for card in by:
+                        index[(card, model_name(g.model), g.quant, g.fixes)].add(g.seq_len)
+            self._offsets["model_lengths"] = dict(index)
+        return self._offsets["model_lengths"].get((gpu, model_name(model), quant, fixes), set())
 
     def observed(self, gpu: str, group: tuple) -> dict[int, Measurement]:
         """Probes of this card and group that ran to an outcome (ok, oom or spilled), by rank."""

@@ -45,7 +45,7 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import replace
 from functools import cached_property
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from . import ceilings
 from .answers import Answer, CeilingAnswer, Interval, Run, around, decide, scale, verdict_for
@@ -69,14 +69,18 @@ class Predictor:
     ``dominance``; ``ladder`` is the probe's rungs in order."""
 
     def __init__(self, ledger: Ledger, dry_runs: Iterable[Measurement] = (), as_of: Optional[dt.date] = None,
-                 exclude: Iterable[str] = ()):
-        self.fit = LedgerFit(ledger, list(dry_runs), as_of, exclude)
+                 exclude: Iterable[str] = (), base: Optional["Predictor"] = None):
+        """``base``: a predictor of the same ledger and dry runs with fewer rows excluded (leave-one-out
+        asks one per row); what does not depend on the extra rows is shared with it."""
+        self.fit = LedgerFit(ledger, list(dry_runs), as_of, exclude, base=base.fit if base else None)
         self.ledger, self.ms, self.dry, self.over = ledger, self.fit.ms, self.fit.dry, self.fit.over
-        self.table = DryTable(self.dry)
+        # The dry-run table is a function of the dry-run rows alone.
+        same_dry = base is not None and [d.id for d in base.dry] == [d.id for d in self.dry]
+        self.table = base.table if same_dry else DryTable(self.dry)
         self.dry_cal = DryCalibration(self.fit, self.table)
         self.limits = CardLimits(self.fit)
         self.span = ProbeToReal(self.fit)
-        self.dominance = Dominance(self.fit)
+        self.dominance = Dominance(self.fit, base.dominance if base else None)
         self.ladder = probe_ladder(self.fit, self.dry_cal)
         self.real_rung = MeasuredRealRun(self.fit)
         self.subceilings: dict = {}
@@ -211,19 +215,25 @@ class Predictor:
             limit = None, None, "no card or budget given", "budget"
         return iv, limit, (rem, scope, wtext)
 
-    def dry_verdict(self, recipe: Recipe, gpu: str, entry: Optional[Gpu] = None, rank: Optional[int] = None) -> str:
-        """``judge_dry(...).verdict`` for the committed rows' figure of this recipe at ``rank`` (the
-        recipe's by default; "unknown" where the dry-run table does not reach it), computed from
-        the figures alone: the fit table asks it some hundred thousand times."""
-        raw, _ = self.table.raw(recipe, rank)
-        if raw is None:
-            return "unknown"
+    def dry_judge(self, recipe: Recipe, gpu: str, entry: Optional[Gpu] = None) -> Callable[[int], str]:
+        """``judge_dry(...).verdict`` for the committed rows' figure of this recipe, as a function of
+        the rank ("unknown" where the dry-run table does not reach it), computed from the figures
+        alone: the fit table asks it some hundred thousand times."""
+        figure = self.table.rank_figure(recipe)
+        exact = self.table.exact_ranks(recipe)
         entry = entry or self.ledger.gpus.get(gpu)
-        rem, _ = self.remainder(gpu or "", entry.vendor if entry else None)
-        mib = raw + (rem or 0.0)
-        width = self.dry_cal.width_fraction(not self.table.exact(recipe, rank))
+        rem = self.remainder(gpu or "", entry.vendor if entry else None)[0] or 0.0
+        narrow, wide = self.dry_cal.width_fraction(False), self.dry_cal.width_fraction(True)
         low, high, _ = self.card_limit(gpu, entry, "probe")
-        return verdict_for(round(mib * (1 - width), 1), round(mib * (1 + width), 1), low, high, 0.0)
+
+        def verdict(rank: int) -> str:
+            raw = figure(rank)
+            if raw is None:
+                return "unknown"
+            mib = raw + rem
+            width = narrow if rank in exact else wide
+            return verdict_for(round(mib * (1 - width), 1), round(mib * (1 + width), 1), low, high, 0.0)
+        return verdict
 
     def ceiling(self, recipe: Recipe, gpu: str, **kw) -> CeilingAnswer:
         """The largest rank whose verdict is "fits", and the largest that is "tight" (``ledger.ceilings``)."""

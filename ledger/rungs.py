@@ -43,8 +43,8 @@ class MeasuredRealRun:
 
     def evidence(self, recipe: Recipe, gpu: str, vendor: Optional[str] = None) -> Optional[Evidence]:
         same = []
-        for m in self.fit.ms:
-            if m.kind == "real" and m.gpu == gpu and m.outcome.status in ("ok", "oom"):
+        for m in self.fit.reals_on(gpu):
+            if m.outcome.status in ("ok", "oom"):
                 r = self.fit.recipe_for(m)
                 if r is not None and r.seq_len == recipe.seq_len and replace(r, response_len=None, model=model_name(
                         r.model)) == replace(recipe, response_len=None, model=model_name(recipe.model)):
@@ -99,8 +99,7 @@ class InterpolatedOnCard:
         if recipe.seq_len is None:
             return None
         peaks = self.fit.peaks
-        seqs = sorted({g.seq_len for g, by in peaks.by_group.items() if gpu in by and g.seq_len
-                       and g._replace(seq_len=None) == recipe.group()._replace(seq_len=None)})
+        seqs = peaks.lengths(gpu, recipe.group())
         lower = [s for s in seqs if s < recipe.seq_len]
         upper = [s for s in seqs if s > recipe.seq_len]
         if not lower or not upper:

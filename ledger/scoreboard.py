@@ -12,6 +12,7 @@ from typing import Iterable, Optional
 from .estimators import ESTIMATORS, MIB, Canifinetune, Estimate, Estimator, Recipe, recipe_of
 from .model_configs import Arch, load_arch
 from .models import Ledger, Measurement
+from .held_out import held_out
 from .predictor import Predictor
 from .recipe import capacity_mib, row_keys_cached
 
@@ -40,10 +41,9 @@ class VramLedger(Estimator):
             self._full = (ledger, Predictor(ledger, []))
         # A real run's longest example, from its pairing, is a fact of the row (read on the full ledger).
         recipe = self._full[1].fit.recipe_for(m)
-        p = Predictor(ledger, self.dry_runs, exclude=[m.id])
         if recipe is None or recipe.seq_len is None:
             return None
-        return p.predict(recipe, m.gpu, run="real" if m.kind == "real" else "probe")
+        return held_out(ledger, self.dry_runs).answer(m, recipe, run="real" if m.kind == "real" else "probe")
 
     def estimate(self, arch, recipe, gpu_total_mib=None):
         return None  # needs a ledger row's context: see answer and vram estimate

@@ -62,3 +62,63 @@ def test_pooled_slope_is_rank_slope():
     for gpu in ("rtx-3070-ti", "rx-7900-xtx", None):
         for quant in ("4bit", "bf16", None):
             assert pm._pooled(gpu, quant) == rank_slope(ms, gpu, quant)
+
+
+def test_a_predictor_started_from_the_full_one_answers_as_a_fresh_one():
+    """Leave-one-out starts each predictor from the full one (``Predictor(base=...)``): the answers,
+    limits, over-estimate and widths are those of a predictor fitted from scratch without the row."""
+    from dataclasses import replace
+
+    from ledger.dry_runs import load_dry_runs
+    from ledger.predictor import Predictor
+    from ledger.recipe import recipe_of
+
+    dry = load_dry_runs()
+    for lg in (store.load(DEFAULT_LEDGER), synthetic_ledger(90, seed=5)):
+        full = Predictor(lg, dry)
+        rng = random.Random(3)
+        rows = [m for m in lg.measurements if m.lora is not None and m.gpu]
+        for m in rng.sample(rows, k=min(14, len(rows))):
+            fresh = Predictor(lg, dry, exclude=[m.id])
+            started = Predictor(lg, dry, exclude=[m.id], base=full)
+            assert started.fit.widths == fresh.fit.widths
+            assert started.fit.over == fresh.fit.over and started.fit.lims == fresh.fit.lims
+            assert started.fit.real_seq == fresh.fit.real_seq
+            assert started.dominance._rows == fresh.dominance._rows
+            r = recipe_of(m)
+            for recipe in (r, replace(r, rank=r.rank * 2), replace(r, dropout=not r.dropout)):
+                if recipe.seq_len is None:
+                    recipe = replace(recipe, seq_len=4096)
+                for run in ("probe", "real"):
+                    a, b = started.predict(recipe, m.gpu, run=run), fresh.predict(recipe, m.gpu, run=run)
+                    assert a.model_dump() == b.model_dump(), (m.id, recipe, run)
+
+
+def test_the_fit_tables_rank_figures_are_the_dry_tables():
+    """The fit table judges each cell through ``DryTable.rank_figure`` / ``Predictor.dry_judge``:
+    at every rank the same figure and verdict as ``raw`` and ``judge_dry``."""
+    from dataclasses import replace
+
+    from ledger.dry_runs import load_dry_runs
+    from ledger.fits import LENGTHS, SETTINGS, cards
+    from ledger.predictor import Predictor
+    from ledger.recipe import Recipe
+
+    p = Predictor(store.load(DEFAULT_LEDGER), load_dry_runs())
+    all_cards = cards(p)
+    for model in ("qwen2.5-0.5b", "gemma-3-4b-it", "llama-3.1-8b"):
+        for quant in ("4bit", "bf16"):
+            for fixes in ("none", "all"):
+                for _, dropout, dora in SETTINGS:
+                    for seq in (*LENGTHS, 3000, 12000, 40000):
+                        recipe = Recipe(model=model, quant=quant, fixes=fixes, dropout=dropout, dora=dora, seq_len=seq)
+                        figure = p.table.rank_figure(recipe)
+                        judges = {g: p.dry_judge(recipe, g, e) for g, e in list(all_cards.items())[::4]}
+                        for rank in (8, 16, 40, 64, 72, 200, 512):
+                            raw, _ = p.table.raw(replace(recipe, rank=rank))
+                            assert figure(rank) == raw, (recipe, rank)
+                            for g, judge in judges.items():
+                                r = replace(recipe, rank=rank)
+                                want = "unknown" if raw is None else p.judge_dry(
+                                    r, raw, g, entry=all_cards[g], derived=not p.table.exact(r)).verdict
+                                assert judge(rank) == want, (recipe, g, rank)

@@ -80,8 +80,8 @@ def build_context(
         predictions=[prediction_row(ledger, p) for p in ledger.predictions],
         plots=plots if plots is not None else make_plots(ledger),
         ids=[m.id for m in ledger.measurements],
-        fitted=fitted_doc.result() if fitted_doc is not None else fitted(ledger),
-        scoreboard=scoreboard_doc.result() if scoreboard_doc is not None else estimator_scoreboard(ledger),
+        fitted=fitted_doc if fitted_doc is not None else fitted(ledger),
+        scoreboard=scoreboard_doc if scoreboard_doc is not None else estimator_scoreboard(ledger),
     )
 
 

@@ -26,6 +26,7 @@ from jinja2 import ChoiceLoader, Environment, FileSystemLoader, StrictUndefined,
 from ..errors import Issue, UserError
 from ..models import Ledger
 from ..atomic import atomic_write_text
+from ..held_out import shared_held_out
 from ..recipe import row_keys_cached
 from ..store import gc_paused
 from . import filters
@@ -202,7 +203,7 @@ def render_site(ledger: Ledger, out: Path, *, build_date: Optional[str] = None, 
     dirs = template_dirs(templates)
     # The build makes many short-lived objects and no cycles worth collecting; rows do not change
     # while it runs, so their keys are computed once.
-    with gc_paused(), row_keys_cached():
+    with gc_paused(), row_keys_cached(), shared_held_out():
         ctx = compute_site(ledger, Path(out), build_date=build_date,
                            base_url=base_url.rstrip("/") if base_url else None, previous=previous, dirs=dirs)
         files = render_outputs(ctx, environment(dirs))
@@ -231,12 +232,9 @@ def _svgs(plots: list) -> list[str]:
     return [filters.neutral(render_svg(p)) for p in plots]
 
 
-def _fitted() -> Optional[dict]:
-    return fitted(_WORKER_LEDGER)
-
-
-def _scoreboard() -> dict:
-    return estimator_scoreboard(_WORKER_LEDGER)
+def _fitted_and_scoreboard() -> tuple:
+    # One process computes both: they ask the same held-out answers (ledger.held_out), once.
+    return fitted(_WORKER_LEDGER), estimator_scoreboard(_WORKER_LEDGER)
 
 
 def _fits():
@@ -276,12 +274,13 @@ def compute_site(ledger: Ledger, out: Path, *, build_date: Optional[str], base_u
     else:
         pool = _Inline(ledger)
     try:
-        jobs = {"scoreboard": pool.submit(_scoreboard), "fitted": pool.submit(_fitted),
-                "svgs": pool.submit(_svgs, plot_list), "fits": pool.submit(_fits)}
+        jobs = {"fitted": pool.submit(_fitted_and_scoreboard), "fits": pool.submit(_fits),
+                "svgs": pool.submit(_svgs, plot_list)}
         ledger_json = canonical_json(ledger)
         sha = ledger_hash(ledger, ledger_json)
+        fitted_doc, scoreboard_doc = jobs["fitted"].result()
         ctx = build_context(ledger, build_date=build_date, ledger_sha256=sha, plots=plot_list,
-                            fitted_doc=jobs["fitted"], scoreboard_doc=jobs["scoreboard"])
+                            fitted_doc=fitted_doc, scoreboard_doc=scoreboard_doc)
         board_plot = estimator_plot(ctx.scoreboard)
         images = dict(zip((p.file for p in ctx.plots), jobs["svgs"].result()))
         fits, grids = jobs["fits"].result()
