@@ -15,8 +15,7 @@ from .calibration import (calibration_hash, costs, kept_positions, key_pairs, li
 from .peaks import PeakModel, date_of, probes, before, ok_peak
 from .ceilings import ceiling_table
 from .models import Ledger, Measurement
-from .held_out import held_out
-from .predictor import Predictor
+from .held_out import held_out, shared_predictor
 from .recipe import recipe_of
 from .recipe import recipe_key, row_keys_cached
 
@@ -92,12 +91,10 @@ def calibrate(ledger: Ledger, *, as_of: Optional[dt.date] = None, exclude: Itera
               with_loo: bool = True, with_ceilings: bool = False, dry_runs: Iterable[Measurement] = ()) -> dict:
     """Everything ``vram calibrate --json`` prints (and, for the site, the ceiling table)."""
     dry_runs = list(dry_runs)
-    ms = before(ledger.measurements, as_of, exclude)
-    over = overestimate(ms)
-    peaks = PeakModel(ms)
-    lims = limits(ledger, ms, peaks)
-    extra = ({"ceilings": ceiling_table(Predictor(ledger, dry_runs, as_of=as_of, exclude=exclude))}
-             if with_ceilings else {})
+    predictor = shared_predictor(ledger, dry_runs, as_of=as_of, exclude=exclude)
+    fit = predictor.fit  # the rows as of the date less the excluded, and their fits
+    ms, over, peaks, lims = fit.ms, fit.over, fit.peaks, fit.lims
+    extra = {"ceilings": ceiling_table(predictor)} if with_ceilings else {}
     return {**extra,
         "as_of": as_of.isoformat() if as_of else None,
         "excluded": sorted(exclude),

@@ -12,8 +12,7 @@ from typing import Iterable, Optional
 from .estimators import ESTIMATORS, MIB, Canifinetune, Estimate, Estimator, Recipe, recipe_of
 from .model_configs import Arch, load_arch
 from .models import Ledger, Measurement
-from .held_out import held_out
-from .predictor import Predictor
+from .held_out import held_out, shared_predictor
 from .recipe import capacity_mib, row_keys_cached
 
 
@@ -32,15 +31,12 @@ class VramLedger(Estimator):
 
     def __init__(self, dry_runs: Iterable[Measurement] = ()):
         self.dry_runs = list(dry_runs)
-        self._full: Optional[tuple[Ledger, object]] = None
 
     def answer(self, ledger: Ledger, m: Measurement):
         if m.lora is None or not m.gpu:
             return None
-        if self._full is None or self._full[0] is not ledger:
-            self._full = (ledger, Predictor(ledger, []))
         # A real run's longest example, from its pairing, is a fact of the row (read on the full ledger).
-        recipe = self._full[1].fit.recipe_for(m)
+        recipe = shared_predictor(ledger, self.dry_runs).fit.recipe_for(m)
         if recipe is None or recipe.seq_len is None:
             return None
         return held_out(ledger, self.dry_runs).answer(m, recipe, run="real" if m.kind == "real" else "probe")
@@ -59,7 +55,7 @@ class DryRunRows(Estimator):
                   "fragmentation and optimizer state.")
 
     def __init__(self, ledger: Ledger, dry_runs: Iterable[Measurement]):
-        self.by_id = {r["id"]: r["predicted_mib"] for r in Predictor(ledger, list(dry_runs)).dry_loo["rows"]}
+        self.by_id = {r["id"]: r["predicted_mib"] for r in shared_predictor(ledger, dry_runs).dry_loo["rows"]}
 
     def predict_row(self, m: Measurement) -> Optional[float]:
         return self.by_id.get(m.id)

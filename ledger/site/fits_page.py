@@ -8,7 +8,7 @@ from typing import Optional
 from ..dry_runs import load_dry_runs
 from ..fits import fits_document, ledger_grids
 from ..models import Ledger
-from ..predictor import Predictor
+from ..held_out import shared_predictor
 from ..results import Fits
 
 #: Above this many rows the whole ladder per cell (and leave-one-out) is too slow for a build.
@@ -18,7 +18,7 @@ LOO_LIMIT = 1000
 def fit_table_doc(ledger: Ledger) -> tuple[Optional[Fits], list]:
     """The fit table (site/fits.html) from the committed dry-run rows (None without any), and the
     first section's grids of the ledger's own cards (none above LOO_LIMIT rows)."""
-    p = Predictor(ledger, load_dry_runs())
+    p = shared_predictor(ledger, load_dry_runs())
     small = len(ledger.measurements) <= LOO_LIMIT
     grids = ledger_grids(p) if small else []
     if not p.dry:

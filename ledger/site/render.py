@@ -16,8 +16,9 @@ import json
 import multiprocessing
 import os
 import sys
+import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -26,7 +27,8 @@ from jinja2 import ChoiceLoader, Environment, FileSystemLoader, StrictUndefined,
 from ..errors import Issue, UserError
 from ..models import Ledger
 from ..atomic import atomic_write_text
-from ..held_out import shared_held_out
+from ..dry_runs import load_dry_runs
+from ..held_out import shared_held_out, shared_predictor
 from ..recipe import row_keys_cached
 from ..store import gc_paused
 from . import filters
@@ -141,6 +143,8 @@ class BuildResult:
     out: Path
     files: dict[str, int]
     removed: list[str]
+    #: CPU seconds of each stage (the workers' stages in their own process), for benchmarks/build_bench.py.
+    stages: dict[str, float] = field(default_factory=dict)
 
 
 def public_json(ledger_json: str, ctx: SiteContext, ledger: Ledger, base_url: Optional[str] = None) -> str:
@@ -204,14 +208,20 @@ def render_site(ledger: Ledger, out: Path, *, build_date: Optional[str] = None, 
     # The build makes many short-lived objects and no cycles worth collecting; rows do not change
     # while it runs, so their keys are computed once.
     with gc_paused(), row_keys_cached(), shared_held_out():
+        stages: dict[str, float] = {}
         ctx = compute_site(ledger, Path(out), build_date=build_date,
-                           base_url=base_url.rstrip("/") if base_url else None, previous=previous, dirs=dirs)
+                           base_url=base_url.rstrip("/") if base_url else None, previous=previous, dirs=dirs,
+                           stages=stages)
+        t0 = time.process_time()
         files = render_outputs(ctx, environment(dirs))
+        stages["pages"] = time.process_time() - t0
+        t0 = time.process_time()
         writer = SiteWriter(Path(out))
         for name, text in files.items():
             writer.write(name, text)
         removed = writer.finish()
-    return BuildResult(out=writer.out, files=dict(writer.written), removed=removed)
+        stages["write"] = time.process_time() - t0
+    return BuildResult(out=writer.out, files=dict(writer.written), removed=removed, stages=stages)
 
 
 # -- phase one: compute ------------------------------------------------------------------------
@@ -232,9 +242,19 @@ def _svgs(plots: list) -> list[str]:
     return [filters.neutral(render_svg(p)) for p in plots]
 
 
-def _fitted_and_scoreboard() -> tuple:
-    # One process computes both: they ask the same held-out answers (ledger.held_out), once.
-    return fitted(_WORKER_LEDGER), estimator_scoreboard(_WORKER_LEDGER)
+def _timed(name: str, fn, *args) -> tuple[dict[str, float], object]:
+    """Run a job and say how much CPU it took in the process that ran it."""
+    t0 = time.process_time()
+    value = fn(*args)
+    return {name: time.process_time() - t0}, value
+
+
+def _fitted_scoreboard_plots(plots: list) -> tuple:
+    # One process computes the calibration and the scoreboard (they ask the same held-out answers,
+    # ledger.held_out, once) and draws every plot, the scoreboard's too (matplotlib loads once).
+    board = estimator_scoreboard(_WORKER_LEDGER)
+    board_plot = estimator_plot(board)
+    return fitted(_WORKER_LEDGER), board, board_plot, _svgs([*plots, *([board_plot] if board_plot else [])])
 
 
 def _fits():
@@ -262,33 +282,45 @@ class _Inline:
 
 
 def compute_site(ledger: Ledger, out: Path, *, build_date: Optional[str], base_url: Optional[str],
-                 previous: Optional[str], dirs: list[Path]) -> SiteContext:
+                 previous: Optional[str], dirs: list[Path], stages: Optional[dict] = None) -> SiteContext:
     """Phase one: everything the outputs show, in one frozen SiteContext. The calibration, the
     scoreboard and the plot images are computed in a second process while this one computes the
-    rest (two cores: a third of the build time at 100k rows)."""
+    rest (two cores: a third of the build time at 100k rows). ``stages`` gets each stage's CPU seconds."""
+    stages = {} if stages is None else stages
     prev_doc, prev_history = load_previous(previous, out.resolve())
     plot_list = make_plots(ledger)
+    # The whole ledger's fits, made once here: the workers inherit them (fork) instead of each
+    # fitting the ledger again for the calibration, the scoreboard and the fit table.
+    t0 = time.process_time()
+    shared_predictor(ledger, load_dry_runs())
+    stages["ledger fit"] = time.process_time() - t0
     if sys.platform.startswith("linux"):
         pool = ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("fork"),
                                    initializer=_worker_init, initargs=(ledger,))
     else:
         pool = _Inline(ledger)
     try:
-        jobs = {"fitted": pool.submit(_fitted_and_scoreboard), "fits": pool.submit(_fits),
-                "svgs": pool.submit(_svgs, plot_list)}
+        jobs = {"fitted": pool.submit(_timed, "calibration, scoreboard and plots", _fitted_scoreboard_plots, plot_list),
+                "fits": pool.submit(_timed, "fit table", _fits)}
+        t0 = time.process_time()
         ledger_json = canonical_json(ledger)
         sha = ledger_hash(ledger, ledger_json)
-        fitted_doc, scoreboard_doc = jobs["fitted"].result()
+        stages["ledger json"] = time.process_time() - t0
+        done = {}
+        for name, job in jobs.items():
+            took, done[name] = job.result()
+            stages.update(took)
+        fitted_doc, scoreboard_doc, board_plot, svgs = done["fitted"]
+        t0 = time.process_time()
         ctx = build_context(ledger, build_date=build_date, ledger_sha256=sha, plots=plot_list,
                             fitted_doc=fitted_doc, scoreboard_doc=scoreboard_doc)
-        board_plot = estimator_plot(ctx.scoreboard)
-        images = dict(zip((p.file for p in ctx.plots), jobs["svgs"].result()))
-        fits, grids = jobs["fits"].result()
+        images = dict(zip([p.file for p in ctx.plots] + ([board_plot.file] if board_plot else []), svgs))
+        fits, grids = done["fits"]
         ctx = replace(ctx, fits=fits, fit_grids=grids)
     finally:
         pool.shutdown(cancel_futures=True)
-    if board_plot:
-        images[board_plot.file] = _svgs([board_plot])[0]
+    stages["page tables"] = time.process_time() - t0
+    t0 = time.process_time()
 
     # The data files: the pages list each download with its size and hash.
     ctx = replace(ctx, estimator_plot=board_plot, base_url=base_url)
@@ -306,6 +338,7 @@ def compute_site(ledger: Ledger, out: Path, *, build_date: Optional[str], base_u
     data["changes.json"] = json.dumps(history, indent=1, ensure_ascii=False) + "\n"
     data["feed.xml"] = filters.neutral(atom_feed(history, title=ctx.title, base_url=base_url,
                                                  updated=f"{build_date or latest_date(ledger)}T00:00:00Z"))
+    stages["downloads"] = time.process_time() - t0
     return replace(
         ctx,
         changes=history["history"][0] if history["history"] else None,
