@@ -263,10 +263,34 @@ class Ingested:
 
 def ingest(paths: list[str], ledger_path: str, spec: RunSpec, *, mid: Optional[str] = None,
            replace: bool = False) -> Ingested:
-    """Parse every log and build its measurement. Raises UserError (one line per bad log) before
-    anything is written. ``mid`` names the one measurement of a single log; with ``replace``, a
-    row this log made before with other content is replaced instead of refused."""
-    ledger = store.load_or_new(ledger_path)
+    """Parse every log and build its measurement against the ledger at ``ledger_path`` (what
+    ``--dry-run`` shows). Raises UserError (one line per bad log); writes nothing."""
+    return read_logs(paths, store.load_or_new(ledger_path), spec, mid=mid, replace=replace)
+
+
+def ingest_into(paths: list[str], ledger_path: str, spec: RunSpec, *, mid: Optional[str] = None,
+                replace: bool = False, then: Optional[Callable[[Ledger], T]] = None) -> tuple[Ingested, Optional[T]]:
+    """``ingest`` and ``apply`` in one locked read-modify-write: the ledger is read, checked and
+    written once. Nothing is written when every run is in the ledger already, or on any error."""
+    out: list = [None, None]
+
+    def change(ledger: Ledger):
+        found = out[0] = read_logs(paths, ledger, spec, mid=mid, replace=replace)
+        if not (found.new or found.replaced):
+            return store.UNCHANGED
+        _apply_found(ledger, found)
+        if then is not None:
+            out[1] = then(ledger)
+
+    store.update(ledger_path, change, create=True)
+    return out[0], out[1]
+
+
+def read_logs(paths: list[str], ledger: Ledger, spec: RunSpec, *, mid: Optional[str] = None,
+              replace: bool = False) -> Ingested:
+    """Parse every log and build its measurement for ``ledger``. Raises UserError (one line per bad
+    log) before anything is written. ``mid`` names the one measurement of a single log; with
+    ``replace``, a row this log made before with other content is replaced instead of refused."""
     fields = config_fields(spec, ledger)
     if mid and len(paths) > 1:
         raise UserError(Issue("--id", "", "names one measurement: give one log"))
@@ -329,20 +353,9 @@ def _sort(result: Ingested, old: Optional[Measurement], m: Measurement, raw: str
         result.new.append(m)
 
 
-def apply(ledger_path: str, found: Ingested, then: Optional[Callable[[Ledger], T]] = None) -> Optional[T]:
-    """Write what ``ingest`` found: replacements in place, new rows appended; ``then`` runs on the
-    ledger in the same locked write (the command scores predictions with it) and its result is
-    returned."""
-    out: list = [None]
-
-    def change(ledger: Ledger) -> None:
-        for key, entry in found.cards.items():
-            ledger.gpus.setdefault(key, entry)
-        replacing = {m.id: m for m in found.replaced}
-        ledger.measurements[:] = [replacing.pop(m.id, m) for m in ledger.measurements]
-        ledger.measurements.extend(found.new)
-        if then is not None:
-            out[0] = then(ledger)
-
-    store.update(ledger_path, change, create=True)
-    return out[0]
+def _apply_found(ledger: Ledger, found: Ingested) -> None:
+    for key, entry in found.cards.items():
+        ledger.gpus.setdefault(key, entry)
+    replacing = {m.id: m for m in found.replaced}
+    ledger.measurements[:] = [replacing.pop(m.id, m) for m in ledger.measurements]
+    ledger.measurements.extend(found.new)

@@ -17,6 +17,7 @@ import gc
 import json
 import os
 import stat
+from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -130,12 +131,16 @@ def gc_paused() -> Iterator[None]:
 
 def parse_ledger(text: str, name: str, *, allow_older: bool = False) -> Ledger:
     """Parse and fully validate ledger text; raise LedgerError with every located issue."""
+    with gc_paused():  # the models, the check's dump and the cross-references make no cycles
+        return _parse_ledger(text, name, allow_older)
+
+
+def _parse_ledger(text: str, name: str, allow_older: bool) -> Ledger:
     ledger = None
-    with gc_paused():
-        try:  # fast path: one pass through the Rust parser for a current, valid file...
-            ledger = Ledger.model_validate_json(text, strict=True)
-        except ValueError:  # ValidationError, or a recursion limit
-            pass
+    try:  # fast path: one pass through the Rust parser for a current, valid file...
+        ledger = Ledger.model_validate_json(text, strict=True)
+    except ValueError:  # ValidationError, or a recursion limit
+        pass
     # ...accepted only when the text is exactly what save() writes: that rules out what the Rust
     # parser lets through (duplicate keys, the last one winning) and costs one dump.
     if ledger is None or ledger.schema_version != SCHEMA_VERSION or dumps(ledger) != text:
@@ -145,8 +150,7 @@ def parse_ledger(text: str, name: str, *, allow_older: bool = False) -> Ledger:
         if version < SCHEMA_VERSION:
             text = json.dumps(migrate_data(data, name))
         try:
-            with gc_paused():
-                ledger = Ledger.model_validate_json(text, strict=True)
+            ledger = Ledger.model_validate_json(text, strict=True)
         except ValidationError as exc:
             raise LedgerError(_pydantic_issues(exc, name)) from None
     issues = ledger_issues(ledger, name)
@@ -168,8 +172,20 @@ def load_or_new(path: str | os.PathLike) -> Ledger:
     return load(path)
 
 
+@lru_cache(maxsize=1)
+def _compiled_schema():
+    """The generated JSON Schema compiled by jsonschema-rs (formats checked, as FormatChecker does)."""
+    import jsonschema_rs
+
+    return jsonschema_rs.validator_for(json_schema(), validate_formats=True)
+
+
 def schema_issues(data: object, name: str) -> list[Issue]:
-    """Validate parsed JSON against the generated JSON Schema (jsonschema, draft 2020-12)."""
+    """Validate parsed JSON against the generated JSON Schema (draft 2020-12). A compiled validator
+    (jsonschema-rs) decides; only a document it refuses is walked again by jsonschema, whose
+    messages the issues quote (a test checks the two agree on every malformed ledger we keep)."""
+    if _compiled_schema().is_valid(data):
+        return []
     from jsonschema import Draft202012Validator, FormatChecker
 
     validator = Draft202012Validator(json_schema(), format_checker=FormatChecker())
@@ -193,7 +209,8 @@ def validate_file(path: str | os.PathLike) -> list[Issue]:
     check_version(data, name)
     by_schema = schema_issues(data, name)
     try:
-        ledger = Ledger.model_validate_json(text, strict=True)
+        with gc_paused():
+            ledger = Ledger.model_validate_json(text, strict=True)
         by_models: list[Issue] = []
     except ValidationError as exc:
         ledger, by_models = None, _pydantic_issues(exc, name)
@@ -246,10 +263,12 @@ def save(ledger: Ledger, path: str | os.PathLike) -> None:
 
 def save_unlocked(ledger: Ledger, path: str | os.PathLike) -> None:
     """``save`` for a caller that holds the lock already."""
-    issues = ledger_issues(ledger, str(path)) + published_ledger_issues(ledger, path)
-    if issues:
-        raise LedgerError(issues)
-    atomic_write_text(path, dumps(ledger))
+    with gc_paused():
+        issues = ledger_issues(ledger, str(path)) + published_ledger_issues(ledger, path)
+        if issues:
+            raise LedgerError(issues)
+        text = dumps(ledger)
+    atomic_write_text(path, text)
 
 
 def empty_ledger(about: str | None = None) -> Ledger:
@@ -257,8 +276,34 @@ def empty_ledger(about: str | None = None) -> Ledger:
     return Ledger(schema_version=SCHEMA_VERSION, about=about)
 
 
+def _revalidate(ledger: Ledger, loaded: set[int], name: str) -> None:
+    """Validate what a change may have built without validation: every measurement that is not one
+    of the objects loaded (``loaded``: their ids), and every other section; then the
+    cross-references and physics of the whole. A refused entry is located in the whole document."""
+    try:
+        for m in ledger.measurements:
+            if id(m) not in loaded:
+                Measurement.model_validate_json(m.model_dump_json(exclude_defaults=True), strict=True)
+        Ledger.model_validate_json(dumps(ledger.model_copy(update={"measurements": []})), strict=True)
+    except ValueError:  # ValidationError, or a value that does not serialise
+        try:
+            Ledger.model_validate_json(dumps(ledger), strict=True)
+        except ValidationError as exc:
+            raise LedgerError(_pydantic_issues(exc, name)) from None
+        raise
+    issues = ledger_issues(ledger, name)
+    if issues:
+        raise LedgerError(issues)
+
+
+#: What a ``change`` passed to ``update`` returns to write nothing (nothing new to record).
+UNCHANGED = object()
+
+
 def update(path: str | os.PathLike, change: Callable[[Ledger], Ledger | None], *, create: bool = False) -> Ledger:
-    """Locked read-modify-write: load, apply ``change``, validate, write atomically."""
+    """Locked read-modify-write: load, apply ``change``, validate, write atomically. ``change``
+    edits the ledger (replacing entries, never editing one in place), returns a new one, or
+    returns ``UNCHANGED`` to write nothing."""
     path = Path(path)
     with locked(path):
         if path.exists():
@@ -268,11 +313,14 @@ def update(path: str | os.PathLike, change: Callable[[Ledger], Ledger | None], *
         else:
             raise LedgerError(Issue(str(path), "", "no such file"))
         old_ids = {m.id for m in ledger.measurements}
+        loaded = list(ledger.measurements)  # validated as loaded; held, so their ids stay theirs
         result = change(ledger)
+        if result is UNCHANGED:
+            return ledger
         ledger = result if result is not None else ledger
-        # Re-validate the whole document: the change may have built models without validation.
-        text = dumps(ledger)
-        ledger = parse_ledger(text, str(path))
+        with gc_paused():
+            _revalidate(ledger, {id(m) for m in loaded}, str(path))
+            text = dumps(ledger)
         issues = published_ledger_issues(ledger, path, old_ids)
         if issues:
             raise LedgerError(issues)

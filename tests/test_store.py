@@ -230,3 +230,73 @@ def test_kill_minus_nine_mid_save_never_corrupts(tmp_path):
     # write removes the temp files of writers that are gone.
     store.append(path, [_m(99999)])
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_the_compiled_schema_check_agrees_with_jsonschema(tmp_path):
+    """``vram validate`` lets jsonschema-rs decide and asks jsonschema only for the messages of a
+    refused document: on every malformed and valid ledger we keep (and the migrated older
+    files), the two accept and refuse exactly the same documents."""
+    from jsonschema import Draft202012Validator, FormatChecker
+
+    from ledger.errors import LedgerError
+    from ledger.models import json_schema
+    from ledger.store import _compiled_schema
+    from ledger.strict_json import parse_json
+    from malformed import VALID, cases
+
+    slow = Draft202012Validator(json_schema(), format_checker=FormatChecker())
+    def parsed(path: Path):
+        """The document as ``validate_file`` hands it to the schema check (None: refused before it)."""
+        if not path.is_file():
+            return None  # a FIFO, a folder: refused as not a regular file, never read
+        try:
+            return parse_json(path.read_text(encoding="utf-8"), path.name)
+        except (LedgerError, UnicodeDecodeError, ValueError, RecursionError):
+            return None
+
+    docs = []
+    for name, write in [*cases(), *VALID]:
+        path = tmp_path / f"{name}.json"
+        write(path)
+        docs.append((name, parsed(path)))
+    data = Path(__file__).parent / "data"
+    for path in [*sorted((data / "invalid").glob("*.json")), data / "small-ledger.json", data / "program-ledger.json"]:
+        docs.append((path.name, parsed(path)))
+    docs = [(name, doc) for name, doc in docs if doc is not None]
+    refused = 0
+    for name, doc in docs:
+        fast = _compiled_schema().is_valid(doc)
+        assert fast == (not list(slow.iter_errors(doc))), name
+        refused += not fast
+    assert len(docs) >= 70 and refused >= 10  # the corpus has both kinds
+
+
+@pytest.mark.parametrize("where", ["measurement", "finding", "gpu"])
+def test_an_append_revalidates_what_the_change_built_without_validation(tmp_path, where):
+    """``update`` validates the entries a change made (they may bypass validation) and the small
+    sections, not every loaded row again: a bad one is still one located line and nothing is written."""
+    path = tmp_path / "l.json"
+    path.write_bytes(SMALL.read_bytes())
+    before = path.read_bytes()
+    ledger = store.load(path)
+
+    def change(lg: Ledger) -> None:
+        if where == "measurement":
+            row = next(m for m in lg.measurements if m.lora is not None)
+            bad = Measurement.model_construct(**{**dict(row), "id": "built-raw",
+                                                 "lora": row.lora.model_construct(**{**dict(row.lora), "rank": -4})})
+            lg.measurements.append(bad)
+        elif where == "finding":
+            f = lg.findings[0]
+            lg.findings.append(f.model_construct(**{**dict(f), "id": "x" * 5000}))
+        else:
+            g = next(iter(lg.gpus.values()))
+            lg.gpus["new-card"] = g.model_construct(**{**dict(g), "total_mib": -1})
+
+    assert ledger.findings or where != "finding"
+    with pytest.raises(LedgerError) as err:
+        store.update(path, change)
+    lines = [str(i) for i in err.value.issues]
+    assert lines and all(line.startswith(str(path)) for line in lines), lines
+    assert any(k in " ".join(lines) for k in ("measurements[", "findings[", "gpus")), lines
+    assert path.read_bytes() == before

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..ingest import RunSpec, apply, ingest
+from ..ingest import RunSpec, ingest, ingest_into
 from ..predictions import score_predictions
 from .options import Command, add_json_option, add_ledger_option, add_recipe_options, dump_json
 
@@ -34,10 +34,13 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     spec = RunSpec(gpu=args.gpu, model=args.model, quant=args.quant, rank=args.rank, alpha=args.alpha,
                    rslora=args.rslora, dropout=args.dropout, dora=args.dora, seq_len=args.seq_len, fixes=args.fixes,
                    dataset=args.dataset, examples=args.examples, epochs=args.epochs)
-    found = ingest(args.logs, args.ledger, spec, mid=args.id, replace=args.replace)
+    if args.dry_run:
+        found, report = ingest(args.logs, args.ledger, spec, mid=args.id, replace=args.replace), None
+    else:  # one locked read, check and write of the ledger
+        found, report = ingest_into(args.logs, args.ledger, spec, mid=args.id, replace=args.replace,
+                                    then=score_predictions)
     new, already = found.new + found.replaced, found.already
-    if not args.dry_run and new:
-        report = apply(args.ledger, found, then=score_predictions)
+    if report is not None:
         for pid in report.scored:
             print(f"scored prediction {pid}", file=sys.stderr)
         for line in report.unscorable:
