@@ -208,7 +208,7 @@ def card_mib(ledger: Ledger, gpu: str) -> Optional[float]:
     return capacity_mib(ledger.gpus.get(gpu))
 
 
-def _exceeded_peak(m: Measurement, model: PeakModel) -> Optional[float]:
+def _exceeded_peak(m: Measurement, model: Optional[PeakModel]) -> Optional[float]:
     """What a row that did not fit needed at least: predicted, or what it had allocated."""
     o = m.outcome
     if o.status == "spilled":
@@ -230,43 +230,59 @@ def _exceeded_peak(m: Measurement, model: PeakModel) -> Optional[float]:
 
 def limits(ledger: Ledger, ms: list[Measurement], model: Optional[PeakModel] = None) -> list[Limit]:
     """Each card's interval for the peak allocated that fits, from probes and from real runs."""
-    return limits_of(ledger, limit_rows(ms), model or PeakModel(ms))
+    return LimitRows(ms).limits(ledger, model or PeakModel(ms))
 
 
-def limit_rows(ms: list[Measurement]) -> dict[tuple, list[Measurement]]:
-    """The rows a card's limits rest on, by (card, kind): training steps only (LoRA set), since a
-    forward-only or load row says little about a step's limit."""
-    by_card: dict[tuple, list[Measurement]] = defaultdict(list)
-    for m in ms:
-        if m.lora is not None and m.kind in ("probe", "real"):
-            by_card[(m.gpu, m.kind)].append(m)
-    return by_card
+def _needs_model(m: Measurement) -> bool:
+    """Whether what a row that did not fit needed is read from the peak model (an OOM probe)."""
+    return m.outcome.status == "oom" and m.kind == "probe" and m.lora is not None
 
 
-def limits_of(ledger: Ledger, by_card: dict[tuple, list[Measurement]], model: PeakModel) -> list[Limit]:
-    """``limits`` from the rows ``limit_rows`` picked."""
-    out: list[Limit] = []
-    for gpu in ledger.gpus:
-        for kind in ("probe", "real"):
-            rows = by_card.get((gpu, kind), [])
-            fits = [m for m in rows if ok_peak(m) is not None]
-            over = [(p, m) for m in rows if (p := _exceeded_peak(m, model)) is not None]
-            if not fits and not over:
-                continue
-            card = card_mib(ledger, gpu)
-            fit = max(fits, key=lambda m: (ok_peak(m), m.id)) if fits else None
-            exc = min(over, key=lambda pm: (pm[0], pm[1].id)) if over else None
-            low = ok_peak(fit) if fit else None
-            high = exc[0] if exc else None
-            if card is not None and (high is None or high > card):
-                high = card
-            note = ""
-            if low is not None and high is not None and high < low:
-                note = "an OOM below a peak that fit: other processes or fragmentation varied between rows"
-                high = low
-            out.append(Limit(gpu=gpu, kind=kind, low_mib=low, high_mib=high, fit_id=fit.id if fit else None,
-                             exceeded_id=exc[1].id if exc else None, card_mib=card, note=note))
-    return out
+class LimitRows:
+    """The rows each card's limits rest on, by (card, kind) - training steps only (LoRA set), since a
+    forward-only or load row says little about a step's limit - kept so that the limits of the same
+    rows less a few (leave-one-out) cost the rows whose figure the peak model gives, not all of them:
+    the rows that fit by peak, highest first; the failures whose need is their own, lowest first."""
+
+    def __init__(self, ms: list[Measurement]):
+        by_card: dict[tuple, list[Measurement]] = defaultdict(list)
+        for m in ms:
+            if m.lora is not None and m.kind in ("probe", "real"):
+                by_card[(m.gpu, m.kind)].append(m)
+        self.fits = {k: sorted((m for m in rows if ok_peak(m) is not None), key=lambda m: (ok_peak(m), m.id),
+                               reverse=True) for k, rows in by_card.items()}
+        self.fixed = {k: sorted(((p, m) for m in rows if not _needs_model(m)
+                                 and (p := _exceeded_peak(m, None)) is not None), key=lambda pm: (pm[0], pm[1].id))
+                      for k, rows in by_card.items()}
+        self.modelled = {k: [m for m in rows if _needs_model(m)] for k, rows in by_card.items()}
+
+    def limits(self, ledger: Ledger, model: PeakModel, removed: frozenset = frozenset()) -> list[Limit]:
+        """The limits of these rows less ``removed`` (ids), with ``model`` predicting what OOM probes needed."""
+        out: list[Limit] = []
+        for gpu in ledger.gpus:
+            for kind in ("probe", "real"):
+                key = (gpu, kind)
+                fit = next((m for m in self.fits.get(key, ()) if m.id not in removed), None)
+                over = [(p, m) for m in self.modelled.get(key, ()) if m.id not in removed
+                        and (p := _exceeded_peak(m, model)) is not None]
+                lowest = next((pm for pm in self.fixed.get(key, ()) if pm[1].id not in removed), None)
+                if lowest is not None:
+                    over.append(lowest)
+                if fit is None and not over:
+                    continue
+                card = card_mib(ledger, gpu)
+                exc = min(over, key=lambda pm: (pm[0], pm[1].id)) if over else None
+                low = ok_peak(fit) if fit else None
+                high = exc[0] if exc else None
+                if card is not None and (high is None or high > card):
+                    high = card
+                note = ""
+                if low is not None and high is not None and high < low:
+                    note = "an OOM below a peak that fit: other processes or fragmentation varied between rows"
+                    high = low
+                out.append(Limit(gpu=gpu, kind=kind, low_mib=low, high_mib=high, fit_id=fit.id if fit else None,
+                                 exceeded_id=exc[1].id if exc else None, card_mib=card, note=note))
+        return out
 
 
 def limit_for(lims: list[Limit], gpu: str, kind: str = "probe") -> Optional[Limit]:

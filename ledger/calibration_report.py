@@ -10,9 +10,9 @@ import statistics
 from dataclasses import asdict
 from typing import Iterable, Optional
 
-from .calibration import (calibration_hash, costs, kept_positions, key_pairs, limits, overestimate, pair_rows,
-                          predict_real, sorted_pairs)
-from .peaks import PeakModel, date_of, probes, before, ok_peak
+from .calibration import (calibration_hash, costs, kept_positions, key_pairs, overestimate, pair_rows, predict_real,
+                          sorted_pairs)
+from .peaks import date_of, probes, ok_peak
 from .ceilings import ceiling_table
 from .models import Ledger, Measurement
 from .held_out import held_out, shared_predictor

@@ -9,7 +9,6 @@ from dataclasses import replace
 from typing import Optional
 
 from .answers import CeilingAnswer, Run
-from .model_configs import model_name
 from .models import Gpu
 from .recipe import Recipe, row_keys_cached
 

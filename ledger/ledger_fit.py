@@ -9,7 +9,7 @@ from dataclasses import replace
 from functools import cached_property
 from typing import Iterable, Optional
 
-from .calibration import Overestimate, key_pairs, limit_rows, limits_of, overestimate, pair_rows, sorted_pairs
+from .calibration import LimitRows, Overestimate, key_pairs, overestimate, pair_rows, sorted_pairs
 from .peaks import PeakModel, probes, before, ok_peak
 from .model_configs import model_name
 from .models import Ledger, Measurement
@@ -39,11 +39,11 @@ class LedgerFit:
         self.base = base if base is not None and base.shares(ledger, as_of, self.exclude) else None
         self.peaks = self.base.peaks.without(self.exclude - self.base.exclude) if self.base else PeakModel(self.ms)
         if self.base is not None:
-            extra = self.exclude - self.base.exclude
-            self.limit_rows = {k: [m for m in rows if m.id not in extra] for k, rows in self.base.limit_rows.items()}
+            self.limit_rows = self.base.limit_rows
+            self.lims = self.limit_rows.limits(ledger, self.peaks, frozenset(self.exclude - self.base.exclude))
         else:
-            self.limit_rows = limit_rows(self.ms)
-        self.lims = limits_of(ledger, self.limit_rows, self.peaks)
+            self.limit_rows = LimitRows(self.ms)
+            self.lims = self.limit_rows.limits(ledger, self.peaks)
         self.pair_rows, self.pairs_by_key = self._pairs()
         self.pairs = sorted_pairs(self.pairs_by_key.values())
         self.over: Overestimate = overestimate(self.ms, self.pairs)
@@ -176,6 +176,11 @@ class LedgerFit:
     @cached_property
     def models_named(self) -> dict[Optional[str], str]:
         """The ledger's own spelling of each model, by short name (the first in sort order)."""
+        if self.base is not None:
+            named = self.base.models_named
+            if not any(m.model and named.get(model_name(m.model)) == m.model
+                       for m in self.base.removed(self.exclude - self.base.exclude)):
+                return named  # no row left out spells a model the way the base's answer does
         names: dict[Optional[str], set[str]] = {}
         for m in self.ms:
             if m.model:

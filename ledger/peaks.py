@@ -281,7 +281,13 @@ class PeakModel:
         """(predicted peak, ids of the rows it rests on); (None, []) when unknown."""
         key = (gpu, group, rank)
         if key not in self._cache:
-            self._cache[key] = self._predict(gpu, group, rank)
+            rows = self.by_group.get(group, {}).get(gpu) if self._root is not None else None
+            if rows is not None and len(rows) >= 2 and group not in self._touched:
+                # A group this view did not change, with two ranks on the card: the answer reads
+                # those rows alone (no borrowed rows, no pooled slope), so it is the root's.
+                self._cache[key] = self._root.predict(gpu, group, rank)
+            else:
+                self._cache[key] = self._predict(gpu, group, rank)
         return self._cache[key]
 
     def _predict(self, gpu: str, group: tuple, rank: int) -> tuple[Optional[float], list[str]]:

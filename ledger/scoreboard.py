@@ -31,15 +31,21 @@ class VramLedger(Estimator):
 
     def __init__(self, dry_runs: Iterable[Measurement] = ()):
         self.dry_runs = list(dry_runs)
+        self._held: Optional[tuple[Ledger, object]] = None
+
+    def _answers(self, ledger: Ledger):
+        if self._held is None or self._held[0] is not ledger:
+            self._held = (ledger, held_out(ledger, self.dry_runs))
+        return self._held[1]
 
     def answer(self, ledger: Ledger, m: Measurement):
         if m.lora is None or not m.gpu:
             return None
         # A real run's longest example, from its pairing, is a fact of the row (read on the full ledger).
-        recipe = shared_predictor(ledger, self.dry_runs).fit.recipe_for(m)
+        recipe = self._answers(ledger).base.fit.recipe_for(m)
         if recipe is None or recipe.seq_len is None:
             return None
-        return held_out(ledger, self.dry_runs).answer(m, recipe, run="real" if m.kind == "real" else "probe")
+        return self._answers(ledger).answer(m, recipe, run="real" if m.kind == "real" else "probe")
 
     def estimate(self, arch, recipe, gpu_total_mib=None):
         return None  # needs a ledger row's context: see answer and vram estimate
