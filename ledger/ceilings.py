@@ -17,8 +17,30 @@ def search(p, recipe: Recipe, gpu: str, *, entry: Optional[Gpu] = None, run: Run
             margin_mib: float = 0.0, budget_mib: Optional[float] = None, step: int = 8,
             max_rank: int = 512, _depth: int = 0) -> CeilingAnswer:
     """The largest rank (a multiple of ``step``) whose verdict is ``fits``, and the largest that
-    is ``tight`` or better, below the first rank that will not fit."""
+    is ``tight`` or better, below the first rank that will not fit; at the top level, made
+    consistent with the easier and harder recipes' ceilings (``_consistent``). Each recipe's rank
+    scan is made once per predictor (``p.subceilings``), whichever search asks for it first."""
     recipe = p.resolve_model(recipe, gpu)
+    key = (recipe, gpu, run, margin_mib, budget_mib, step, max_rank)
+    if key not in p.subceilings:
+        p.subceilings[key] = _scan(p, recipe, gpu, entry=entry, run=run, margin_mib=margin_mib,
+                                   budget_mib=budget_mib, step=step, max_rank=max_rank)
+    scan, note = p.subceilings[key]
+    if _depth > 0 or scan.status != "ok":
+        return scan
+    fits_rank, tight_rank, why = _consistent(p, recipe, gpu, entry, run, margin_mib, budget_mib, step,
+                                             max_rank, scan.fits_rank, scan.tight_rank)
+    note = why or note
+    at_least = fits_rank is not None and fits_rank + step > max_rank
+    if at_least:
+        note = f"at least {fits_rank}: the search stops at rank {max_rank}"
+    return scan.model_copy(update={"fits_rank": fits_rank, "tight_rank": tight_rank, "at_least": at_least,
+                                   "note": note})
+
+
+def _scan(p, recipe: Recipe, gpu: str, *, entry: Optional[Gpu], run: Run, margin_mib: float,
+          budget_mib: Optional[float], step: int, max_rank: int) -> tuple[CeilingAnswer, str]:
+    """One recipe's ceilings from its own verdicts, rank by rank, and the note before any "at least"."""
     ranks: list[dict] = []
     fits_rank = tight_rank = None
     known = False
@@ -48,17 +70,14 @@ def search(p, recipe: Recipe, gpu: str, *, entry: Optional[Gpu] = None, run: Run
                                    f"{ranks[-1]['verdict'] if ranks[-1]['rank'] == first_known else 'is known'}")
     else:
         status, note = ("ok" if fits_rank is not None or tight_rank is not None else "none-fits"), ""
-    if _depth == 0 and status == "ok":
-        fits_rank, tight_rank, why = _consistent(p, recipe, gpu, entry, run, margin_mib, budget_mib, step,
-                                                      max_rank, fits_rank, tight_rank)
-        note = why or note
+    base_note = note
     at_least = fits_rank is not None and fits_rank + step > max_rank
     if at_least:
         note = f"at least {fits_rank}: the search stops at rank {max_rank}"
     return CeilingAnswer(gpu=gpu, run=run, seq_len=recipe.seq_len, fits_rank=fits_rank, tight_rank=tight_rank,
                          status=status, step=step, max_rank=max_rank, at_least=at_least, note=note,
                          limit_low_mib=low, limit_high_mib=high, margin_mib=margin_mib,
-                         ranks=[r for r in ranks if r["verdict"] != "unknown"] or ranks[:1])
+                         ranks=[r for r in ranks if r["verdict"] != "unknown"] or ranks[:1]), base_note
 
 
 def _consistent(p, recipe, gpu, entry, run, margin_mib, budget_mib, step, max_rank, fits_rank, tight_rank):
@@ -77,11 +96,8 @@ def _consistent(p, recipe, gpu, entry, run, margin_mib, budget_mib, step, max_ra
                 harder = s >= recipe.seq_len and d >= recipe.dropout and k >= recipe.dora
                 if not (easier or harder):
                     continue
-                key = (other, gpu, run, margin_mib, budget_mib, step, max_rank)
-                if key not in p.subceilings:
-                    p.subceilings[key] = search(p, other, gpu, entry=entry, run=run, margin_mib=margin_mib,
-                                                  budget_mib=budget_mib, step=step, max_rank=max_rank, _depth=1)
-                c = p.subceilings[key]
+                c = search(p, other, gpu, entry=entry, run=run, margin_mib=margin_mib, budget_mib=budget_mib,
+                           step=step, max_rank=max_rank, _depth=1)
                 if c.status != "ok" or c.fits_rank is None:
                     continue
                 what = f"{s} tokens{', dropout' if d else ''}{', DoRA' if k else ''}"
