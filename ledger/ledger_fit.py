@@ -85,16 +85,21 @@ class LedgerFit:
             peak = ok_peak(m)
             if peak is None:
                 continue
-            pm = self.peaks.without((m.id,))
-            rows = pm.by_group.get(m_group(m), {})
-            if rows.get(m.gpu):
-                pred, _ = pm.predict(m.gpu, m_group(m), m.lora.rank)
+            # The model without this probe, asked about it: its card's other rows of the group.
+            kept, answered, pred = self.peaks.own_held_out(m, m.lora.rank)
+            if kept:
+                if not answered:  # one rank left: that model's pooled slope is needed, so fit it
+                    pred, _ = self.peaks.without((m.id,)).predict(m.gpu, m_group(m), m.lora.rank)
                 if pred is not None:
                     interp.append(abs(pred - peak) / peak)
-            others = {g: r for g, r in rows.items() if g != m.gpu}
+            # Removing the probe changes its own card's rows alone: the other cards' are the model's.
+            others = {g: r for g, r in self.peaks.by_group.get(m_group(m), {}).items() if g != m.gpu}
             if others:
-                alone = self.peaks.without((m.id, *same_cell[(m.gpu, m_group(m))]))
-                pred, _ = alone.predict(m.gpu, m_group(m), m.lora.rank)
+                # The same model without any row of this card and group: the others' rows, shifted.
+                answered, pred = self.peaks.transfer_held_out(m.gpu, m_group(m), m.lora.rank)
+                if not answered:  # that model needs its pooled slope: fit it
+                    alone = self.peaks.without((m.id, *same_cell[(m.gpu, m_group(m))]))
+                    pred, _ = alone.predict(m.gpu, m_group(m), m.lora.rank)
                 if pred is not None:
                     transfer.append(abs(pred - peak) / peak)
         return {"interpolated": max(interp) if interp else None, "transferred": max(transfer) if transfer else None,

@@ -87,6 +87,27 @@ def _term(key: tuple, pts: list[tuple[float, float, str, int]]) -> Optional[tupl
             sum((x - mx) ** 2 for x, *_ in pts))
 
 
+def _from_rows(rows: list[tuple[float, float, str]], rank: int, pooled) -> tuple[Optional[float], list[str]]:
+    """A group's figure at a rank from its rows on a card (own or borrowed): between the measured
+    neighbours, else along the rows' slope (``pooled()``'s where they have one rank)."""
+    pts = [(x, y) for x, y, _ in rows]
+    slope = fit_slope(pts) if len({x for x, _ in pts}) >= 2 else pooled()
+    if slope is None:
+        return None, []
+    near = min(rows, key=lambda r: (abs(r[0] - rank), -r[1]))
+    if len({x for x, _ in pts}) >= 2:
+        lo = [r for r in rows if r[0] <= rank]
+        hi = [r for r in rows if r[0] >= rank]
+        if lo and hi:  # interpolate between the measured neighbours
+            a = max(lo, key=lambda r: (r[0], r[1]))
+            b = min(hi, key=lambda r: (r[0], -r[1]))
+            if a[0] == b[0]:
+                return max(r[1] for r in rows if r[0] == rank), [r[2] for r in rows if r[0] == rank]
+            y = a[1] + (b[1] - a[1]) * (rank - a[0]) / (b[0] - a[0])
+            return round(y, 1), [a[2], b[2]]
+    return round(near[1] + slope * (rank - near[0]), 1), [near[2]]
+
+
 class PeakModel:
     """Predicts a probe's peak allocated for (card, group, rank) from ok probes.
 
@@ -214,17 +235,58 @@ class PeakModel:
         """Median difference of this card's peaks over another's at the same group and rank
         (allocator and library versions differ a little); 0 when they share no row."""
         if (gpu, other) not in self._offsets:
-            if self._root is None:
-                diffs = sorted(d for group in self.by_group for d in self._diffs(group, gpu, other))
-            else:  # the root's differences, those of the groups this view changed recomputed
-                diffs = list(self._root._sorted_diffs(gpu, other))
-                for group in self._touched:
-                    for d in self._root._diffs(group, gpu, other):
-                        del diffs[bisect_left(diffs, d)]
-                    for d in self._diffs(group, gpu, other):
-                        insort(diffs, d)
+            diffs = self._diff_list(gpu, other)
             self._offsets[(gpu, other)] = statistics.median(diffs) if diffs else 0.0
         return self._offsets[(gpu, other)]
+
+    def _diff_list(self, gpu: str, other: str) -> list[float]:
+        """This model's differences of the two cards' peaks at shared group and rank, sorted: the
+        root's, a view's made from them with the groups it changed swapped."""
+        if self._root is None:
+            return self._sorted_diffs(gpu, other)
+        key = ("list", gpu, other)
+        if key not in self._offsets:
+            diffs = list(self._root._sorted_diffs(gpu, other))
+            for group in self._touched:
+                for d in self._root._diffs(group, gpu, other):
+                    del diffs[bisect_left(diffs, d)]
+                for d in self._diffs(group, gpu, other):
+                    insort(diffs, d)
+            self._offsets[key] = diffs
+        return self._offsets[key]
+
+    def own_held_out(self, m: Measurement, rank: int) -> tuple[bool, bool, Optional[float]]:
+        """(the card keeps rows of the group, answered, figure) of ``self.without([m.id]).predict(m.gpu,
+        group, rank)`` without making that model: its card's other rows of the group. Not answered
+        (False) where they have one rank (that model's pooled slope would be needed)."""
+        root = self._root or self
+        cell = (group_key(m), m.gpu)
+        gone = self._excluded | {m.id}
+        rows = _best([r for r in root._cells.get(cell, ()) if r[2] not in gone])
+        if not rows:
+            return False, True, None
+        if len(rows) < 2:
+            return True, False, None
+        return True, True, _from_rows(rows, rank, None)[0]
+
+    def transfer_held_out(self, gpu: str, group: tuple, rank: int) -> tuple[bool, Optional[float]]:
+        """(answered, figure) of ``self.without(every row of this card and group).predict(gpu, group,
+        rank)``: the other cards' rows of the group, shifted by the offsets that model has, without
+        making it (the held-out widths ask this once per probe). Not answered (False) where that
+        model would need its pooled slope (the borrowed rows have one rank)."""
+        rows_by_gpu = {g: r for g, r in self.by_group.get(group, {}).items() if g != gpu}
+        if not rows_by_gpu:
+            return True, None
+        rows = []
+        for other in sorted(rows_by_gpu):
+            diffs = list(self._diff_list(gpu, other))
+            for d in self._diffs(group, gpu, other):  # the card's cell of this group is gone
+                del diffs[bisect_left(diffs, d)]
+            shift = statistics.median(diffs) if diffs else 0.0
+            rows += [(x, round(y + shift, 1), i) for x, y, i in rows_by_gpu[other]]
+        if len({x for x, _, _ in rows}) < 2:
+            return False, None
+        return True, _from_rows(rows, rank, None)[0]
 
     def _diffs(self, group: tuple, gpu: str, other: str) -> list[float]:
         rows = self.by_group.get(group, {})
@@ -300,19 +362,4 @@ class PeakModel:
             for other in sorted(rows_by_gpu):
                 shift = self.offset(gpu, other)
                 rows += [(x, round(y + shift, 1), i) for x, y, i in rows_by_gpu[other]]
-        pts = [(x, y) for x, y, _ in rows]
-        slope = fit_slope(pts) if len({x for x, _ in pts}) >= 2 else self.slope(gpu, group[1])
-        if slope is None:
-            return None, []
-        near = min(rows, key=lambda r: (abs(r[0] - rank), -r[1]))
-        if len({x for x, _ in pts}) >= 2:
-            lo = [r for r in rows if r[0] <= rank]
-            hi = [r for r in rows if r[0] >= rank]
-            if lo and hi:  # interpolate between the measured neighbours
-                a = max(lo, key=lambda r: (r[0], r[1]))
-                b = min(hi, key=lambda r: (r[0], -r[1]))
-                if a[0] == b[0]:
-                    return max(r[1] for r in rows if r[0] == rank), [r[2] for r in rows if r[0] == rank]
-                y = a[1] + (b[1] - a[1]) * (rank - a[0]) / (b[0] - a[0])
-                return round(y, 1), [a[2], b[2]]
-        return round(near[1] + slope * (rank - near[0]), 1), [near[2]]
+        return _from_rows(rows, rank, lambda: self.slope(gpu, group[1]))

@@ -122,3 +122,48 @@ def test_the_fit_tables_rank_figures_are_the_dry_tables():
                                 want = "unknown" if raw is None else p.judge_dry(
                                     r, raw, g, entry=all_cards[g], derived=not p.table.exact(r)).verdict
                                 assert judge(rank) == want, (recipe, g, rank)
+
+
+@pytest.mark.parametrize("source", ["bundled", "synthetic"])
+def test_the_transfer_held_out_is_the_model_without_the_cell(source):
+    """The held-out transfer width asks ``transfer_held_out`` instead of fitting the model without a
+    card's whole group: where it answers, it gives that model's figure, on the root and on a view."""
+    ms = {"bundled": lambda: store.load(DEFAULT_LEDGER).measurements,
+          "synthetic": lambda: synthetic_ledger(160, seed=11).measurements}[source]()
+    full = PeakModel(ms)
+    rng = random.Random(4)
+    answered = 0
+    for model in (full, full.without({m.id for m in rng.sample(ms, k=3)})):
+        for m in model.probes:
+            g = group_key(m)
+            cell = {x.id for x in ms if x.gpu == m.gpu and x.lora and group_key(x) == g}
+            for rank in (8, 72, m.lora.rank, 400):
+                ok, fig = model.transfer_held_out(m.gpu, g, rank)
+                if ok:
+                    answered += 1
+                    assert fig == model.without(cell).predict(m.gpu, g, rank)[0], (m.id, rank)
+    assert answered > 20
+
+
+@pytest.mark.parametrize("source", ["bundled", "synthetic"])
+def test_the_own_held_out_is_the_model_without_the_probe(source):
+    """The held-out interpolation width asks ``own_held_out`` instead of fitting the model without
+    each probe: where it answers, it gives that model's figure (and whether the card keeps rows)."""
+    ms = {"bundled": lambda: store.load(DEFAULT_LEDGER).measurements,
+          "synthetic": lambda: synthetic_ledger(160, seed=12).measurements}[source]()
+    full = PeakModel(ms)
+    rng = random.Random(5)
+    answered = 0
+    for model in (full, full.without({m.id for m in rng.sample(ms, k=3)})):
+        for m in model.probes:
+            if m.outcome.status != "ok":
+                continue
+            g = group_key(m)
+            rest = model.without({m.id})
+            for rank in (8, 72, m.lora.rank, 400):
+                kept, ok, fig = model.own_held_out(m, rank)
+                assert kept == bool(rest.by_group.get(g, {}).get(m.gpu)), m.id
+                if kept and ok:
+                    answered += 1
+                    assert fig == rest.predict(m.gpu, g, rank)[0], (m.id, rank)
+    assert answered > 20

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 
 import matplotlib
 
@@ -114,6 +115,13 @@ def _add_titles(svg: str, titles: dict[str, str]) -> str:
     """Put each point's <title> first in its group (what a browser shows on hover)."""
     from xml.sax.saxutils import escape
 
-    for gid, text in titles.items():
-        svg = svg.replace(f'<g id="{gid}">', f'<g id="{gid}">\n   <title>{escape(text)}</title>', 1)
-    return svg
+    done: set[str] = set()
+
+    def title(match: re.Match) -> str:
+        gid = match.group(1)
+        if gid not in titles or gid in done:  # the first group of each id gets it, as before
+            return match.group(0)
+        done.add(gid)
+        return f'{match.group(0)}\n   <title>{escape(titles[gid])}</title>'
+
+    return re.sub(r'<g id="([^"]*)">', title, svg)  # one pass: a point per group, not per point
