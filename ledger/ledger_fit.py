@@ -5,6 +5,7 @@ over-estimate, and how wide each rung's interval is on this ledger."""
 from __future__ import annotations
 
 import datetime as dt
+from collections import Counter
 from dataclasses import replace
 from functools import cached_property
 from typing import Iterable, Optional
@@ -182,15 +183,19 @@ class LedgerFit:
     def models_named(self) -> dict[Optional[str], str]:
         """The ledger's own spelling of each model, by short name (the first in sort order)."""
         if self.base is not None:
-            named = self.base.models_named
-            if not any(m.model and named.get(model_name(m.model)) == m.model
-                       for m in self.base.removed(self.exclude - self.base.exclude)):
-                return named  # no row left out spells a model the way the base's answer does
+            gone = Counter(m.model for m in self.base.removed(self.exclude - self.base.exclude) if m.model)
+            if all(self.base.spellings[s] > n for s, n in gone.items()):
+                return self.base.models_named  # every spelling is still in the ledger: the same answer
         names: dict[Optional[str], set[str]] = {}
         for m in self.ms:
             if m.model:
                 names.setdefault(model_name(m.model), set()).add(m.model)
         return {k: sorted(v)[0] for k, v in names.items()}
+
+    @cached_property
+    def spellings(self) -> Counter:
+        """How many rows spell each model name as they do."""
+        return Counter(m.model for m in self.ms if m.model)
 
     @cached_property
     def by_id(self) -> dict[str, Measurement]:
