@@ -124,16 +124,21 @@ def test_the_fit_tables_rank_figures_are_the_dry_tables():
                                 assert judge(rank) == want, (recipe, g, rank)
 
 
+def _root_and_view(source: str, seed: int):
+    """A ledger's rows, and its peak model with a view of it less three random rows."""
+    ms = {"bundled": lambda: store.load(DEFAULT_LEDGER).measurements,
+          "synthetic": lambda: synthetic_ledger(160, seed=seed).measurements}[source]()
+    full = PeakModel(ms)
+    return ms, (full, full.without({m.id for m in random.Random(seed).sample(ms, k=3)}))
+
+
 @pytest.mark.parametrize("source", ["bundled", "synthetic"])
 def test_the_transfer_held_out_is_the_model_without_the_cell(source):
     """The held-out transfer width asks ``transfer_held_out`` instead of fitting the model without a
     card's whole group: where it answers, it gives that model's figure, on the root and on a view."""
-    ms = {"bundled": lambda: store.load(DEFAULT_LEDGER).measurements,
-          "synthetic": lambda: synthetic_ledger(160, seed=11).measurements}[source]()
-    full = PeakModel(ms)
-    rng = random.Random(4)
+    ms, models = _root_and_view(source, seed=11)
     answered = 0
-    for model in (full, full.without({m.id for m in rng.sample(ms, k=3)})):
+    for model in models:
         for m in model.probes:
             g = group_key(m)
             cell = {x.id for x in ms if x.gpu == m.gpu and x.lora and group_key(x) == g}
@@ -149,12 +154,9 @@ def test_the_transfer_held_out_is_the_model_without_the_cell(source):
 def test_the_own_held_out_is_the_model_without_the_probe(source):
     """The held-out interpolation width asks ``own_held_out`` instead of fitting the model without
     each probe: where it answers, it gives that model's figure (and whether the card keeps rows)."""
-    ms = {"bundled": lambda: store.load(DEFAULT_LEDGER).measurements,
-          "synthetic": lambda: synthetic_ledger(160, seed=12).measurements}[source]()
-    full = PeakModel(ms)
-    rng = random.Random(5)
+    ms, models = _root_and_view(source, seed=12)
     answered = 0
-    for model in (full, full.without({m.id for m in rng.sample(ms, k=3)})):
+    for model in models:
         for m in model.probes:
             if m.outcome.status != "ok":
                 continue
