@@ -23,7 +23,6 @@ class DryTable:
         self._tables: dict = {}
         self._by_model: Optional[dict] = None
         self._slopes: dict = {}
-        self._ranks: dict = {}
 
     def table(self, name: Optional[str], quant: str, fixes: str, dropout: bool, dora: bool,
                    response_len: Optional[int]) -> dict[int, dict[int, tuple[float, str]]]:
@@ -70,62 +69,18 @@ class DryTable:
             return at(s1) + (at(s2) - at(s1)) * (seq - s1) / (s2 - s1)
         return at(min(two, key=lambda s: abs(s - seq)))
 
-    def _at(self, table: dict, seq: int, rank: int, slope_table: dict) -> tuple[Optional[float], list[str]]:
-        cell = table.get(seq)
-        if not cell:
-            return None, []
-        if rank in cell:
-            return cell[rank][0], [cell[rank][1]]
-        if id(cell) not in self._ranks:
-            self._ranks[id(cell)] = sorted(cell)
-        ranks = self._ranks[id(cell)]
-        if len(ranks) >= 2:
-            lo = [r for r in ranks if r < rank]
-            hi = [r for r in ranks if r > rank]
-            a, b = (lo[-1], hi[0]) if lo and hi else (ranks[0], ranks[1]) if not lo else (ranks[-2], ranks[-1])
-            (ya, ia), (yb, ib) = cell[a], cell[b]
-            return ya + (yb - ya) * (rank - a) / (b - a), [ia, ib]
-        slope = self._slope(table, seq)
-        if slope is None:
-            slope = self._slope(slope_table, seq)
-        if slope is None:
-            return None, []
-        y0, i0 = cell[ranks[0]]
-        return y0 + slope * (rank - ranks[0]), [i0]
-
-    def raw(self, recipe: Recipe, rank: Optional[int] = None) -> tuple[Optional[float], list[str]]:
+    def raw(self, recipe: Recipe) -> tuple[Optional[float], list[str]]:
         """The dry run's peak for a recipe from the committed rows of the same model, quant and fixes
         (and response length when given): affine in rank (a length with one rank takes its slope
         per rank from the lengths with two, linear in length); between two dry-run lengths, linear
         in length - for dropout or DoRA, the plain recipe at this length plus their cost over it,
-        interpolated in length."""
-        if recipe.seq_len is None:
-            return None, []
-        name, seq, rank = model_name(recipe.model), recipe.seq_len, recipe.rank if rank is None else rank
-        args = (name, recipe.quant, recipe.fixes)
-        own = self.table(*args, recipe.dropout, recipe.dora, recipe.response_len)
-        plain = self.table(*args, False, False, recipe.response_len)
-        if seq in own:
-            return self._at(own, seq, rank, plain)
-        lower = [s for s in own if s < seq]
-        upper = [s for s in own if s > seq]
-        if not lower or not upper:
-            return None, []
-        s1, s2 = max(lower), min(upper)
-        (y1, i1), (y2, i2) = self._at(own, s1, rank, plain), self._at(own, s2, rank, plain)
-        if y1 is None or y2 is None:
-            return None, []
-        if (recipe.dropout or recipe.dora) and seq in plain and s1 in plain and s2 in plain:
-            (p0, i0), (p1, _), (p2, _) = (self._at(plain, s, rank, plain) for s in (seq, s1, s2))
-            if None not in (p0, p1, p2):
-                d1, d2 = y1 - p1, y2 - p2
-                return p0 + d1 + (d2 - d1) * (seq - s1) / (s2 - s1), i0 + i1 + i2
-        return y1 + (y2 - y1) * (seq - s1) / (s2 - s1), i1 + i2
+        interpolated in length. With the ids of the rows it rests on."""
+        return self.rank_figure(recipe)(recipe.rank)
 
-    def rank_figure(self, recipe: Recipe) -> Callable[[int], Optional[float]]:
-        """``raw(recipe, rank)``'s figure as a function of the rank alone, the tables and lengths it
-        reads looked up once (the fit table asks some ten ranks of each of ten thousand cells)."""
-        none = lambda rank: None  # noqa: E731
+    def rank_figure(self, recipe: Recipe) -> Callable[[int], tuple[Optional[float], list[str]]]:
+        """``raw`` as a function of the rank alone, the tables and lengths it reads looked up once
+        (the fit table asks some ten ranks of each of ten thousand cells)."""
+        none = lambda rank: (None, [])  # noqa: E731
         if recipe.seq_len is None:
             return none
         name, seq = model_name(recipe.model), recipe.seq_len
@@ -140,51 +95,49 @@ class DryTable:
             return none
         s1, s2 = max(lower), min(upper)
         f1, f2 = self._cell_figure(own, s1, plain), self._cell_figure(own, s2, plain)
-        if (recipe.dropout or recipe.dora) and seq in plain and s1 in plain and s2 in plain:
-            g0, g1, g2 = (self._cell_figure(plain, x, plain) for x in (seq, s1, s2))
+        with_cost = (recipe.dropout or recipe.dora) and seq in plain and s1 in plain and s2 in plain
+        g0, g1, g2 = (self._cell_figure(plain, x, plain) for x in (seq, s1, s2)) if with_cost else (None,) * 3
 
-            def with_cost(rank: int) -> Optional[float]:
-                y1, y2 = f1(rank), f2(rank)
-                if y1 is None or y2 is None:
-                    return None
-                p0, p1, p2 = g0(rank), g1(rank), g2(rank)
-                if None in (p0, p1, p2):
-                    return y1 + (y2 - y1) * (seq - s1) / (s2 - s1)
-                d1, d2 = y1 - p1, y2 - p2
-                return p0 + d1 + (d2 - d1) * (seq - s1) / (s2 - s1)
-            return with_cost
-
-        def between(rank: int) -> Optional[float]:
-            y1, y2 = f1(rank), f2(rank)
+        def figure(rank: int) -> tuple[Optional[float], list[str]]:
+            (y1, i1), (y2, i2) = f1(rank), f2(rank)
             if y1 is None or y2 is None:
-                return None
-            return y1 + (y2 - y1) * (seq - s1) / (s2 - s1)
-        return between
+                return None, []
+            if with_cost:
+                (p0, i0), (p1, _), (p2, _) = g0(rank), g1(rank), g2(rank)
+                if None not in (p0, p1, p2):
+                    d1, d2 = y1 - p1, y2 - p2
+                    return p0 + d1 + (d2 - d1) * (seq - s1) / (s2 - s1), i0 + i1 + i2
+            return y1 + (y2 - y1) * (seq - s1) / (s2 - s1), i1 + i2
+        return figure
 
-    def _cell_figure(self, table: dict, seq: int, slope_table: dict) -> Callable[[int], Optional[float]]:
-        """``_at(table, seq, rank, slope_table)``'s figure as a function of the rank."""
+    def _cell_figure(self, table: dict, seq: int, slope_table: dict) -> Callable[[int], tuple[Optional[float], list[str]]]:
+        """One length's figure and rows as a function of the rank: the row itself, else between
+        (or along) its two nearest ranks, else its one rank along the slope per rank."""
         cell = table.get(seq)
         if not cell:
-            return lambda rank: None
+            return lambda rank: (None, [])
         ranks = sorted(cell)
         if len(ranks) >= 2:
-            def interpolated(rank: int) -> float:
+            def interpolated(rank: int) -> tuple[float, list[str]]:
                 if rank in cell:
-                    return cell[rank][0]
+                    return cell[rank][0], [cell[rank][1]]
                 i = bisect_left(ranks, rank)
                 a, b = (ranks[i - 1], ranks[i]) if 0 < i < len(ranks) else (ranks[0], ranks[1]) if i == 0 \
                     else (ranks[-2], ranks[-1])
-                ya, yb = cell[a][0], cell[b][0]
-                return ya + (yb - ya) * (rank - a) / (b - a)
+                (ya, ia), (yb, ib) = cell[a], cell[b]
+                return ya + (yb - ya) * (rank - a) / (b - a), [ia, ib]
             return interpolated
         slope = self._slope(table, seq)
         if slope is None:
             slope = self._slope(slope_table, seq)
         r0 = ranks[0]
-        y0 = cell[r0][0]
-        if slope is None:
-            return lambda rank: y0 if rank == r0 else None
-        return lambda rank: y0 if rank == r0 else y0 + slope * (rank - r0)
+        y0, i0 = cell[r0]
+
+        def along(rank: int) -> tuple[Optional[float], list[str]]:
+            if rank == r0:
+                return y0, [i0]
+            return (None, []) if slope is None else (y0 + slope * (rank - r0), [i0])
+        return along
 
     def exact_ranks(self, recipe: Recipe) -> set:
         """The ranks a committed dry-run row has of this very recipe at its length."""
@@ -192,12 +145,9 @@ class DryTable:
                            recipe.response_len)
         return set(table.get(recipe.seq_len, {}))
 
-    def exact(self, recipe: Recipe, rank: Optional[int] = None) -> bool:
-        """Whether a committed dry-run row is of this very recipe (else its figure is derived);
-        ``rank`` in place of the recipe's."""
-        table = self.table(model_name(recipe.model), recipe.quant, recipe.fixes, recipe.dropout, recipe.dora,
-                                recipe.response_len)
-        return (recipe.rank if rank is None else rank) in table.get(recipe.seq_len, {})
+    def exact(self, recipe: Recipe) -> bool:
+        """Whether a committed dry-run row is of this very recipe (else its figure is derived)."""
+        return recipe.rank in self.exact_ranks(recipe)
 
     @cached_property
     def derivation(self) -> dict:

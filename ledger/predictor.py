@@ -188,32 +188,26 @@ class Predictor:
         workspaces, as the committed rows are): plus the card's remainder (all cards' without a
         card), with the leave-one-out interval, judged against the card's limit or the budget."""
         entry = entry or (self.ledger.gpus.get(gpu) if gpu else None)
-        iv, (low, high, lsrc, source), (rem, scope, wtext) = self._dry_judged(recipe, raw_mib, gpu, entry, budget_mib,
-                                                                             derived)
+        rem, scope = self.remainder(gpu or "", entry.vendor if entry else None)
+        if rem is None:
+            rem, scope = 0.0, "no remainder fitted (no measured probe has a dry run)"
+        width, wtext = self.dry_cal.width(recipe, derived)
+        iv = around(raw_mib + rem, width)
         text = (f"dry run {raw_mib:.1f} MiB + remainder {rem:+.1f} MiB fitted on {scope}; interval {wtext}"
                 + self.dry_cal.family_note(recipe))
+        if budget_mib is not None:
+            low, high, lsrc, source = budget_mib, budget_mib, f"--budget-mib {budget_mib}", "budget"
+        elif gpu:
+            (low, high, lsrc), source = self.card_limit(gpu, entry, "probe"), (
+                "ledger" if gpu in self.ledger.gpus else "card table")
+        else:
+            low, high, lsrc, source = None, None, "no card or budget given", "budget"
         ratio = self.reserved_ratio(gpu or "")
         verdict, why = decide(iv, low, high, margin_mib)
         return Answer(gpu=gpu or "", card_source=source, recipe=dict(recipe.__dict__), run="probe", probe_allocated=iv,
                       real_allocated=None, reserved=scale(iv, *ratio) if ratio else None, method="dry run",
                       method_text=text, evidence=[], limit_low_mib=low, limit_high_mib=high, limit_source=lsrc,
                       margin_mib=margin_mib, verdict=verdict, why=why)
-
-    def _dry_judged(self, recipe: Recipe, raw_mib: float, gpu: Optional[str], entry: Optional[Gpu],
-                    budget_mib: Optional[float], derived: bool):
-        """(interval, (limit low, high, where from, card source), (remainder, its scope, width text))."""
-        rem, scope = self.remainder(gpu or "", entry.vendor if entry else None)
-        if rem is None:
-            rem, scope = 0.0, "no remainder fitted (no measured probe has a dry run)"
-        width, wtext = self.dry_cal.width(recipe, derived)
-        iv = around(raw_mib + rem, width)
-        if budget_mib is not None:
-            limit = budget_mib, budget_mib, f"--budget-mib {budget_mib}", "budget"
-        elif gpu:
-            limit = (*self.card_limit(gpu, entry, "probe"), "ledger" if gpu in self.ledger.gpus else "card table")
-        else:
-            limit = None, None, "no card or budget given", "budget"
-        return iv, limit, (rem, scope, wtext)
 
     def dry_judge(self, recipe: Recipe, gpu: str, entry: Optional[Gpu] = None) -> Callable[[int], str]:
         """``judge_dry(...).verdict`` for the committed rows' figure of this recipe, as a function of
@@ -227,7 +221,7 @@ class Predictor:
         low, high, _ = self.card_limit(gpu, entry, "probe")
 
         def verdict(rank: int) -> str:
-            raw = figure(rank)
+            raw, _ = figure(rank)
             if raw is None:
                 return "unknown"
             mib = raw + rem
