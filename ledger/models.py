@@ -272,6 +272,13 @@ class RecipeFields(_Model):
         None, gt=0, le=MAX_TOKENS, description="Tokens the loss is computed on (the response span)."
     )
     batch_size: Optional[int] = Field(None, gt=0, le=MAX_RANK, description="Sequences per step.")
+    optimizer: Optional[Line] = Field(
+        None, description=("The optimizer stepped within the measured step, by its TrainingArguments name "
+                           "(adamw_torch, adamw_8bit, ...); null: no optimizer step (a one-step probe).")
+    )
+    gradient_checkpointing: Optional[bool] = Field(
+        None, description="Whether gradient checkpointing was on; null: as the probe kit runs it (on)."
+    )
     memory_fixes: Optional[Union[Literal["all", "none"], list[FixName]]] = Field(
         None,
         description="Memory fixes on: 'all', 'none', or a list of chunked_mlp, save_on_cpu, bf16_lm_head, logits_to_keep.",

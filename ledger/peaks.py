@@ -30,11 +30,20 @@ def date_of(m) -> dt.date:
     return m.provenance.measured_on or dt.date.min
 
 
+def modelled(m: Measurement) -> bool:
+    """Whether the fits can read a row: micro-batch 1, gradient checkpointing on, no optimizer step
+    inside the measured step (what probes and the program's runs are). A row outside that, such as
+    a preflight of a batch of 4 with its AdamW step, stays in the ledger as evidence and on the
+    site, but is no point of the peak model, the pairs or the card limits."""
+    return (m.batch_size or 1) == 1 and m.optimizer is None and m.gradient_checkpointing is not False
+
+
 def before(ms: list[Measurement], as_of: Optional[dt.date], exclude: Iterable[str] = ()) -> list[Measurement]:
-    """The ledger as it stood on a date, less some rows (prospective or held-out fits)."""
+    """The ledger as it stood on a date, less some rows (prospective or held-out fits), and less
+    the rows the fits cannot read (``modelled``)."""
     drop = set(exclude)
-    return [m for m in ms if m.id not in drop and (as_of is None or m.provenance.measured_on is None
-                                                    or m.provenance.measured_on <= as_of)]
+    return [m for m in ms if m.id not in drop and modelled(m) and (
+        as_of is None or m.provenance.measured_on is None or m.provenance.measured_on <= as_of)]
 
 
 # -- peaks of configurations --------------------------------------------------------------------

@@ -12,6 +12,7 @@ from typing import Iterable, Optional
 from .estimators import ESTIMATORS, MIB, Canifinetune, Estimate, Estimator, Recipe, recipe_of
 from .model_configs import Arch, load_arch
 from .models import Ledger, Measurement
+from .peaks import modelled
 from .held_out import held_out, shared_predictor
 from .recipe import capacity_mib, row_keys_cached
 
@@ -153,7 +154,7 @@ def scoreboard(ledger: Ledger, estimators: Optional[list[Estimator]] = None, kee
         for m, r, arch, card, slices in addressable:
             answer = None
             if isinstance(est, VramLedger):
-                answer = est.answer(ledger, m)
+                answer = est.answer(ledger, m) if modelled(m) else None
                 fig = answer.allocated if answer else None
                 pred = fig.mib if fig is not None else None
                 e = None if pred is None else Estimate(est.name, pred * MIB, est.predicts,
