@@ -135,3 +135,23 @@ def test_doctor_on_a_real_card():
 
     doc = json.loads(out.stdout)
     assert doc["gpus"] and all(g["pci_bus_id"] for g in doc["gpus"])
+
+
+def test_preflight_on_the_card_trains_bit_for_bit_like_a_run_without(tmp_path):
+    """The CUDA version of test_preflight's bit-identical check, with the allocator's peaks judged
+    against the memory the card had free."""
+    from test_preflight import trained
+
+    plain = trained(tmp_path / "plain", device="cuda")
+    again = trained(tmp_path / "again", device="cuda")
+    if not all(torch.equal(plain[0][k], again[0][k]) for k in plain[0]):
+        pytest.skip("two plain runs differ on this card (non-deterministic kernels): nothing to compare against")
+    pre = trained(tmp_path / "pre", device="cuda", gpu=None)
+    assert all(torch.equal(plain[0][k], pre[0][k]) for k in plain[0])
+    for k in plain[1]:
+        for name, t in plain[1][k].items():
+            assert torch.equal(t, pre[1][k][name]), (k, name)
+    assert torch.equal(plain[3], pre[3])
+    r = pre[4].result
+    assert r.meter == "allocator" and r.step.peak_reserved_mib >= r.step.peak_allocated_mib > 0
+    assert r.verdict == "fits" and r.headroom_mib == pytest.approx(r.available_mib - r.step.peak_reserved_mib, abs=0.1)

@@ -64,32 +64,35 @@ class Steps(TrainerCallback):
         self.begun += 1
 
 
-def trainer_for(tmp_path: Path, model, *, batch: int = 4, accumulation: int = 2, steps: int = 3, optim="adamw_torch"):
+def trainer_for(tmp_path: Path, model, *, batch: int = 4, accumulation: int = 2, steps: int = 3, optim="adamw_torch",
+                device: str = "cpu"):
     args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=batch,
-                             gradient_accumulation_steps=accumulation, max_steps=steps, use_cpu=True, report_to=[],
+                             gradient_accumulation_steps=accumulation, max_steps=steps, use_cpu=device == "cpu",
+                             report_to=[],
                              save_strategy="no", logging_strategy="no", seed=3, gradient_checkpointing=True,
                              remove_unused_columns=False, optim=optim, disable_tqdm=True)
     return Trainer(model=model, args=args, train_dataset=examples(), data_collator=collate)
 
 
-def trained(tmp_path: Path, **preflight_options):
+def trained(tmp_path: Path, device: str = "cpu", **preflight_options):
     """Train three steps (with preflight when options are given); the adapter and optimizer state after."""
     model = tiny_model()
-    trainer = trainer_for(tmp_path, model)
+    trainer = trainer_for(tmp_path, model, device=device)
     steps = Steps()
     trainer.add_callback(steps)
     if preflight_options:
         trainer.add_callback(Preflight(trainer, **preflight_options))
     trainer.train()
-    weights = {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
+    weights = {k: v.detach().cpu().clone() for k, v in model.named_parameters() if v.requires_grad}
     state = trainer.optimizer.state_dict()["state"]
-    return weights, state, steps.begun, torch.get_rng_state()
+    rng = torch.cuda.get_rng_state() if device == "cuda" else torch.get_rng_state()
+    return weights, state, steps.begun, rng, (trainer.callback_handler.callbacks[-1] if preflight_options else None)
 
 
 def test_a_run_with_preflight_trains_bit_for_bit_like_one_without(tmp_path, capsys):
     """Dropout (the RNG), accumulation 2, AdamW's state, the scheduler: all as without preflight."""
-    plain_w, plain_s, plain_steps, plain_rng = trained(tmp_path / "a")
-    pre_w, pre_s, pre_steps, pre_rng = trained(tmp_path / "b", budget_mib=1000)
+    plain_w, plain_s, plain_steps, plain_rng, _ = trained(tmp_path / "a")
+    pre_w, pre_s, pre_steps, pre_rng, _ = trained(tmp_path / "b", budget_mib=1000)
     assert "preflight: FITS" in capsys.readouterr().err
     assert plain_steps == pre_steps == 3  # on_step_begin: once per optimizer step
     assert plain_w.keys() == pre_w.keys() and all(torch.equal(plain_w[k], pre_w[k]) for k in plain_w)
