@@ -314,7 +314,15 @@ class _Meter:
         if self.cuda:
             meter = AllocatorMeter(self.device)
             meter.reset_peak()
-            yield meter
+            try:
+                yield meter
+            finally:
+                # Read by measure_step inside the block; reset again after it, so the run's own
+                # peaks (the trainer's memory metrics, VramLedgerCallback) start from training.
+                peaks = (meter.peak_allocated_mib(), meter.peak_reserved_mib())
+                meter.reset_peak()
+                meter.peak_allocated_mib = lambda: peaks[0]
+                meter.peak_reserved_mib = lambda: peaks[1]
             return
         meter = TrackerMeter(self.budget_mib)
         meter.register_module(model)
@@ -537,11 +545,17 @@ def _checkpointing(model, on: bool) -> Iterator[bool]:
         yield False
         return
     target = base.get_base_model() if hasattr(base, "get_base_model") else base
-    target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kwargs = {"use_reentrant": False}
+    if hasattr(target, "activation_checkpointing_enable"):  # transformers >= 5
+        target.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        off = target.activation_checkpointing_disable
+    else:
+        target.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        off = target.gradient_checkpointing_disable
     try:
         yield True
     finally:
-        target.gradient_checkpointing_disable()
+        off()
 
 
 # -- the ledger: the card's limit, its answer, the record ---------------------------------------
@@ -820,8 +834,9 @@ def _nearest(result: PreflightResult, trainer, model, worst: WorstBatch, recipe:
 
 
 class Preflight(TrainerCallback):
-    """Runs ``preflight(trainer, ...)`` at train begin, on the main process only; raises
-    ``PreflightFailed`` before the first step when the worst batch does not fit."""
+    """Runs ``preflight(trainer, ...)`` at train begin (every process measures its own card; the
+    main one prints and records); raises ``PreflightFailed`` before the first step when the worst
+    batch does not fit."""
 
     def __init__(self, trainer, **options):
         self.trainer = trainer
@@ -829,10 +844,21 @@ class Preflight(TrainerCallback):
         self.result: Optional[PreflightResult] = None
 
     def on_train_begin(self, args, state, control, **kwargs):
+        options = dict(self.options)
         if not state.is_world_process_zero:
-            return control
-        self.result = preflight(self.trainer, **self.options)
+            # Every process runs the step (a distributed backward needs them all, and each measures
+            # its own card); the main process alone prints and records.
+            options.update(ledger=None, stream=_Quiet())
+        self.result = preflight(self.trainer, **options)
         return control
+
+
+class _Quiet:
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        pass
 
 
 # -- command line ------------------------------------------------------------------------------------
@@ -877,7 +903,7 @@ def tokenize(rows: list[dict], tokenizer, max_length: Optional[int]) -> list[dic
     for row in rows:
         if "messages" in row and row["messages"] is not None:
             ids = tokenizer.apply_chat_template(row["messages"], tokenize=True)
-            ids = ids["input_ids"] if isinstance(ids, dict) else ids
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids  # transformers 5 returns a BatchEncoding
         else:
             ids = tokenizer(row["text"])["input_ids"]
         if max_length:
@@ -894,6 +920,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Before training: the recipe's steady-state step (forward, backward, optimizer) on the "
                     "dataset's worst batch, with a verdict against the card.")
     add_recipe_options(p)
+    for action in p._actions:  # the data decides the lengths; a stock run has none of the program's fixes
+        if action.dest in ("seq_len", "response_len", "logits_to_keep"):
+            action.help = argparse.SUPPRESS
+        elif action.dest == "fixes":
+            action.default = "none"
+            action.help = ("memory fixes: none (stock, the default), all, or a comma list of chunked_mlp, save_on_cpu, "
+                           "bf16_lm_head, logits_to_keep")
     p.add_argument("--data", required=True, help="a .jsonl or .parquet file with a 'text' or 'messages' column")
     p.add_argument("--tokenizer", help="a tokenizer folder (default: the model's folder)")
     p.add_argument("--max-length", type=int, help="truncate examples to this many tokens, as the run does")
@@ -940,6 +973,10 @@ def run(args: argparse.Namespace) -> PreflightResult:
     if args.batch_size <= 0 or args.grad_accum <= 0:
         raise RecipeError("--batch-size and --grad-accum must be > 0")
     cfg = config_from_args(args)
+    unsupported = [f for f in cfg.fixes if f in ("save_on_cpu", "logits_to_keep")]
+    if unsupported:
+        raise RecipeError(f"--fixes {unsupported[0]}: the probe applies it inside its own step, which a Trainer "
+                          "does not run (chunked_mlp and bf16_lm_head are model changes and work here)")
     device = torch.device(args.device)
     tokenizer = _tokenizer_for(args)
     rows = tokenize(read_examples(args.data, None), tokenizer, args.max_length)
@@ -947,7 +984,8 @@ def run(args: argparse.Namespace) -> PreflightResult:
     torch.manual_seed(cfg.seed)
     model = prepare(build_model(cfg, device), cfg)
     if args.no_gradient_checkpointing:
-        model.get_base_model().gradient_checkpointing_disable()
+        base = model.get_base_model()
+        (getattr(base, "activation_checkpointing_disable", None) or base.gradient_checkpointing_disable)()
 
     def collate(examples):
         n = max(len(e["input_ids"]) for e in examples)

@@ -227,6 +227,7 @@ def _tokenizer(folder: Path):
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]")
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }} [EOS] {% endfor %}"
     fast.save_pretrained(folder)
     return fast
 
@@ -276,3 +277,42 @@ def test_the_command(tmp_path):
     rows.write_text('{"text": "w1"}\n{"prompt": 1}\n')
     with pytest.raises(Exception, match=r"bad.jsonl:2: a row needs a 'text' or 'messages' column"):
         read_examples(str(rows))
+
+
+def test_on_the_cpu_a_card_is_judged_by_its_effective_limit_and_the_ledger_says_what_it_models(tmp_path):
+    result = preflight(trainer_for(tmp_path, tiny_model(), batch=2), gpu="rtx-3070-ti", stop=(), stream=sys.stderr)
+    assert result.available_source.startswith("rtx-3070-ti's effective limit")
+    from ledger import store
+    from ledger.dry_runs import load_dry_runs
+    from ledger.paths import DEFAULT_LEDGER
+    from ledger.predictor import Predictor
+
+    bundled = store.load(DEFAULT_LEDGER)
+    low, _, _ = Predictor(bundled, load_dry_runs()).card_limit("rtx-3070-ti", bundled.gpus["rtx-3070-ti"], "real")
+    assert result.available_mib == low and result.headroom_mib == pytest.approx(low - result.step.peak_allocated_mib,
+                                                                                abs=0.05)
+    assert "no answer for micro-batch 2" in result.ledger_answer
+    with pytest.raises(Exception, match="unknown gpu 'RTX 9999'"):
+        preflight(trainer_for(tmp_path, tiny_model()), gpu="RTX 9999", stream=sys.stderr)
+
+
+def test_the_command_reads_messages_and_parquet_and_measures_checkpointing_off(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    _tokenizer(tmp_path / "tok")
+    rows = [{"messages": [{"role": "user", "content": " ".join(f"w{j}" for j in range(5 + i))},
+                          {"role": "assistant", "content": "w1 w2"}]} for i in range(6)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "chat.parquet")
+    base = [sys.executable, "-m", "probe_kit.preflight", "--model", "tiny-llama", "--random-weights", "--quant", "bf16",
+            "--rank", "4", "--data", str(tmp_path / "chat.parquet"), "--tokenizer", str(tmp_path / "tok"),
+            "--device", "cpu", "--budget-mib", "4000", "--json"]
+    on = subprocess.run(base, capture_output=True, text=True, cwd=REPO)
+    off = subprocess.run(base + ["--no-gradient-checkpointing"], capture_output=True, text=True, cwd=REPO)
+    assert on.returncode == off.returncode == 0, on.stderr + off.stderr
+    on, off = json.loads(on.stdout), json.loads(off.stdout)
+    assert "1 × 14 tokens" in on["worst"]  # 10 user words, [EOS], 2 assistant words, [EOS]
+    assert "checkpointing on" in on["recipe"] and "checkpointing off" in off["recipe"]
+    assert off["step"]["peak_allocated_mib"] > on["step"]["peak_allocated_mib"]
+    refused = subprocess.run(base + ["--fixes", "all"], capture_output=True, text=True, cwd=REPO)
+    assert refused.returncode == 1 and refused.stderr.count("\n") == 1 and "save_on_cpu" in refused.stderr
