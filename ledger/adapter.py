@@ -1,0 +1,65 @@
+"""The LoRA adapter's trainable tensors, exactly, from a model's config: what the optimizer keeps
+state for and the gradients an optimizer step reads. No torch, no I/O beyond the config.
+
+For a target ``Linear(in, out)`` peft adds ``lora_A`` (rank × in) and ``lora_B`` (out × rank); DoRA
+adds a magnitude vector (out). Targets are module names of the decoder's attention and MLP
+projections, in every layer of the text model (the probe kit builds a multimodal config's text part,
+and so is this counted); ``TARGET_PRESETS`` names the two sets people use. Tested against peft's own
+models for Llama, Qwen2 and Gemma 3 configs (``tests/test_optimizers.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from .model_configs import Arch
+
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: What ``--target-modules`` accepts besides a comma list: peft's ``all-linear`` (every projection of
+#: the decoder; the lm_head is left out, as peft leaves it out) and attention only.
+TARGET_PRESETS: dict[str, tuple[str, ...]] = {"all-linear": ALL_LINEAR, "attn": ALL_LINEAR[:4]}
+
+
+def parse_targets(text: str) -> tuple[str, ...]:
+    """'all-linear', 'attn' or a comma list of projection names -> the target modules, in the
+    decoder's order. Raises ValueError naming an unknown module."""
+    text = text.strip()
+    if text in TARGET_PRESETS:
+        return TARGET_PRESETS[text]
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in names if t not in ALL_LINEAR]
+    if unknown or not names:
+        raise ValueError(f"unknown target module {unknown[0] if unknown else text!r} "
+                         f"(known: {', '.join(TARGET_PRESETS)}, or a comma list of {', '.join(ALL_LINEAR)})")
+    return tuple(t for t in ALL_LINEAR if t in names)
+
+
+def projection_shapes(arch: Arch) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each projection of one decoder layer."""
+    q = arch.heads * arch.head_dim
+    kv = arch.kv_heads * arch.head_dim
+    return {"q_proj": (arch.hidden, q), "k_proj": (arch.hidden, kv), "v_proj": (arch.hidden, kv),
+            "o_proj": (q, arch.hidden), "gate_proj": (arch.hidden, arch.intermediate),
+            "up_proj": (arch.hidden, arch.intermediate), "down_proj": (arch.intermediate, arch.hidden)}
+
+
+def trainable_shapes(arch: Arch, rank: int, targets: Iterable[str] = ALL_LINEAR, dora: bool = False
+                     ) -> list[tuple[int, ...]]:
+    """The shape of every trainable tensor of the adapter (one entry per tensor, every layer)."""
+    shapes = projection_shapes(arch)
+    layer: list[tuple[int, ...]] = []
+    for name in targets:
+        fan_in, fan_out = shapes[name]
+        layer += [(rank, fan_in), (fan_out, rank)] + ([(fan_out,)] if dora else [])
+    return layer * arch.layers
+
+
+def trainable_params(arch: Arch, rank: int, targets: Iterable[str] = ALL_LINEAR, dora: bool = False) -> int:
+    """How many parameters the adapter trains."""
+    total = 0
+    for shape in trainable_shapes(arch, rank, targets, dora):
+        n = 1
+        for d in shape:
+            n *= d
+        total += n
+    return total
