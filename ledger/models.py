@@ -273,8 +273,9 @@ class RecipeFields(_Model):
     )
     batch_size: Optional[int] = Field(None, gt=0, le=MAX_RANK, description="Sequences per step.")
     optimizer: Optional[Line] = Field(
-        None, description=("The optimizer stepped within the measured step, by its TrainingArguments name "
-                           "(adamw_torch, adamw_8bit, ...); null: no optimizer step (a one-step probe).")
+        None, description=("The optimizer by its TrainingArguments name (adamw_torch, adamw_8bit, ...): a real run's, "
+                           "or a probe's whose measured step included an optimizer step (a preflight); null: not "
+                           "recorded, or a probe without an optimizer step.")
     )
     gradient_checkpointing: Optional[bool] = Field(
         None, description="Whether gradient checkpointing was on; null: as the probe kit runs it (on)."

@@ -32,6 +32,8 @@ BNB_MIN_8BIT = 4096  # bitsandbytes' min_8bit_size: smaller tensors keep 32-bit 
 BNB_BLOCK = 256  # elements per absmax block of bitsandbytes' blockwise 8-bit state
 BNB_PAGED_MIN = 100_000  # bitsandbytes pages a state buffer only from this many elements
 
+#: What a stock ``transformers`` Trainer steps unless told otherwise: AdamW with fp32 moments.
+STOCK_OPTIMIZER = "adamw_torch"
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit",
               "adafactor", "sgd")
 

@@ -31,11 +31,12 @@ def date_of(m) -> dt.date:
 
 
 def modelled(m: Measurement) -> bool:
-    """Whether the fits can read a row: micro-batch 1, gradient checkpointing on, no optimizer step
-    inside the measured step (what probes and the program's runs are). A row outside that, such as
-    a preflight of a batch of 4 with its AdamW step, stays in the ledger as evidence and on the
-    site, but is no point of the peak model, the pairs or the card limits."""
-    return (m.batch_size or 1) == 1 and m.optimizer is None and m.gradient_checkpointing is not False
+    """Whether the fits can read a row: micro-batch 1, gradient checkpointing on, and for a probe no
+    optimizer step inside the measured step (what probes and the program's runs are). A row outside
+    that, such as a preflight of a batch of 4 with its AdamW step, stays in the ledger as evidence
+    and on the site, but is no point of the peak model, the pairs or the card limits."""
+    return ((m.batch_size or 1) == 1 and m.gradient_checkpointing is not False
+            and not (m.kind == "probe" and m.optimizer is not None))
 
 
 def before(ms: list[Measurement], as_of: Optional[dt.date], exclude: Iterable[str] = ()) -> list[Measurement]:

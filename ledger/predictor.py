@@ -57,7 +57,7 @@ from .limits import CardLimits
 from .model_configs import model_name
 from .models import Gpu, Ledger, Measurement
 from .recipe import Recipe
-from .response_span import ProbeToReal
+from .response_span import ProbeToReal, with_optimizer_state
 from .rungs import MeasuredRealRun, probe_ladder
 
 
@@ -122,7 +122,8 @@ class Predictor:
     def predict(self, recipe: Recipe, gpu: str, *, entry: Optional[Gpu] = None, run: Run = "probe",
                 margin_mib: float = 0.0, budget_mib: Optional[float] = None) -> Answer:
         """The answer for a recipe on a card (a ledger key, or a card-table entry given as ``entry``)."""
-        recipe = self.resolve_model(recipe, gpu)
+        optimizer = recipe.optimizer  # the rows record none: its state is added to a real run below
+        recipe = replace(self.resolve_model(recipe, gpu), optimizer=None)
         entry = entry or self.ledger.gpus.get(gpu)
         source = "ledger" if gpu in self.ledger.gpus else "card table"
         if recipe.model and gpu in self.ledger.gpus:
@@ -141,6 +142,9 @@ class Predictor:
         real = None
         if run == "real":
             real, method, text, evidence = self._real(recipe, gpu, probe, method, text, evidence)
+            if optimizer:
+                real, text = with_optimizer_state(real, recipe, optimizer, text)
+        recipe = replace(recipe, optimizer=optimizer)
         judged = real if run == "real" else probe
         ratio = self.reserved_ratio(gpu)
         reserved = None if judged is None or ratio is None else scale(judged, ratio[0], ratio[1], ratio[2])

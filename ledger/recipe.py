@@ -205,6 +205,10 @@ class Recipe:
     seq_len: Optional[int] = None
     fixes: str = "all"
     response_len: Optional[int] = None
+    #: The optimizer a real run steps, by its TrainingArguments name; its state is a term of its own
+    #: (``ledger.optimizers``), added to a real run's figure. None: not counted beyond what the
+    #: ledger's rows hold (they record no optimizer).
+    optimizer: Optional[str] = None
 
     def group(self) -> GroupKey:
         return GroupKey(self.model, self.quant, self.seq_len, self.dropout, self.dora, self.fixes)
@@ -212,7 +216,7 @@ class Recipe:
     def describe(self) -> str:
         return (f"{self.model or 'the model'} {self.quant} r{self.rank}" + (" dropout" if self.dropout else "")
                 + (" DoRA" if self.dora else "") + (f" {self.seq_len} tokens" if self.seq_len else "")
-                + f" fixes {self.fixes}")
+                + f" fixes {self.fixes}" + (f" {self.optimizer}" if self.optimizer else ""))
 
 
 def recipe_of(m: Measurement) -> Optional[Recipe]:

@@ -8,11 +8,15 @@ more, at most the whole logits chain."""
 
 from __future__ import annotations
 
+from math import prod
 from typing import Optional
 
+from .adapter import ALL_LINEAR, trainable_shapes
 from .answers import Interval, scale, shift
 from .calibration import LOGIT_BYTES, kept_positions, kept_positions_of, logits_mib
 from .ledger_fit import LedgerFit
+from .model_configs import load_arch
+from .optimizers import state_bytes
 from .recipe import Recipe
 
 #: Bytes per vocabulary entry of one response position along the whole logits chain (bf16 logits,
@@ -81,3 +85,23 @@ class ProbeToReal:
         return real, (f"real run = {logits} x (1 - {o.pct}%), the median over-estimate of the anchors "
                       f"({', '.join(a.probe for a in o.anchors)}) on the probe's core, interval from every pair "
                       f"({o.low_pct}–{o.high_pct}%)")
+
+
+def with_optimizer_state(real: Optional[Interval], recipe: Recipe, optimizer: str, text: str
+                         ) -> tuple[Optional[Interval], str]:
+    """A real run's figure plus the state ``optimizer`` keeps across steps for the adapter's
+    trainable tensors (``ledger.optimizers``; exact from the model's config, the 7 projections the
+    ledger's rows train). The rows record no optimizer: whatever state their runs held on the card
+    is inside the figures they give, so adding the whole state leans high by at most that. Paged
+    state is named, not added (the allocator does not count it)."""
+    arch = load_arch(recipe.model) if recipe.model else None
+    if arch is None:
+        return real, f"{text}; the {optimizer} state is not counted: no config for {recipe.model or 'the model'}"
+    shapes = trainable_shapes(arch, recipe.rank, ALL_LINEAR, recipe.dora)
+    state = state_bytes(optimizer, shapes)
+    n = sum(prod(s) for s in shapes)
+    note = (f"plus the optimizer's state, {state.describe()} for the adapter's {n:,} trainable parameters "
+            "(the rows record no optimizer: their runs' own state, if any, is inside the figure, so this leans high)")
+    if real is None:
+        return None, f"{text}; {note}"
+    return shift(real, state.device_mib), f"{text}; {note}"

@@ -91,6 +91,7 @@ def _allocated_state(opt, fused: bool) -> int:
     return total
 
 
+@pytest.mark.filterwarnings("ignore:Paged optimizers are not supported on CPU")
 @pytest.mark.parametrize("name", OPTIMIZERS)
 @pytest.mark.parametrize("family,rank", [("llama", 8), ("qwen2", 64), ("gemma3", 16)])
 def test_the_state_term_is_what_the_optimizer_allocates(tmp_path, name, family, rank):
@@ -112,3 +113,26 @@ def test_the_state_term_is_what_the_optimizer_allocates(tmp_path, name, family, 
     else:
         # On the CPU a paged optimizer falls back to ordinary buffers: compare the whole state.
         assert term.device + term.paged == pytest.approx(measured, rel=0.005)
+
+
+def _estimate(capsys, *flags) -> dict:
+    from ledger import cli
+
+    assert cli.main(["estimate", "--model", "llama-3.1-8b", "--rank", "512", "--seq-len", "4096", "--gpu", "RTX 4090",
+                     "--real", "--json", *flags]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_a_stock_llama_8b_r512_real_run_does_not_fit_a_4090_because_of_adamw_state(capsys):
+    """The recipes issue's case: 1.34 B trainable parameters keep 10 GiB of AdamW state on the card.
+    A stock recipe (--fixes none) steps AdamW unless told otherwise; without any state (SGD, which
+    the Trainer builds without momentum) the same run would be judged to fit: the state is why."""
+    stock = _estimate(capsys, "--fixes", "none")
+    assert stock["recipe"]["optimizer"] == "adamw_torch" and stock["answer"]["verdict"] == "won't fit"
+    assert "adamw_torch: 10,240.0 MiB of state on the card" in stock["answer"]["method_text"]
+    plain = _estimate(capsys, "--fixes", "none", "--optim", "sgd")
+    assert plain["answer"]["verdict"] == "fits"
+    gap = stock["answer"]["real_allocated"]["mib"] - plain["answer"]["real_allocated"]["mib"]
+    assert gap == pytest.approx(10240.0, abs=0.2)
+    # The program's preset (--fixes all) counts no state beyond what its measured runs hold.
+    assert _estimate(capsys, "--fixes", "all")["recipe"]["optimizer"] is None

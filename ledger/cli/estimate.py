@@ -10,8 +10,8 @@ from ..estimators import Recipe, estimate_all, nearest_row
 from ..model_configs import load_arch
 from ..ingest import fixes_option
 from ..recipe import capacity_mib, fixes_key, seq_len_of
-from .calibrate import add_dry_runs_option, card_of, predictor_for, recipe_from
-from .options import Command, add_json_option, add_ledger_option, add_recipe_options, dump_json
+from .calibrate import add_dry_runs_option, card_of, optimizer_of, predictor_for, recipe_from
+from .options import Command, add_json_option, add_ledger_option, add_optimizer_option, add_recipe_options, dump_json
 
 
 def add_estimate_options(p: argparse.ArgumentParser) -> None:
@@ -20,6 +20,7 @@ def add_estimate_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu", help="the card: a ledger key, alias or name, or a common card ('RTX 4090', a100-40gb); "
                                  "this project's verdict is for it")
     p.add_argument("--real", action="store_true", help="this project's answer for a real run, not a one-step probe")
+    add_optimizer_option(p)
     add_ledger_option(p)
     add_dry_runs_option(p)
     add_json_option(p)
@@ -58,7 +59,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     figures = estimate_all(arch, recipe, card)
     near = nearest_row(ledger, args.model, recipe, gpu)
     doc = {"model": arch.name, "params": arch.total_params,
-           "recipe": {**recipe.__dict__, "response_len": args.response_len}, "gpu": gpu, "card_mib": card,
+           "recipe": {**recipe.__dict__, "response_len": args.response_len,
+                      "fixes": fixes_key(fixes_option(args.fixes)),
+                      "optimizer": optimizer_of(args, fixes_key(fixes_option(args.fixes))) if args.real else None},
+           "gpu": gpu, "card_mib": card,
            "answer": answer.model_dump(mode="json") if answer else None, "estimates": figures,
            "nearest_measurement": None if near is None else {
                "id": near.id, "gpu": near.gpu, "kind": near.kind, "rank": near.lora.rank, "seq_len": seq_len_of(near),
@@ -67,9 +71,16 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if args.json:
         dump_json(doc)
         return 0
+    fixes = fixes_key(fixes_option(args.fixes))
+    optimizer = optimizer_of(args, fixes)
+    # The first line names the whole recipe the answer is for.
     print(f"{arch.name} ({arch.total_params / 1e9:.2f}B params), {args.quant}, r{args.rank}, {args.seq_len} tokens"
           + (f", dropout {args.dropout:g}" if args.dropout else "") + (", DoRA" if args.dora else "")
-          + (f", batch {args.batch_size}" if args.batch_size != 1 else "") + (f", on {gpu}" if gpu else ""))
+          + f", batch {args.batch_size}, memory fixes {fixes}"
+          + (" (the program's preset)" if fixes == "all" else " (stock)" if fixes == "none" else "")
+          + ((f", {optimizer}" if optimizer else ", optimizer state as in the program's measured runs") if args.real
+             else ", a one-step probe (no optimizer step; --real for a training run)")
+          + (f", on {gpu}" if gpu else ""))
     if answer is not None and answer.allocated is not None:
         iv = answer.allocated
         what = "a real run" if args.real else "a one-step probe"

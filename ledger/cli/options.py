@@ -65,6 +65,16 @@ def add_recipe_options(p: argparse.ArgumentParser, *, required: tuple[str, ...] 
         p.add_argument(f"--{name}", **kw)
 
 
+def add_optimizer_option(p: argparse.ArgumentParser) -> None:
+    from ..optimizers import OPTIMIZERS
+
+    p.add_argument("--optim", choices=OPTIMIZERS, metavar="NAME",
+                   help="the optimizer a real run steps, by its TrainingArguments name (" + ", ".join(OPTIMIZERS)
+                        + "): its state for the adapter's trainable parameters is added to the real-run figure "
+                          "(default: adamw_torch for a stock recipe; none beyond what the measured runs hold for "
+                          "the program's preset, --fixes all)")
+
+
 def parse_date(text: Optional[str], flag: str) -> Optional[dt.date]:
     if text is None:
         return None
