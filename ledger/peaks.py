@@ -31,12 +31,13 @@ def date_of(m) -> dt.date:
 
 
 def modelled(m: Measurement) -> bool:
-    """Whether the fits can read a row: micro-batch 1, gradient checkpointing on, and for a probe no
-    optimizer step inside the measured step (what probes and the program's runs are). A row outside
-    that, such as a preflight of a batch of 4 with its AdamW step, stays in the ledger as evidence
-    and on the site, but is no point of the peak model, the pairs or the card limits."""
+    """Whether the fits can read a row: micro-batch 1, gradient checkpointing on, and for a probe or
+    dry run no optimizer step inside the measured step (what probes, dry runs and the program's runs
+    are). A row outside that, such as a preflight of a batch of 4 with its AdamW step, stays in the
+    ledger as evidence and on the site, but is no point of the peak model, the pairs, the card
+    limits or the dry-run table."""
     return ((m.batch_size or 1) == 1 and m.gradient_checkpointing is not False
-            and not (m.kind == "probe" and m.optimizer is not None))
+            and (m.optimizer is None or m.kind == "real"))
 
 
 def before(ms: list[Measurement], as_of: Optional[dt.date], exclude: Iterable[str] = ()) -> list[Measurement]:

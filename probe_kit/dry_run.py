@@ -47,8 +47,8 @@ from ledger.models import Environment, Measurement, Outcome, Provenance
 
 from .meters import MIB, TrackerMeter
 from .probe_vram import add_recipe_options, config_from_args, probe_id, rss_bytes, run_cli, versions
-from .recipe import ProbeConfig, RecipeError, load_config, prepare, resolve_config_path, step, \
-    synthetic_batch, checkpointing_active, offload
+from .recipe import ProbeConfig, RecipeError, checkpointing_as_asked, load_config, offload, prepare, \
+    resolve_config_path, synthetic_batch, train_step
 
 #: PyTorch's default cuBLAS workspace per handle (CUBLAS_WORKSPACE_CONFIG ":4096:8"): 4096 KiB x 2
 #: + 16 KiB x 8. Workspaces come from the caching allocator, so they are inside peak allocated.
@@ -214,15 +214,20 @@ def dry_run(cfg: ProbeConfig, *, multimodal: Optional[bool] = None, budget_mib: 
         oom = None
         with meter:
             model = prepare(model, cfg)
-            if not checkpointing_active(model):
-                raise RecipeError("gradient checkpointing is not active in training mode")
+            checkpointing_as_asked(model, cfg)
             ids = synthetic_batch(cfg, model.get_input_embeddings().num_embeddings, torch.device("cpu"))
-            pre_step = meter.allocated_mib()
             meter.reset_peak()
+            figures = {}
+
+            def warmed() -> None:  # before the measured step: with an optimizer, its state is made
+                figures["pre_step"] = meter.allocated_mib()
+
             try:
-                step(model, ids, cfg, offload(cfg, torch.device("cpu"), meter.exclude))
+                train_step(model, ids, cfg, lambda: offload(cfg, torch.device("cpu"), meter.exclude), fake=True,
+                           warmed=warmed)
             except torch.OutOfMemoryError as exc:
                 oom = str(exc)
+            pre_step = figures.get("pre_step", meter.allocated_mib())
         peak = meter.peak_allocated_mib()
     if multimodal is None:
         multimodal = loads_multimodal(cfg.model)
@@ -281,7 +286,14 @@ def dry_id(cfg: ProbeConfig) -> str:
     fixes = fixes_value(cfg.fixes)
     if fixes != "all":
         parts.append("fixes-" + fixes.replace(",", "+").replace("_", ""))
-    parts += [f"seq{cfg.seq_len}", digest]
+    if cfg.batch_size != 1:
+        parts.append(f"b{cfg.batch_size}")
+    parts.append(f"seq{cfg.seq_len}")
+    if not cfg.gradient_checkpointing:
+        parts.append("nockpt")
+    if cfg.optimizer:
+        parts.append(cfg.optimizer.replace("_", ""))
+    parts.append(digest)
     return "-".join(parts)
 
 

@@ -61,6 +61,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 from transformers import TrainerCallback
 
+from ledger.optimizers import STOCK_OPTIMIZER
+
 from .meters import MIB, AllocatorMeter, TrackerMeter
 
 DEFAULT_MAX_SCAN = 200_000
@@ -927,13 +929,14 @@ def build_parser() -> argparse.ArgumentParser:
             action.default = "none"
             action.help = ("memory fixes: none (stock, the default), all, or a comma list of chunked_mlp, save_on_cpu, "
                            "bf16_lm_head, logits_to_keep")
+        elif action.dest == "batch_size":
+            action.help = "per-device micro-batch (default 1)"
+        elif action.dest == "optim":
+            action.help = f"the optimizer, by its TrainingArguments name (default {STOCK_OPTIMIZER}, as a stock Trainer)"
     p.add_argument("--data", required=True, help="a .jsonl or .parquet file with a 'text' or 'messages' column")
     p.add_argument("--tokenizer", help="a tokenizer folder (default: the model's folder)")
     p.add_argument("--max-length", type=int, help="truncate examples to this many tokens, as the run does")
-    p.add_argument("--batch-size", type=int, default=1, help="per-device micro-batch (default 1)")
     p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default 1)")
-    p.add_argument("--optim", default="adamw_torch", help="TrainingArguments optimizer name (default adamw_torch)")
-    p.add_argument("--no-gradient-checkpointing", action="store_true", help="train without gradient checkpointing")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--gpu", help="the card (a name `vram cards` lists): the ledger's answer, and the limit on the CPU")
     p.add_argument("--budget-mib", type=float, help="judge against this many MiB (on the CPU: a simulated OOM above it)")
@@ -972,6 +975,8 @@ def run(args: argparse.Namespace) -> PreflightResult:
 
     if args.batch_size <= 0 or args.grad_accum <= 0:
         raise RecipeError("--batch-size and --grad-accum must be > 0")
+    optim = args.optim or STOCK_OPTIMIZER
+    args.optim = None  # the Trainer steps it; the probe config only builds the model and adapter
     cfg = config_from_args(args)
     unsupported = [f for f in cfg.fixes if f in ("save_on_cpu", "logits_to_keep")]
     if unsupported:
@@ -983,9 +988,6 @@ def run(args: argparse.Namespace) -> PreflightResult:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
     torch.manual_seed(cfg.seed)
     model = prepare(build_model(cfg, device), cfg)
-    if args.no_gradient_checkpointing:
-        base = model.get_base_model()
-        (getattr(base, "activation_checkpointing_disable", None) or base.gradient_checkpointing_disable)()
 
     def collate(examples):
         n = max(len(e["input_ids"]) for e in examples)
@@ -999,7 +1001,7 @@ def run(args: argparse.Namespace) -> PreflightResult:
 
     with tempfile.TemporaryDirectory() as out:
         targs = TrainingArguments(output_dir=out, per_device_train_batch_size=args.batch_size,
-                                  gradient_accumulation_steps=args.grad_accum, optim=args.optim, report_to=[],
+                                  gradient_accumulation_steps=args.grad_accum, optim=optim, report_to=[],
                                   gradient_checkpointing=False, use_cpu=device.type == "cpu",
                                   remove_unused_columns=False, save_strategy="no", logging_strategy="no")
         trainer = Trainer(model=model, args=targs, train_dataset=rows, data_collator=collate)

@@ -32,6 +32,7 @@ from ledger.recipe import slug, vendor_of
 from ledger.errors import UserError
 from ledger.models import Environment, Gpu, Measurement, Oom, Outcome, Provenance
 from ledger.oom import find_oom, parse_oom_message
+from ledger.optimizers import OPTIMIZERS
 from ledger.units import round_mib
 
 from .recipe import ProbeConfig, RecipeError, parse_fixes
@@ -275,7 +276,7 @@ def run_probe(
     import torch
 
     from .meters import AllocatorMeter, TrackerMeter
-    from .recipe import build_model, checkpointing_active, offload, prepare, step, synthetic_batch
+    from .recipe import build_model, checkpointing_as_asked, offload, prepare, synthetic_batch, train_step
 
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -320,14 +321,18 @@ def run_probe(
                 out["after_load_mib"] = round_mib(meter.allocated_mib())
                 with _maybe(mode):
                     model = prepare(model, cfg)
-                    if not checkpointing_active(model):
-                        raise RecipeError("gradient checkpointing is not active in training mode: refusing to probe "
-                                          "(every activation would be stored, and offloaded to host RAM)")
+                    checkpointing_as_asked(model, cfg)
                     ids = synthetic_batch(cfg, model.get_input_embeddings().num_embeddings, dev)
-                    out["pre_step_mib"] = round_mib(meter.allocated_mib())
-                    meter.reset_peak()
+                    meter.reset_peak()  # an optimizer's first step (making its state) is inside the peak too
                     t0 = time.perf_counter()
-                    step(model, ids, cfg, offload(cfg, dev, meter.exclude if isinstance(meter, TrackerMeter) else None))
+
+                    def warmed() -> None:  # before the measured step: with an optimizer, its state is made
+                        nonlocal t0
+                        out["pre_step_mib"] = round_mib(meter.allocated_mib())
+                        t0 = time.perf_counter()
+
+                    exclude = meter.exclude if isinstance(meter, TrackerMeter) else None
+                    train_step(model, ids, cfg, lambda: offload(cfg, dev, exclude), warmed=warmed)
                     if dev.type == "cuda":
                         torch.cuda.synchronize(dev)
                     out["step_s"] = round(time.perf_counter() - t0, 3)
@@ -399,6 +404,15 @@ def add_recipe_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-modules", help="comma list of LoRA target modules (default: the 7 projections)")
     p.add_argument("--random-weights", action="store_true", help="build from the config with random weights")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic tokens and random weights")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="sequences in the step, each of --seq-len tokens (the worst micro-batch, padded to the "
+                        "longest; default 1)")
+    p.add_argument("--no-gradient-checkpointing", action="store_true",
+                   help="run the step without gradient checkpointing (every activation kept for backward)")
+    p.add_argument("--optim", metavar="NAME", choices=OPTIMIZERS,
+                   help="step this optimizer (a TrainingArguments name: " + ", ".join(OPTIMIZERS) + "): the "
+                        "steady state is measured, an optimizer step first so its state exists (default: no "
+                        "optimizer step, a one-step probe)")
 
 
 def config_from_args(args: argparse.Namespace) -> ProbeConfig:
@@ -406,7 +420,8 @@ def config_from_args(args: argparse.Namespace) -> ProbeConfig:
         model=args.model, rank=args.rank, alpha=args.alpha, rslora=args.rslora, dropout=args.dropout, dora=args.dora,
         quant=args.quant, seq_len=args.seq_len, response_len=args.response_len, fixes=parse_fixes(args.fixes),
         logits_to_keep=args.logits_to_keep, double_quant=not args.no_double_quant, mlp_chunk=args.mlp_chunk,
-        random_weights=args.random_weights, seed=args.seed,
+        random_weights=args.random_weights, seed=args.seed, batch_size=args.batch_size,
+        gradient_checkpointing=not args.no_gradient_checkpointing, optimizer=args.optim,
     )
     if args.target_modules:
         kwargs["target_modules"] = [t.strip() for t in args.target_modules.split(",") if t.strip()]

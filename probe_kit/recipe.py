@@ -27,6 +27,7 @@ import torch
 
 from ledger import recipe as ledger_recipe
 from ledger.models import Lora, Measurement
+from ledger.optimizers import OPTIMIZERS
 from ledger.paths import MODEL_CONFIGS
 from ledger.recipe import FIX_NAMES
 
@@ -66,6 +67,13 @@ class ProbeConfig:
     mlp_chunk: int = 1024
     random_weights: bool = False
     seed: int = 0
+    #: Sequences in the step (the worst micro-batch: each of seq_len tokens, as padding to the
+    #: longest makes it).
+    batch_size: int = 1
+    gradient_checkpointing: bool = True
+    #: An optimizer to step, by its TrainingArguments name: the step measured is then the steady
+    #: state (an optimizer step first, so its state exists, then forward, backward and a step).
+    optimizer: Optional[str] = None
 
     def label(self) -> str:
         """The recipe in a few words, every axis that changes memory named: 'gemma-3-4b-it 4bit r96
@@ -73,7 +81,10 @@ class ProbeConfig:
         fixes = ledger_recipe.fixes_value(self.fixes)
         return (f"{self.model.split('/')[-1].removesuffix('.json')} {self.quant} r{self.rank}"
                 + (f" dropout {self.dropout:g}" if self.dropout else "") + (" DoRA" if self.dora else "")
-                + f" {self.seq_len} tokens fixes {fixes}")
+                + (f" batch {self.batch_size} x" if self.batch_size != 1 else "")
+                + f" {self.seq_len} tokens fixes {fixes}"
+                + ("" if self.gradient_checkpointing else " no checkpointing")
+                + (f" {self.optimizer}" if self.optimizer else ""))
 
     def __post_init__(self) -> None:
         if self.rank <= 0:
@@ -88,6 +99,10 @@ class ProbeConfig:
             raise RecipeError(f"--response-len must be in [1, seq_len), got {self.response_len}")
         if self.mlp_chunk <= 0:
             raise RecipeError(f"--mlp-chunk must be > 0, got {self.mlp_chunk}")
+        if self.batch_size <= 0:
+            raise RecipeError(f"--batch-size must be > 0, got {self.batch_size}")
+        if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
+            raise RecipeError(f"--optim must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
 
     @property
     def keep(self) -> int:
@@ -95,8 +110,14 @@ class ProbeConfig:
         return (self.logits_to_keep or self.response_len) + 1
 
     def key(self) -> dict:
-        """The configuration as a dict (stable; used for ids and --resume)."""
-        return asdict(self)
+        """The configuration as a dict (stable; used for ids and --resume): an axis at the value every
+        earlier probe had (micro-batch 1, checkpointing on, no optimizer step) is left out, so their
+        ids stay what they were."""
+        key = asdict(self)
+        for name, default in (("batch_size", 1), ("gradient_checkpointing", True), ("optimizer", None)):
+            if key[name] == default:
+                del key[name]
+        return key
 
     def measurement(self, *, id: str, kind: str, gpu: Optional[str] = None, **fields) -> Measurement:
         """The one place a probe configuration becomes a ledger Measurement (probe, crashed
@@ -106,7 +127,8 @@ class ProbeConfig:
             lora=Lora(rank=self.rank, alpha=self.alpha if self.alpha is not None else float(self.rank),
                       rslora=self.rslora, dropout=self.dropout, dora=self.dora,
                       target_modules=list(self.target_modules)),
-            seq_len=self.seq_len, response_len=self.response_len, batch_size=1,
+            seq_len=self.seq_len, response_len=self.response_len, batch_size=self.batch_size,
+            optimizer=self.optimizer, gradient_checkpointing=None if self.gradient_checkpointing else False,
             memory_fixes=ledger_recipe.fixes_value(self.fixes),
             logits_to_keep=self.keep if "logits_to_keep" in self.fixes else None,
             config_text=json.dumps(self.key(), sort_keys=True), **fields,
@@ -249,16 +271,17 @@ def prepare(model: torch.nn.Module, cfg: ProbeConfig) -> torch.nn.Module:
     # Reentrant checkpointing (the library default the trainer used): each layer's input is saved
     # through autograd's saved-tensor hooks, which is what save_on_cpu offloads.
     ckpt = {"use_reentrant": True}
+    on = cfg.gradient_checkpointing
     if cfg.quant == "4bit":
         with _deprecated_checkpointing_names():  # peft still calls transformers' older names
-            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True,
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=on,
                                                     gradient_checkpointing_kwargs=ckpt)
     else:
         for p in model.parameters():
             p.requires_grad = False
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+        if on and hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=ckpt)
-        else:
+        elif on:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt)
         model.enable_input_require_grads()
     lora = LoraConfig(
@@ -358,9 +381,79 @@ def offload(cfg: ProbeConfig, device: torch.device, exclude: Optional[Callable[[
 
 
 def synthetic_batch(cfg: ProbeConfig, vocab_size: int, device: torch.device) -> torch.Tensor:
-    """seq_len random token ids: peak memory depends on shapes, not on what the tokens say."""
+    """batch_size x seq_len random token ids: peak memory depends on shapes, not on what the tokens say."""
     g = torch.Generator().manual_seed(cfg.seed)
-    return torch.randint(0, vocab_size, (1, cfg.seq_len), generator=g).to(device)
+    return torch.randint(0, vocab_size, (cfg.batch_size, cfg.seq_len), generator=g).to(device)
+
+
+def checkpointing_as_asked(model: torch.nn.Module, cfg: ProbeConfig) -> None:
+    """Refuse a step whose checkpointing is not what the recipe says: on and not active, the step
+    silently stores every activation (and save_on_cpu spills them all to host RAM: the program's
+    first probe hit a 32 GB host cap that way); off and active, it measures another recipe."""
+    active = checkpointing_active(model)
+    if cfg.gradient_checkpointing and not active:
+        raise RecipeError("gradient checkpointing is not active in training mode: refusing to probe "
+                          "(every activation would be stored, and offloaded to host RAM)")
+    if not cfg.gradient_checkpointing and active:
+        raise RecipeError("gradient checkpointing is active although the recipe turns it off")
+
+
+def make_optimizer(model: torch.nn.Module, name: str, fake: bool = False):
+    """The optimizer ``transformers.Trainer`` builds for its TrainingArguments name, over the
+    trainable parameters (weight decay 0, the Trainer's default learning rate)."""
+    import tempfile
+
+    from transformers import Trainer, TrainingArguments
+
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(output_dir=out, optim=name, report_to=[], use_cpu=True)
+    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if fake:
+        # bitsandbytes computes its quantile maps from values (``tolist``) when it is made: made
+        # with real tensors (two 1 KiB maps), the optimizer then holds the fake parameters.
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():
+            return cls(params, **kwargs)
+    return cls(params, **kwargs)
+
+
+def optimizer_step(opt, fake: bool = False) -> None:
+    """One optimizer step. Under fake tensors a bitsandbytes optimizer's state is made as it makes
+    it (``init_state``: the same buffers) without running its CUDA/CPU kernel, which cannot take
+    fake tensors; its update works in place, so the buffers are what it adds to the peak."""
+    if fake and hasattr(opt, "init_state"):
+        for gindex, group in enumerate(opt.param_groups):
+            for pindex, p in enumerate(group["params"]):
+                if p.grad is not None and len(opt.state[p]) == 0:
+                    opt.init_state(group, p, gindex, pindex)
+        return
+    opt.step()
+
+
+def train_step(model: torch.nn.Module, ids: torch.Tensor, cfg: ProbeConfig,
+               forward_context: Optional[Callable[[], contextlib.AbstractContextManager]] = None, *,
+               fake: bool = False, warmed: Optional[Callable[[], None]] = None) -> torch.Tensor:
+    """The step a probe measures: forward and backward (``step``); with ``cfg.optimizer``, the
+    steady state of training: one optimizer step first (its state then exists, as from a run's
+    second step on), ``warmed()`` called, then forward, backward and an optimizer step, gradients
+    freed after each as the Trainer frees them."""
+    context = forward_context or contextlib.nullcontext
+    if cfg.optimizer is None:
+        if warmed is not None:
+            warmed()
+        return step(model, ids, cfg, context())
+    opt = make_optimizer(model, cfg.optimizer, fake)
+    step(model, ids, cfg, context())
+    optimizer_step(opt, fake)
+    model.zero_grad(set_to_none=True)
+    if warmed is not None:
+        warmed()
+    loss = step(model, ids, cfg, context())
+    optimizer_step(opt, fake)
+    model.zero_grad(set_to_none=True)
+    return loss
 
 
 def step(model: torch.nn.Module, ids: torch.Tensor, cfg: ProbeConfig,

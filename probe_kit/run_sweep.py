@@ -57,9 +57,10 @@ except ModuleNotFoundError:  # Python 3.10
 
 #: Sweep options that are not probe options.
 SWEEP_KEYS = {"name", "device", "timeout_s", "gpu", "host_ram_cap_gib"}
-BOOL_FLAGS = {"rslora", "dora", "random_weights", "no_double_quant"}
+BOOL_FLAGS = {"rslora", "dora", "random_weights", "no_double_quant", "no_gradient_checkpointing"}
 PROBE_KEYS = {"model", "rank", "alpha", "rslora", "dropout", "dora", "quant", "no_double_quant", "seq_len",
-              "response_len", "fixes", "logits_to_keep", "mlp_chunk", "target_modules", "random_weights", "seed"}
+              "response_len", "fixes", "logits_to_keep", "mlp_chunk", "target_modules", "random_weights", "seed",
+              "batch_size", "no_gradient_checkpointing", "optim"}
 
 
 @dataclass
@@ -101,11 +102,14 @@ def _config(options: dict, where: str) -> ProbeConfig:
     unknown = sorted(set(options) - PROBE_KEYS)
     if unknown:
         raise UserError(Issue(where, unknown[0], f"unknown option (known: {', '.join(sorted(PROBE_KEYS))})"))
-    kw = {k: v for k, v in options.items() if k not in ("no_double_quant", "fixes", "target_modules")}
+    kw = {k: v for k, v in options.items()
+          if k not in ("no_double_quant", "fixes", "target_modules", "no_gradient_checkpointing", "optim")}
     try:
         return ProbeConfig(
             **kw,
             double_quant=not options.get("no_double_quant", False),
+            gradient_checkpointing=not options.get("no_gradient_checkpointing", False),
+            optimizer=options.get("optim"),
             fixes=parse_fixes(str(options.get("fixes", "all"))),
             **({"target_modules": list(options["target_modules"])} if "target_modules" in options else {}),
         )

@@ -1,0 +1,67 @@
+"""The recipe axes people set (micro-batch, gradient checkpointing, the optimizer's step) through the
+probe kit's one recipe: the dry run under fake tensors against the real step on CPU tensors, both
+measured by the tracker meter, for tiny configs of three families."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("peft")
+
+from ledger.adapter import trainable_shapes  # noqa: E402
+from ledger.model_configs import load_arch  # noqa: E402
+from ledger.optimizers import state_bytes  # noqa: E402
+from probe_kit.dry_run import dry_run  # noqa: E402
+from probe_kit.probe_vram import run_probe  # noqa: E402
+from probe_kit.recipe import ProbeConfig, RecipeError  # noqa: E402
+
+FAMILIES = ("tiny-llama", "tiny-qwen2", "tiny-gemma3")
+CASES = list(itertools.product(FAMILIES, (1, 2, 4), (True, False), (None, "adamw_torch", "adamw_8bit")))
+
+
+def recipe(model: str, batch: int = 1, checkpointing: bool = True, optimizer=None, **kw) -> ProbeConfig:
+    return ProbeConfig(model=model, rank=8, quant="bf16", seq_len=384, response_len=16, fixes=[], random_weights=True,
+                       batch_size=batch, gradient_checkpointing=checkpointing, optimizer=optimizer, **kw)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("model,batch,checkpointing,optimizer", CASES)
+def test_the_dry_run_is_the_real_step_within_one_percent(model, batch, checkpointing, optimizer):
+    cfg = recipe(model, batch, checkpointing, optimizer)
+    real, _ = run_probe(cfg, device="cpu")
+    fake = dry_run(cfg)
+    assert real.outcome.status == "ok" and fake["oom"] is None
+    assert fake["peak_mib"] == pytest.approx(real.outcome.peak_allocated_mib, rel=0.01)
+    assert real.batch_size == batch and real.optimizer == optimizer
+    assert real.gradient_checkpointing is (None if checkpointing else False)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_each_axis_moves_the_peak_the_way_physics_says():
+    base = run_probe(recipe("tiny-llama"), device="cpu")[0].outcome
+    four = run_probe(recipe("tiny-llama", batch=4), device="cpu")[0].outcome
+    off = run_probe(recipe("tiny-llama", checkpointing=False), device="cpu")[0].outcome
+    adam = run_probe(recipe("tiny-llama", optimizer="adamw_torch"), device="cpu")[0].outcome
+    # Activations grow with the batch (nearly 4x the step's share); the weights do not.
+    assert four.pre_step_mib == base.pre_step_mib
+    grown = (four.peak_allocated_mib - four.pre_step_mib) / (base.peak_allocated_mib - base.pre_step_mib)
+    assert 3.0 < grown <= 4.05
+    assert off.peak_allocated_mib > base.peak_allocated_mib  # every activation kept for backward
+    # The optimizer's state is there before the measured step: what ledger.optimizers says it keeps.
+    state = state_bytes("adamw_torch", trainable_shapes(load_arch("tiny-llama"), 8)).device_mib
+    assert adam.pre_step_mib - base.pre_step_mib == pytest.approx(state, abs=0.1)
+
+
+def test_ids_of_the_recipes_every_earlier_probe_ran_are_unchanged():
+    """An axis at the value every earlier probe had is not in the key, so --resume and ids hold."""
+    cfg = recipe("tiny-llama")
+    assert {"batch_size", "gradient_checkpointing", "optimizer"}.isdisjoint(cfg.key())
+    assert "batch_size" in recipe("tiny-llama", batch=2).key()
+    assert "4 x" not in cfg.label() and "batch 4 x" in recipe("tiny-llama", batch=4).label()
+    with pytest.raises(RecipeError, match="--optim must be one of"):
+        recipe("tiny-llama", optimizer="adam_typo")
+    with pytest.raises(RecipeError, match="--batch-size must be > 0"):
+        recipe("tiny-llama", batch=0)
