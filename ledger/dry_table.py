@@ -85,8 +85,8 @@ class DryTable:
             return none
         name, seq = model_name(recipe.model), recipe.seq_len
         args = (name, recipe.quant, recipe.fixes)
-        own = self.table(*args, recipe.dropout, recipe.dora, recipe.response_len)
-        plain = self.table(*args, False, False, recipe.response_len)
+        own = self.table(*args, recipe.dropout, recipe.dora, recipe.span())
+        plain = self.table(*args, False, False, recipe.span())
         if seq in own:
             return self._cell_figure(own, seq, plain)
         lower = [s for s in own if s < seq]
@@ -142,7 +142,7 @@ class DryTable:
     def exact_ranks(self, recipe: Recipe) -> set:
         """The ranks a committed dry-run row has of this very recipe at its length."""
         table = self.table(model_name(recipe.model), recipe.quant, recipe.fixes, recipe.dropout, recipe.dora,
-                           recipe.response_len)
+                           recipe.span())
         return set(table.get(recipe.seq_len, {}))
 
     def exact(self, recipe: Recipe) -> bool:

@@ -101,6 +101,11 @@ def fixes_value(fixes: list[str]):
     return list(fixes) if fixes else "none"
 
 
+def keeps_logits(fixes: str) -> bool:
+    """Whether a fixes key (``fixes_key``) has the lm_head keep only the response's logits."""
+    return fixes == "all" or "logits_to_keep" in fixes.split(",")
+
+
 def fixes_key(value) -> str:
     """One canonical text for a ``memory_fixes`` value: 'all', 'none', a comma list in the
     recipe's order, or '?' when the row does not say."""
@@ -212,6 +217,11 @@ class Recipe:
 
     def group(self) -> GroupKey:
         return GroupKey(self.model, self.quant, self.seq_len, self.dropout, self.dora, self.fixes)
+
+    def span(self) -> Optional[int]:
+        """The response length where it changes memory: only the logits_to_keep fix keeps logits for
+        the response alone; without it every position's logits are made, whatever the span."""
+        return self.response_len if keeps_logits(self.fixes) else None
 
     def describe(self) -> str:
         return (f"{self.model or 'the model'} {self.quant} r{self.rank}" + (" dropout" if self.dropout else "")

@@ -316,3 +316,12 @@ def test_the_command_reads_messages_and_parquet_and_measures_checkpointing_off(t
     assert off["step"]["peak_allocated_mib"] > on["step"]["peak_allocated_mib"]
     refused = subprocess.run(base + ["--fixes", "all"], capture_output=True, text=True, cwd=REPO)
     assert refused.returncode == 1 and refused.stderr.count("\n") == 1 and "save_on_cpu" in refused.stderr
+
+
+def test_gradient_accumulation_adds_at_most_the_adapters_gradients_to_the_peak(tmp_path):
+    """The second micro-step runs while the first's gradients are held: the peak grows by at most
+    the adapter's fp32 gradients (each in 512-byte blocks), and no further with more micro-steps."""
+    peaks = {ga: preflight(trainer_for(tmp_path, tiny_model(dropout=0.0), batch=2, accumulation=ga), budget_mib=1000,
+                           stream=sys.stderr).step.peak_allocated_mib for ga in (1, 2, 4)}
+    grads = sum((p.numel() * 4 + 511) // 512 * 512 for p in tiny_model().parameters() if p.requires_grad) / 2**20
+    assert 0 <= peaks[2] - peaks[1] <= grads and peaks[4] == peaks[2]

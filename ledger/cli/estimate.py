@@ -9,7 +9,7 @@ from ..errors import Issue, UserError
 from ..estimators import Recipe, estimate_all, nearest_row
 from ..model_configs import load_arch
 from ..ingest import fixes_option
-from ..recipe import capacity_mib, fixes_key, seq_len_of
+from ..recipe import capacity_mib, fixes_key, keeps_logits, seq_len_of
 from .calibrate import add_dry_runs_option, card_of, optimizer_of, predictor_for, recipe_from
 from .options import Command, add_json_option, add_ledger_option, add_optimizer_option, add_recipe_options, dump_json
 
@@ -80,7 +80,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
           + (" (the program's preset)" if fixes == "all" else " (stock)" if fixes == "none" else "")
           + ((f", {optimizer}" if optimizer else ", optimizer state as in the program's measured runs") if args.real
              else ", a one-step probe (no optimizer step; --real for a training run)")
-          + (f", on {gpu}" if gpu else ""))
+          + (f", on {gpu}" if gpu else "")
+          + (" (--response-len ignored: without logits_to_keep every position's logits are made)"
+             if args.response_len is not None and not keeps_logits(fixes) else ""))
     if answer is not None and answer.allocated is not None:
         iv = answer.allocated
         what = "a real run" if args.real else "a one-step probe"
