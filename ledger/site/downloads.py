@@ -32,7 +32,7 @@ COLUMNS = [
     "dataset_examples", "longest_example_tokens", "status", "after_load_mib", "pre_step_mib", "peak_allocated_mib",
     "peak_reserved_mib", "peak_delta_mib", "step_s", "oom_tried_mib", "oom_free_mib", "oom_total_mib", "oom_in_use_mib",
     "oom_allocated_mib", "oom_reserved_unallocated_mib", "oom_max_allocated_mib", "failed_at_step", "device",
-    "source", "measured_on", "inferred",
+    "source", "measured_on", "inferred", "optimizer", "gradient_checkpointing",
 ]
 _NO_LORA = ("", "", "", "", "")
 _NO_DATASET = ("", "", "")
@@ -53,6 +53,7 @@ def csv_row(m: Measurement) -> list:
         *((_v(oom.tried_mib), _v(oom.free_mib), _v(oom.total_mib), _v(oom.in_use_mib), _v(oom.allocated_mib),
            _v(oom.reserved_unallocated_mib), _v(oom.max_allocated_mib)) if oom else _NO_OOM),
         _v(o.failed_at_step), _v(m.environment.device if m.environment else None), _v(p.source), p.measured_on.isoformat() if p.measured_on else "", _v(p.inferred),
+        _v(m.optimizer), _v(m.gradient_checkpointing),
     ]
 
 
