@@ -36,6 +36,14 @@ def shift(iv: Interval, mib: float) -> Interval:
     return interval(*(None if v is None else v + mib for v in (iv.mib, iv.low_mib, iv.high_mib)))
 
 
+def widen(iv: Optional[Interval], width: float) -> Optional[Interval]:
+    """The interval with each end moved out by ``width`` (a fraction of it)."""
+    if iv is None:
+        return None
+    return interval(iv.mib, None if iv.low_mib is None else iv.low_mib * (1 - width),
+                    None if iv.high_mib is None else iv.high_mib * (1 + width))
+
+
 def scale(iv: Interval, factor: float, low_factor: float, high_factor: float) -> Interval:
     return interval(None if iv.mib is None else iv.mib * factor,
                     None if iv.low_mib is None else iv.low_mib * low_factor,

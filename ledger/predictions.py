@@ -102,6 +102,7 @@ def make_prediction(ledger: Ledger, predictor, *, gpu: str, recipe, made_on: dt.
         id=pid, gpu=gpu, model=recipe.model, quant=recipe.quant,
         lora=Lora(rank=recipe.rank, alpha=alpha, rslora=rslora or None, dropout=dropout, dora=recipe.dora or None),
         seq_len=recipe.seq_len, response_len=recipe.response_len, memory_fixes=fixes, optimizer=recipe.optimizer,
+        batch_size=recipe.batch if recipe.batch != 1 else None,
         made_on=made_on,
         predicted_peak_mib=real.mib,
         interval_low_mib=real.low_mib, interval_high_mib=real.high_mib, basis=list(answer.evidence),

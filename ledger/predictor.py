@@ -48,7 +48,7 @@ from functools import cached_property
 from typing import Callable, Iterable, Optional
 
 from . import ceilings
-from .answers import Answer, CeilingAnswer, Interval, Run, around, decide, scale, verdict_for
+from .answers import Answer, CeilingAnswer, Interval, Run, around, decide, scale, verdict_for, widen
 from .dominance import Dominance
 from .dry_calibration import DryCalibration
 from .dry_table import DryTable
@@ -57,7 +57,7 @@ from .limits import CardLimits
 from .model_configs import model_name
 from .models import Gpu, Ledger, Measurement
 from .recipe import Recipe
-from .response_span import ProbeToReal, with_optimizer_state
+from .response_span import BATCH_AS_LENGTH_ERR, ProbeToReal, as_one_sequence, with_optimizer_state
 from .rungs import MeasuredRealRun, probe_ladder
 
 
@@ -119,11 +119,23 @@ class Predictor:
                 recipe = replace(recipe, model=models[0])
         return recipe
 
+    def unknown(self, recipe: Recipe, gpu: str, entry: Optional[Gpu], run: Run, why: str) -> Answer:
+        """The answer "unknown" for a recipe the predictor does not derive, with why."""
+        low, high, lsrc = self.card_limit(gpu, entry or self.ledger.gpus.get(gpu), run)
+        return Answer(gpu=gpu, card_source="ledger" if gpu in self.ledger.gpus else "card table",
+                      recipe=dict(recipe.__dict__), run=run, probe_allocated=None, real_allocated=None, reserved=None,
+                      method=None, method_text=why, evidence=[], limit_low_mib=low, limit_high_mib=high,
+                      limit_source=lsrc, margin_mib=0.0, verdict="unknown", why=why)
+
     def predict(self, recipe: Recipe, gpu: str, *, entry: Optional[Gpu] = None, run: Run = "probe",
                 margin_mib: float = 0.0, budget_mib: Optional[float] = None) -> Answer:
         """The answer for a recipe on a card (a ledger key, or a card-table entry given as ``entry``)."""
+        asked = recipe
         optimizer = recipe.optimizer  # the rows record none: its state is added to a real run below
-        recipe = replace(self.resolve_model(recipe, gpu), optimizer=None)
+        one, batch_text = as_one_sequence(replace(self.resolve_model(recipe, gpu), optimizer=None))
+        if one is None:
+            return self.unknown(asked, gpu, entry, run, batch_text)
+        recipe = one
         entry = entry or self.ledger.gpus.get(gpu)
         source = "ledger" if gpu in self.ledger.gpus else "card table"
         if recipe.model and gpu in self.ledger.gpus:
@@ -144,7 +156,10 @@ class Predictor:
             real, method, text, evidence = self._real(recipe, gpu, probe, method, text, evidence)
             if optimizer:
                 real, text = with_optimizer_state(real, recipe, optimizer, text)
-        recipe = replace(recipe, optimizer=optimizer)
+        if batch_text:
+            probe, real = widen(probe, BATCH_AS_LENGTH_ERR), widen(real, BATCH_AS_LENGTH_ERR)
+            text = f"{batch_text}; {text}"
+        recipe = replace(recipe, optimizer=optimizer) if not batch_text else replace(asked, model=recipe.model)
         judged = real if run == "real" else probe
         ratio = self.reserved_ratio(gpu)
         reserved = None if judged is None or ratio is None else scale(judged, ratio[0], ratio[1], ratio[2])

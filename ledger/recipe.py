@@ -214,6 +214,9 @@ class Recipe:
     #: (``ledger.optimizers``), added to a real run's figure. None: not counted beyond what the
     #: ledger's rows hold (they record no optimizer).
     optimizer: Optional[str] = None
+    #: Sequences in a micro-batch, each padded to ``seq_len`` (the worst batch: N sequences of the
+    #: longest length). Gradient accumulation does not change it.
+    batch: int = 1
 
     def group(self) -> GroupKey:
         return GroupKey(self.model, self.quant, self.seq_len, self.dropout, self.dora, self.fixes)
@@ -226,6 +229,7 @@ class Recipe:
     def describe(self) -> str:
         return (f"{self.model or 'the model'} {self.quant} r{self.rank}" + (" dropout" if self.dropout else "")
                 + (" DoRA" if self.dora else "") + (f" {self.seq_len} tokens" if self.seq_len else "")
+                + (f" batch {self.batch}" if self.batch != 1 else "")
                 + f" fixes {self.fixes}" + (f" {self.optimizer}" if self.optimizer else ""))
 
 

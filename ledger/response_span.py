@@ -105,3 +105,32 @@ def with_optimizer_state(real: Optional[Interval], recipe: Recipe, optimizer: st
     if real is None:
         return None, f"{text}; {note}"
     return shift(real, state.device_mib), f"{text}; {note}"
+
+
+#: The largest |difference| between a dry run of B sequences of L tokens and one of a single
+#: sequence of B x L tokens, without memory fixes (``python benchmarks/batch_as_length.py``: 4-bit
+#: and bf16 dry runs of qwen2.5-0.5b, llama-3.2-1b, gemma-3-1b-it and qwen2.5-1.5b at B = 2, 4, 8;
+#: the single sequence was the higher every time, by 0.01-0.21%).
+BATCH_AS_LENGTH_ERR = 0.0021
+
+
+def as_one_sequence(recipe: Recipe) -> tuple[Optional[Recipe], str]:
+    """A micro-batch of B sequences of L tokens as the one sequence of B x L tokens whose step holds
+    the same memory: with gradient checkpointing the activations, logits and loss are linear in batch
+    x length, and the weights, adapter and optimizer state are the batch's once. Measured on dry runs
+    (``BATCH_AS_LENGTH_ERR``). With any of the program's memory fixes it does not hold (the chunked
+    MLP and the kept logits work per sequence: up to 52% apart on Gemma 3), so no such recipe is
+    derived. Returns (recipe at batch 1, what was done) or (None, why not)."""
+    if recipe.batch == 1:
+        return recipe, ""
+    if recipe.fixes != "none":
+        return None, (f"micro-batch {recipe.batch} with memory fixes {recipe.fixes}: a batch is answered as one "
+                      "longer sequence only without fixes (the chunked MLP and the kept logits work per sequence)")
+    if recipe.seq_len is None:
+        return None, f"micro-batch {recipe.batch} needs the sequence length"
+    tokens = recipe.batch * recipe.seq_len
+    one = Recipe(**{**recipe.__dict__, "batch": 1, "seq_len": tokens,
+                    "response_len": None if recipe.response_len is None else recipe.batch * recipe.response_len})
+    return one, (f"micro-batch {recipe.batch} x {recipe.seq_len} tokens (every sequence padded to the longest) answered "
+                 f"as one sequence of {tokens} tokens (activations are linear in batch x length with checkpointing; "
+                 f"the two agree within {BATCH_AS_LENGTH_ERR:.2%} on dry runs, added to the interval)")

@@ -590,18 +590,19 @@ def _ledger_view(card, recipe: RunRecipe, seq_len: int):
     answer = None
     if recipe.rank is None:
         answer = "no answer: the ledger models LoRA runs"
-    elif recipe.batch_size != 1 or not recipe.checkpointing:
-        answer = (f"no answer for micro-batch {recipe.batch_size} with checkpointing "
-                  f"{'on' if recipe.checkpointing else 'off'} (its predictor models micro-batch 1, checkpointing on, "
-                  "no optimizer state); this measurement is the evidence")
+    elif not recipe.checkpointing:
+        answer = ("no answer with gradient checkpointing off (its predictor models checkpointing on); this "
+                  "measurement is the evidence")
     else:
+        from ledger.optimizers import OPTIMIZERS
+
         q = Recipe(model=model_name(recipe.model), rank=recipe.rank, quant=recipe.quant, dropout=recipe.dropout > 0,
-                   dora=recipe.dora, seq_len=seq_len, fixes="none")
+                   dora=recipe.dora, seq_len=seq_len, fixes="none", batch=recipe.batch_size,
+                   optimizer=recipe.optimizer if recipe.optimizer in OPTIMIZERS else None)
         a = predictor.predict(q, key, entry=entry, run="real")
         if a.allocated is not None:
             answer = (f"{a.verdict} on {key}: a real run of {q.describe()} peaks at {a.allocated.mib:,.1f} MiB allocated "
-                      f"({a.allocated.low_mib:,.1f}–{a.allocated.high_mib:,.1f} MiB), by {a.method} "
-                      "(without the optimizer's state)")
+                      f"({a.allocated.low_mib:,.1f}–{a.allocated.high_mib:,.1f} MiB), by {a.method}")
         else:
             answer = f"{a.verdict}: {a.why}"
     return low, source, answer

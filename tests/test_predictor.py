@@ -201,3 +201,43 @@ def test_a_longer_response_span_than_the_evidence_raises_the_figure(p, capsys):
                      "--response-len", "999", "--dry-run", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["prediction"]["response_len"] == 999 and doc["answer"]["verdict"] != "fits"
+
+
+def test_a_micro_batch_is_answered_as_one_longer_sequence_without_fixes():
+    """Stock (no fixes): B sequences of L tokens as one of B x L, the interval widened by the measured
+    error of that derivation; with the program's fixes it is not derived, and says why."""
+    from dataclasses import replace
+
+    from ledger import store
+    from ledger.dry_runs import load_dry_runs
+    from ledger.paths import DEFAULT_LEDGER
+    from ledger.predictor import Predictor
+    from ledger.recipe import Recipe
+    from ledger.response_span import BATCH_AS_LENGTH_ERR
+
+    p = Predictor(store.load(DEFAULT_LEDGER), load_dry_runs())
+    entry = p.ledger.gpus.get("rx-7900-xtx")
+    batch = Recipe(model="qwen2.5-7b", rank=16, fixes="none", seq_len=2048, batch=4)
+    four = p.predict(batch, "rx-7900-xtx", entry=entry)
+    one = p.predict(replace(batch, batch=1, seq_len=8192), "rx-7900-xtx", entry=entry)
+    assert four.probe_allocated.mib == one.probe_allocated.mib
+    assert four.probe_allocated.high_mib == pytest.approx(one.probe_allocated.high_mib * (1 + BATCH_AS_LENGTH_ERR),
+                                                          abs=0.1)
+    assert four.recipe["batch"] == 4 and four.recipe["seq_len"] == 2048
+    assert "answered as one sequence of 8192 tokens" in four.method_text
+    fixed = p.predict(replace(batch, fixes="all"), "rx-7900-xtx", entry=entry)
+    assert fixed.verdict == "unknown" and "only without fixes" in fixed.why
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_the_batch_derivation_holds_on_a_real_config_dry_run():
+    """The measured basis of BATCH_AS_LENGTH_ERR, once, on the smallest shipped config."""
+    pytest.importorskip("torch")
+    from ledger.response_span import BATCH_AS_LENGTH_ERR
+    from probe_kit.dry_run import dry_run
+    from probe_kit.recipe import ProbeConfig
+
+    kw = dict(model="qwen2.5-0.5b", rank=16, quant="4bit", fixes=[], random_weights=True)
+    batch = dry_run(ProbeConfig(seq_len=512, response_len=64, batch_size=4, **kw))["peak_mib"]
+    one = dry_run(ProbeConfig(seq_len=2048, response_len=256, **kw))["peak_mib"]
+    assert one >= batch and (one - batch) / batch <= BATCH_AS_LENGTH_ERR

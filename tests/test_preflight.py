@@ -291,7 +291,7 @@ def test_on_the_cpu_a_card_is_judged_by_its_effective_limit_and_the_ledger_says_
     low, _, _ = Predictor(bundled, load_dry_runs()).card_limit("rtx-3070-ti", bundled.gpus["rtx-3070-ti"], "real")
     assert result.available_mib == low and result.headroom_mib == pytest.approx(low - result.step.peak_allocated_mib,
                                                                                 abs=0.05)
-    assert "no answer for micro-batch 2" in result.ledger_answer
+    assert result.ledger_answer.startswith("unknown")  # the ledger has no row or dry run of this toy model
     with pytest.raises(Exception, match="unknown gpu 'RTX 9999'"):
         preflight(trainer_for(tmp_path, tiny_model()), gpu="RTX 9999", stream=sys.stderr)
 

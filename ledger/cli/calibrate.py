@@ -14,8 +14,8 @@ from ..predictions import make_prediction, score_predictions
 from ..recipe import capacity_mib, fixes_key
 from ..results import Calibration
 from ..paths import shown
-from .options import (Command, add_json_option, add_ledger_option, add_optimizer_option, add_recipe_options, dump_json,
-                      parse_date)
+from .options import (Command, add_batch_option, add_json_option, add_ledger_option, add_optimizer_option,
+                      add_recipe_options, dump_json, parse_date)
 
 
 # -- calibrate --------------------------------------------------------------------------------
@@ -129,6 +129,7 @@ def add_ceiling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-mib", type=float, help="judge against this many MiB instead of the card's limit")
     p.add_argument("--real", action="store_true", help="for a real run (calibrated), not a probe")
     add_optimizer_option(p)
+    add_batch_option(p)
     p.add_argument("--step", type=int, default=8, help="rank step (default 8)")
     p.add_argument("--max-rank", type=int, default=512, help="largest rank searched (default 512)")
     p.add_argument("--margin-mib", type=float, default=0.0, help="stay this far under the limit, MiB (default 0)")
@@ -148,7 +149,7 @@ def recipe_from(args: argparse.Namespace, rank: int = 16):
     fixes = fixes_key(fixes_option(args.fixes))
     return Recipe(model=args.model, rank=rank, quant=args.quant, dropout=(args.dropout or 0) > 0, dora=args.dora,
                   seq_len=args.seq_len, fixes=fixes, response_len=getattr(args, "response_len", None),
-                  optimizer=optimizer_of(args, fixes))
+                  optimizer=optimizer_of(args, fixes), batch=getattr(args, "batch_size", 1) or 1)
 
 
 def optimizer_of(args: argparse.Namespace, fixes: str):
@@ -209,6 +210,7 @@ def add_predict_options(p: argparse.ArgumentParser) -> None:
     add_card_option(p)
     add_recipe_options(p, required=("rank", "seq-len"))
     add_optimizer_option(p)
+    add_batch_option(p)
     p.add_argument("--id", help="prediction id (default: from the configuration and date)")
     p.add_argument("--date", help="the date the prediction is made: only rows measured on or before it are used "
                                   "(default: today)")

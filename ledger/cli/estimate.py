@@ -9,14 +9,17 @@ from ..errors import Issue, UserError
 from ..estimators import Recipe, estimate_all, nearest_row
 from ..model_configs import load_arch
 from ..ingest import fixes_option
+from ..answers import widen
 from ..recipe import capacity_mib, fixes_key, keeps_logits, seq_len_of
+from ..response_span import BATCH_AS_LENGTH_ERR, as_one_sequence
 from .calibrate import add_dry_runs_option, card_of, optimizer_of, predictor_for, recipe_from
-from .options import Command, add_json_option, add_ledger_option, add_optimizer_option, add_recipe_options, dump_json
+from .options import (Command, add_batch_option, add_json_option, add_ledger_option, add_optimizer_option,
+                      add_recipe_options, dump_json)
 
 
 def add_estimate_options(p: argparse.ArgumentParser) -> None:
     add_recipe_options(p, required=("model", "rank", "seq-len"), skip=("alpha", "rslora"))
-    p.add_argument("--batch-size", type=int, default=1, help="sequences per step (default 1)")
+    add_batch_option(p)
     p.add_argument("--gpu", help="the card: a ledger key, alias or name, or a common card ('RTX 4090', a100-40gb); "
                                  "this project's verdict is for it")
     p.add_argument("--real", action="store_true", help="this project's answer for a real run, not a one-step probe")
@@ -47,15 +50,18 @@ def cmd_estimate(args: argparse.Namespace) -> int:
                     batch=args.batch_size, fixes=fixes_key(fixes_option(args.fixes)))
     predictor = predictor_for(args, ledger)
     answer = None
-    if args.batch_size == 1:
-        question = recipe_from(args, args.rank)
-        if gpu is not None:
-            answer = predictor.predict(question, gpu, entry=entry, run="real" if args.real else "probe")
-        else:
-            raw, ids = predictor.dry_raw(question)
-            if raw is not None:
-                answer = predictor.judge_dry(question, raw, derived=not predictor.dry_exact(question))
-                answer.evidence = ids
+    question = recipe_from(args, args.rank)
+    if gpu is not None:
+        answer = predictor.predict(question, gpu, entry=entry, run="real" if args.real else "probe")
+    else:
+        one, why = as_one_sequence(question)
+        raw, ids = predictor.dry_raw(one) if one is not None else (None, [])
+        if raw is not None:
+            answer = predictor.judge_dry(one, raw, derived=not predictor.dry_exact(one) or one is not question)
+            answer.evidence = ids
+            if why:
+                answer.method_text = f"{why}; {answer.method_text}"
+                answer.probe_allocated = widen(answer.probe_allocated, BATCH_AS_LENGTH_ERR)
     figures = estimate_all(arch, recipe, card)
     near = nearest_row(ledger, args.model, recipe, gpu)
     doc = {"model": arch.name, "params": arch.total_params,
@@ -98,7 +104,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     elif answer is not None:
         print(f"  vram-ledger: {answer.verdict}: {answer.why}")
     else:
-        print("  vram-ledger: unknown: " + ("batch sizes above 1 are not in the ledger" if args.batch_size != 1 else
+        one, why = as_one_sequence(question)
+        print("  vram-ledger: unknown: " + (why if one is None else
                                           "no measured row or dry run of this recipe (run python -m probe_kit.dry_run)"))
     print("  outside estimators, for comparison:")
     for f in figures:

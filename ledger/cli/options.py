@@ -75,6 +75,12 @@ def add_optimizer_option(p: argparse.ArgumentParser) -> None:
                           "the program's preset, --fixes all)")
 
 
+def add_batch_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch-size", type=int, default=1, metavar="N",
+                   help="micro-batch: N sequences, each padded to --seq-len (the worst batch; gradient accumulation "
+                        "does not change the peak; default 1)")
+
+
 def parse_date(text: Optional[str], flag: str) -> Optional[dt.date]:
     if text is None:
         return None
