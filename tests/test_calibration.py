@@ -63,7 +63,7 @@ def test_rank_ceiling_of_the_training_card(predictor, capsys):
     by_rank = {r["rank"]: r for r in c.ranks}
     assert by_rank[96]["method"] == "measured probe" and "sweep-r96-drop" in by_rank[96]["evidence"]
     assert by_rank[104]["verdict"] in ("tight", "won't fit")  # r104 ran out of memory
-    assert cli.main(["ceiling", "--ledger", str(BUNDLED), "--gpu", "RTX 3070 Ti", "--seq-len", "7177",
+    assert cli.main(["ceiling", "--fixes", "all", "--ledger", str(BUNDLED), "--gpu", "RTX 3070 Ti", "--seq-len", "7177",
                      "--dropout", "0.1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["fits_rank"] == 96
 
@@ -75,9 +75,9 @@ def test_an_observed_fit_is_never_capped_away(predictor):
 def test_unknown_rather_than_a_guess(predictor, capsys):
     c = ceiling(predictor, "rtx-3070-ti", 30000)
     assert c.fits_rank is None and c.status == "unknown"
-    assert cli.main(["ceiling", "--ledger", str(BUNDLED), "--gpu", "rtx-3070-ti", "--seq-len", "30000", "--json"]) == 0
+    assert cli.main(["ceiling", "--fixes", "all", "--ledger", str(BUNDLED), "--gpu", "rtx-3070-ti", "--seq-len", "30000", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["fits_rank"] is None
-    assert cli.main(["ceiling", "--ledger", str(BUNDLED), "--gpu", "rtx-3070-ti", "--seq-len", "30000"]) == 0
+    assert cli.main(["ceiling", "--fixes", "all", "--ledger", str(BUNDLED), "--gpu", "rtx-3070-ti", "--seq-len", "30000"]) == 0
     assert capsys.readouterr().out.startswith("unknown")
 
 
@@ -173,7 +173,7 @@ def test_leave_one_out_never_sees_the_held_out_row():
 def test_predict_stores_a_prediction_and_a_real_run_scores_it(tmp_path, capsys):
     path = tmp_path / "l.json"
     path.write_bytes(BUNDLED.read_bytes())
-    assert cli.main(["predict", "--ledger", str(path), "--gpu", "rtx-3070-ti", "--rank", "88", "--dropout", "0.1",
+    assert cli.main(["predict", "--fixes", "all", "--ledger", str(path), "--gpu", "rtx-3070-ti", "--rank", "88", "--dropout", "0.1",
                      "--seq-len", "7177", "--date", "2026-11-30", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)["prediction"]
     assert doc["basis"][0] == "sweep-r88-drop" and doc["interval_low_mib"] <= doc["predicted_peak_mib"]
@@ -193,11 +193,11 @@ def test_predict_stores_a_prediction_and_a_real_run_scores_it(tmp_path, capsys):
 
 def test_a_budget_or_margin_applies_to_observed_probes_too(capsys):
     # sweep-r96-drop peaked at 7127.6 MiB and r88 at 7007.9: neither fits a 7000 MiB budget.
-    assert cli.main(["ceiling", "--ledger", str(BUNDLED), "--gpu", "rtx-3070-ti", "--seq-len", "7177",
+    assert cli.main(["ceiling", "--fixes", "all", "--ledger", str(BUNDLED), "--gpu", "rtx-3070-ti", "--seq-len", "7177",
                      "--dropout", "0.1", "--budget-mib", "7000", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["fits_rank"] is not None and doc["fits_rank"] < 88
-    assert cli.main(["ceiling", "--ledger", str(BUNDLED), "--gpu", "rtx-3070-ti", "--seq-len", "7177",
+    assert cli.main(["ceiling", "--fixes", "all", "--ledger", str(BUNDLED), "--gpu", "rtx-3070-ti", "--seq-len", "7177",
                      "--dropout", "0.1", "--margin-mib", "100", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["fits_rank"] == 88  # 7007.9 <= 7216.0 - 100 < 7127.6
 
@@ -205,7 +205,7 @@ def test_a_budget_or_margin_applies_to_observed_probes_too(capsys):
 def test_predict_says_what_the_prediction_means_on_the_card(tmp_path, capsys):
     path = tmp_path / "l.json"
     path.write_bytes(BUNDLED.read_bytes())
-    argv = ["predict", "--ledger", str(path), "--gpu", "rtx-3070-ti", "--rank", "256", "--seq-len", "7177",
+    argv = ["predict", "--fixes", "all", "--ledger", str(path), "--gpu", "rtx-3070-ti", "--rank", "256", "--seq-len", "7177",
             "--id", "pred-too-big"]
     assert cli.main(argv) == 1  # refused: over the card
     assert "won't fit" in capsys.readouterr().err
@@ -214,7 +214,7 @@ def test_predict_says_what_the_prediction_means_on_the_card(tmp_path, capsys):
     assert "won't fit" in capsys.readouterr().out
     pred = next(p for p in store.load(path).predictions if p.id == "pred-too-big")
     assert pred.provenance.notes[-1].startswith("Verdict: won't fit")  # stored with the prediction
-    assert cli.main(["predict", "--ledger", str(path), "--gpu", "rtx-3070-ti", "--rank", "64", "--seq-len", "7177",
+    assert cli.main(["predict", "--fixes", "all", "--ledger", str(path), "--gpu", "rtx-3070-ti", "--rank", "64", "--seq-len", "7177",
                      "--dry-run"]) == 0
     assert "verdict: fits" in capsys.readouterr().out
 
@@ -222,7 +222,7 @@ def test_predict_says_what_the_prediction_means_on_the_card(tmp_path, capsys):
 def test_predict_replays_the_program_prediction_from_what_was_known(capsys):
     # As the program stood on 2026-09-23, before v15 ran: the r96 + dropout probe's core (less 237
     # kept positions of fp32 logits) x (1 - 3.677%, the anchor's over-estimate on its own core).
-    assert cli.main(["predict", "--ledger", str(BUNDLED), "--gpu", "rtx-3070-ti", "--rank", "96", "--dropout", "0.1",
+    assert cli.main(["predict", "--fixes", "all", "--ledger", str(BUNDLED), "--gpu", "rtx-3070-ti", "--rank", "96", "--dropout", "0.1",
                      "--seq-len", "7177", "--date", "2026-09-23", "--exclude", "real-v15", "--dry-run", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["prediction"]["predicted_peak_mib"] == pytest.approx(6637.1, abs=0.1)
@@ -250,7 +250,7 @@ def test_a_run_with_reserved_only_says_why_it_does_not_score_a_prediction(tmp_pa
 
 def test_real_runs_that_trained_are_evidence_for_a_real_ceiling(capsys):
     # real-v13 trained at r112 on 7177 tokens (6653 MiB): the real-run ceiling is at least 112.
-    assert cli.main(["ceiling", "--ledger", str(BUNDLED), "--gpu", "rtx-3070-ti", "--seq-len", "7177", "--real",
+    assert cli.main(["ceiling", "--fixes", "all", "--ledger", str(BUNDLED), "--gpu", "rtx-3070-ti", "--seq-len", "7177", "--real",
                      "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["fits_rank"] >= 112 and any("real-v13" in r["evidence"] for r in doc["ranks"])
@@ -258,7 +258,7 @@ def test_real_runs_that_trained_are_evidence_for_a_real_ceiling(capsys):
 
 def test_a_shorter_sequence_never_has_a_lower_ceiling(capsys):
     def rank(seq):
-        assert cli.main(["ceiling", "--ledger", str(BUNDLED), "--gpu", "rtx-3070-ti", "--seq-len", str(seq),
+        assert cli.main(["ceiling", "--fixes", "all", "--ledger", str(BUNDLED), "--gpu", "rtx-3070-ti", "--seq-len", str(seq),
                          "--dropout", "0.1", "--json"]) == 0
         return json.loads(capsys.readouterr().out)
 

@@ -32,7 +32,7 @@ def bundled_copy(tmp_path: Path) -> Path:
 
 
 def test_a_prediction_from_the_dry_run_rung_is_stored_with_the_rows_it_rests_on(bundled_copy, capsys):
-    assert run("predict", "--ledger", bundled_copy, "--gpu", "rtx-3070-ti", "--rank", "16", "--seq-len", "2048") == 0
+    assert run("predict", "--fixes", "all", "--ledger", bundled_copy, "--gpu", "rtx-3070-ti", "--rank", "16", "--seq-len", "2048") == 0
     assert "by dry run" in capsys.readouterr().out
     lg = store.load(bundled_copy)  # valid: every basis id is in the ledger or carried with the prediction
     pred = lg.predictions[-1]
@@ -54,7 +54,7 @@ def test_predict_takes_every_card_the_other_commands_take_and_adds_it(bundled_co
 
 def test_a_prediction_dated_in_the_future_is_refused(bundled_copy, capsys):
     before = bundled_copy.read_bytes()
-    assert run("predict", "--ledger", bundled_copy, "--gpu", "rtx-3070-ti", "--rank", "16", "--seq-len", "2048",
+    assert run("predict", "--fixes", "all", "--ledger", bundled_copy, "--gpu", "rtx-3070-ti", "--rank", "16", "--seq-len", "2048",
                "--date", "2999-01-01") == 1
     assert capsys.readouterr().err.startswith("--date: 2999-01-01 is in the future")
     assert bundled_copy.read_bytes() == before
@@ -63,7 +63,7 @@ def test_a_prediction_dated_in_the_future_is_refused(bundled_copy, capsys):
 def test_a_measured_oom_of_the_recipe_is_wont_fit(capsys):
     """sweep-r104-drop ran out of memory on the RTX 3070 Ti at 7177 tokens: r104 with dropout
     there is "won't fit", not "tight", and so is every harder recipe."""
-    assert run("ceiling", "--ledger", FROZEN, "--gpu", "rtx-3070-ti", "--seq-len", "7177", "--dropout", "0.1",
+    assert run("ceiling", "--fixes", "all", "--ledger", FROZEN, "--gpu", "rtx-3070-ti", "--seq-len", "7177", "--dropout", "0.1",
                "--json") == 0
     c = json.loads(capsys.readouterr().out)
     r104 = next(r for r in c["ranks"] if r["rank"] == 104)

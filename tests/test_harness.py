@@ -52,7 +52,7 @@ def commands(path: Path, tmp: Path) -> dict[str, list[str]]:
         "validate": ["validate", str(path)],
         "merge": ["merge", str(path), "-o", str(tmp / "merged.json")],
         "build": ["build", "--ledger", str(path), "--out", str(tmp / "site"), "-q"],
-        "predict": ["predict", "--ledger", str(path), "--gpu", "rtx-3070-ti", "--rank", "16", "--seq-len", "2048"],
+        "predict": ["predict", "--fixes", "all", "--ledger", str(path), "--gpu", "rtx-3070-ti", "--rank", "16", "--seq-len", "2048"],
     }
 
 

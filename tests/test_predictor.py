@@ -94,7 +94,7 @@ def test_ceilings_answer_fits_and_tight(p, capsys):
 
 
 def test_estimate_answers_first_and_names_units(capsys):
-    assert cli.main(["estimate", "--ledger", str(BUNDLED), "--model", "gemma-3-4b-it", "--rank", "16", "--seq-len",
+    assert cli.main(["estimate", "--fixes", "all", "--ledger", str(BUNDLED), "--model", "gemma-3-4b-it", "--rank", "16", "--seq-len",
                      "7177", "--gpu", "rtx-3070-ti"]) == 0
     lines = capsys.readouterr().out.splitlines()
     ours = next(i for i, line in enumerate(lines) if "vram-ledger:" in line)
@@ -102,7 +102,7 @@ def test_estimate_answers_first_and_names_units(capsys):
     assert ours < theirs and "FITS" in lines[ours] and "MiB" in lines[ours]
     near = next(line for line in lines if "nearest measured" in line)
     assert "rtx-3070-ti" in near  # the nearest row is on the requested card
-    assert cli.main(["estimate", "--ledger", str(BUNDLED), "--model", "gemma-3-4b-it", "--rank", "16", "--seq-len",
+    assert cli.main(["estimate", "--fixes", "all", "--ledger", str(BUNDLED), "--model", "gemma-3-4b-it", "--rank", "16", "--seq-len",
                      "7177", "--gpu", "rtx-3070-ti", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["answer"]["verdict"] == "fits"

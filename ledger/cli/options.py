@@ -54,8 +54,12 @@ def add_recipe_options(p: argparse.ArgumentParser, *, required: tuple[str, ...] 
                                                                                    else "")),
         "seq-len": dict(type=int, help="tokens in the longest example"),
         "response-len": dict(type=int, help="tokens the loss is computed on"),
-        "fixes": dict(default=d("all"), help="memory fixes: all, none or a comma list of chunked_mlp, save_on_cpu, "
-                                             "bf16_lm_head, logits_to_keep" + (" (default all)" if defaults else "")),
+        "fixes": dict(default=d("none"), help="memory fixes: none (stock transformers + peft + Trainer, the default), all "
+                                              "(the program's preset: chunked MLP, activation offload, bf16 lm_head, "
+                                              "logits_to_keep) or a comma list of chunked_mlp, save_on_cpu, "
+                                              "bf16_lm_head, logits_to_keep" if defaults else
+                      "memory fixes: all, none or a comma list of chunked_mlp, save_on_cpu, bf16_lm_head, "
+                      "logits_to_keep"),
     }
     for name, kw in options.items():
         if name in skip:
