@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+from dataclasses import replace
 
 from .. import store
 from ..calibration_report import calibrate
@@ -178,8 +179,14 @@ def cmd_ceiling(args: argparse.Namespace) -> int:
     if args.json:
         dump_json(c.model_dump(mode="json"))
         return 0
+    recipe = recipe_from(args)
     what = "a real run" if args.real else "a one-step probe"
     where = f"{gpu} at {args.seq_len} tokens"
+    # The first line names the whole recipe the answer is for.
+    print(f"for {what} of {replace(recipe, rank=0).describe().replace(' r0', '')}"
+          + (" (the program's preset)" if recipe.fixes == "all" else " (stock)" if recipe.fixes == "none" else "")
+          + ((", optimizer state as in the program's measured runs" if recipe.optimizer is None else "") if args.real
+             else ", no optimizer step"))
     limit = (f"limit {c.limit_low_mib}–{c.limit_high_mib} MiB allocated" + (f", margin {c.margin_mib} MiB"
                                                                            if c.margin_mib else ""))
     if c.status == "unknown":
@@ -238,8 +245,9 @@ def cmd_predict(args: argparse.Namespace) -> int:
                               "measured by then"))
     if args.rank <= 0:
         raise UserError(Issue("--rank", "", f"must be > 0, got {args.rank}"))
+    recipe = recipe_from(args, args.rank)
     pred, answer = make_prediction(ledger, predictor_for(args, ledger, as_of=made_on, exclude=args.exclude), gpu=gpu,
-                                   recipe=recipe_from(args, args.rank), made_on=made_on, alpha=args.alpha,
+                                   recipe=recipe, made_on=made_on, alpha=args.alpha,
                                    rslora=args.rslora, dropout=args.dropout, fixes=fixes_option(args.fixes),
                                    pid=args.id, entry=entry)
     if answer.verdict == "won't fit" and not args.allow_over and not args.dry_run:
@@ -259,6 +267,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
         dump_json({"prediction": pred.model_dump(mode="json", exclude_none=True),
                    "answer": answer.model_dump(mode="json")})
     else:
+        print(f"for a real run of {recipe.describe()}" + (" (the program's preset)" if recipe.fixes == "all" else
+                                                           " (stock)" if recipe.fixes == "none" else ""))
         print(f"{pred.id}: {answer.verdict} on {gpu}: predicted real peak {pred.predicted_peak_mib} MiB allocated "
               f"({pred.interval_low_mib}–{pred.interval_high_mib} MiB) by {answer.method}"
               + (" [not stored: --dry-run]" if args.dry_run else ""))
