@@ -29,7 +29,10 @@ class LedgerFit:
         self.ledger = ledger
         self.exclude = set(exclude)
         self.as_of = as_of
-        self.ms = before(ledger.measurements, as_of, self.exclude)
+        shared = base is not None and base.shares(ledger, as_of, self.exclude)
+        # A fit started from another keeps the other's rows less the extra ones left out.
+        self.ms = ([m for m in base.ms if m.id not in self.exclude] if shared
+                   else before(ledger.measurements, as_of, self.exclude))
         # Dry runs are computations, not observations: any of them could have been run on any date,
         # so only the measured rows their remainder is fitted on are limited to ``as_of``.
         self.dry = [m for m in dry_runs if m.id not in self.exclude

@@ -132,7 +132,10 @@ class Predictor:
         """The answer for a recipe on a card (a ledger key, or a card-table entry given as ``entry``)."""
         asked = recipe
         optimizer = recipe.optimizer  # the rows record none: its state is added to a real run below
-        one, batch_text = as_one_sequence(replace(self.resolve_model(recipe, gpu), optimizer=None))
+        recipe = self.resolve_model(recipe, gpu)
+        if optimizer is not None:
+            recipe = replace(recipe, optimizer=None)
+        one, batch_text = as_one_sequence(recipe)
         if one is None:
             return self.unknown(asked, gpu, entry, run, batch_text)
         recipe = one
@@ -159,7 +162,10 @@ class Predictor:
         if batch_text:
             probe, real = widen(probe, BATCH_AS_LENGTH_ERR), widen(real, BATCH_AS_LENGTH_ERR)
             text = f"{batch_text}; {text}"
-        recipe = replace(recipe, optimizer=optimizer) if not batch_text else replace(asked, model=recipe.model)
+        if batch_text:
+            recipe = replace(asked, model=recipe.model)
+        elif optimizer is not None:
+            recipe = replace(recipe, optimizer=optimizer)
         judged = real if run == "real" else probe
         ratio = self.reserved_ratio(gpu)
         reserved = None if judged is None or ratio is None else scale(judged, ratio[0], ratio[1], ratio[2])
