@@ -90,7 +90,9 @@ def test_ceilings_answer_fits_and_tight(p, capsys):
     assert cli.main(["ceiling", "--ledger", str(BUNDLED), "--gpu", "RTX 4090", "--model", "gemma-3-4b-it",
                      "--seq-len", "4096"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("rank ") and "rtx-4090" in out and "by dry run" in out
+    first, answer = out.splitlines()[:2]
+    assert first == "for a one-step probe of gemma-3-4b-it 4bit 4096 tokens fixes none (stock), no optimizer step"
+    assert answer.startswith("rank ") and "rtx-4090" in out and "by dry run" in out
 
 
 def test_estimate_answers_first_and_names_units(capsys):

@@ -183,7 +183,8 @@ def cmd_ceiling(args: argparse.Namespace) -> int:
     what = "a real run" if args.real else "a one-step probe"
     where = f"{gpu} at {args.seq_len} tokens"
     # The first line names the whole recipe the answer is for.
-    print(f"for {what} of {replace(recipe, rank=0).describe().replace(' r0', '')}"
+    shown = replace(recipe, rank=0, optimizer=recipe.optimizer if args.real else None)
+    print(f"for {what} of {shown.describe().replace(' r0', '')}"
           + (" (the program's preset)" if recipe.fixes == "all" else " (stock)" if recipe.fixes == "none" else "")
           + ((", optimizer state as in the program's measured runs" if recipe.optimizer is None else "") if args.real
              else ", no optimizer step"))
