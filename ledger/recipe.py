@@ -217,6 +217,8 @@ class Recipe:
     #: Sequences in a micro-batch, each padded to ``seq_len`` (the worst batch: N sequences of the
     #: longest length). Gradient accumulation does not change it.
     batch: int = 1
+    #: Gradient checkpointing, on in every row the fits read (``peaks.modelled``).
+    checkpointing: bool = True
 
     def group(self) -> GroupKey:
         return GroupKey(self.model, self.quant, self.seq_len, self.dropout, self.dora, self.fixes)
@@ -230,6 +232,7 @@ class Recipe:
         return (f"{self.model or 'the model'} {self.quant} r{self.rank}" + (" dropout" if self.dropout else "")
                 + (" DoRA" if self.dora else "") + (f" {self.seq_len} tokens" if self.seq_len else "")
                 + (f" batch {self.batch}" if self.batch != 1 else "")
+                + ("" if self.checkpointing else " no checkpointing")
                 + f" fixes {self.fixes}" + (f" {self.optimizer}" if self.optimizer else ""))
 
 

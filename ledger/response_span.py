@@ -121,6 +121,10 @@ def as_one_sequence(recipe: Recipe) -> tuple[Optional[Recipe], str]:
     (``BATCH_AS_LENGTH_ERR``). With any of the program's memory fixes it does not hold (the chunked
     MLP and the kept logits work per sequence: up to 52% apart on Gemma 3), so no such recipe is
     derived. Returns (recipe at batch 1, what was done) or (None, why not)."""
+    if not recipe.checkpointing:
+        return None, ("gradient checkpointing off: every row and dry run the predictor reads has it on, and without "
+                      "it every layer's activations are kept; dry-run this recipe with `python -m probe_kit.dry_run "
+                      "... --no-gradient-checkpointing` (minutes on a CPU)")
     if recipe.batch == 1:
         return recipe, ""
     if recipe.fixes != "none":

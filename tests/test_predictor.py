@@ -243,3 +243,15 @@ def test_the_batch_derivation_holds_on_a_real_config_dry_run():
     batch = dry_run(ProbeConfig(seq_len=512, response_len=64, batch_size=4, **kw))["peak_mib"]
     one = dry_run(ProbeConfig(seq_len=2048, response_len=256, **kw))["peak_mib"]
     assert one >= batch and (one - batch) / batch <= BATCH_AS_LENGTH_ERR
+
+
+def test_checkpointing_off_is_unknown_with_the_dry_run_that_answers_it(capsys):
+    """Every row and dry run the predictor reads has checkpointing on: a run without it is not
+    answered from them (it keeps every layer's activations), and the answer names the dry run."""
+    assert cli.main(["estimate", "--ledger", str(BUNDLED), "--model", "qwen2.5-7b", "--rank", "16", "--seq-len", "2048",
+                     "--gpu", "RTX 4090", "--no-gradient-checkpointing", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["answer"]["verdict"] == "unknown" and "--no-gradient-checkpointing" in doc["answer"]["why"]
+    assert cli.main(["ceiling", "--ledger", str(BUNDLED), "--model", "qwen2.5-7b", "--gpu", "RTX 4090",
+                     "--seq-len", "2048", "--no-gradient-checkpointing"]) == 0
+    assert "unknown: gradient checkpointing off" in capsys.readouterr().out

@@ -150,7 +150,8 @@ def recipe_from(args: argparse.Namespace, rank: int = 16):
     fixes = fixes_key(fixes_option(args.fixes))
     return Recipe(model=args.model, rank=rank, quant=args.quant, dropout=(args.dropout or 0) > 0, dora=args.dora,
                   seq_len=args.seq_len, fixes=fixes, response_len=getattr(args, "response_len", None),
-                  optimizer=optimizer_of(args, fixes), batch=getattr(args, "batch_size", 1) or 1)
+                  optimizer=optimizer_of(args, fixes), batch=getattr(args, "batch_size", 1) or 1,
+                  checkpointing=not getattr(args, "no_gradient_checkpointing", False))
 
 
 def optimizer_of(args: argparse.Namespace, fixes: str):

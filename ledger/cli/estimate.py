@@ -82,7 +82,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     # The first line names the whole recipe the answer is for.
     print(f"{arch.name} ({arch.total_params / 1e9:.2f}B params), {args.quant}, r{args.rank}, {args.seq_len} tokens"
           + (f", dropout {args.dropout:g}" if args.dropout else "") + (", DoRA" if args.dora else "")
-          + f", batch {args.batch_size}, memory fixes {fixes}"
+          + f", batch {args.batch_size}" + (", no gradient checkpointing" if args.no_gradient_checkpointing else
+                                             ", gradient checkpointing") + f", memory fixes {fixes}"
           + (" (the program's preset)" if fixes == "all" else " (stock)" if fixes == "none" else "")
           + ((f", {optimizer}" if optimizer else ", optimizer state as in the program's measured runs") if args.real
              else ", a one-step probe (no optimizer step; --real for a training run)")

@@ -80,9 +80,13 @@ def add_optimizer_option(p: argparse.ArgumentParser) -> None:
 
 
 def add_batch_option(p: argparse.ArgumentParser) -> None:
+    """--batch-size and --no-gradient-checkpointing: how the step is run."""
     p.add_argument("--batch-size", type=int, default=1, metavar="N",
                    help="micro-batch: N sequences, each padded to --seq-len (the worst batch; gradient accumulation "
                         "does not change the peak; default 1)")
+    p.add_argument("--no-gradient-checkpointing", action="store_true",
+                   help="a run without gradient checkpointing (answered unknown, with the dry run to compute it: "
+                        "every answer the ledger holds has it on)")
 
 
 def parse_date(text: Optional[str], flag: str) -> Optional[dt.date]:
