@@ -129,5 +129,6 @@ def decide(iv: Optional[Interval], low: Optional[float], high: Optional[float], 
                              f"{high if high is not None else low} MiB" + (f" less the {margin} MiB margin" if margin else ""))
     if top is None:
         return "tight", f"only a lower bound is known ({iv.low_mib} MiB), under the limit's high end {high} MiB"
-    return "tight", (f"the interval {iv.low_mib}–{top} MiB reaches past the limit's low end {low} MiB"
+    span = f"the interval {iv.low_mib}–{top} MiB" if iv.low_mib is not None else f"the figure's upper bound {top} MiB"
+    return "tight", (f"{span} reaches past the limit's low end {low} MiB"
                      + (f" less the {margin} MiB margin" if margin else ""))

@@ -6,6 +6,7 @@ import datetime as dt
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .adapter import ALL_LINEAR
 from .errors import Issue, UserError
 from .models import Ledger, Lora, Measurement, Prediction, PredictionScore, Provenance
 from .recipe import seq_len_of
@@ -100,7 +101,8 @@ def make_prediction(ledger: Ledger, predictor, *, gpu: str, recipe, made_on: dt.
                   f"{made_on.isoformat()}")
     pred = Prediction(
         id=pid, gpu=gpu, model=recipe.model, quant=recipe.quant,
-        lora=Lora(rank=recipe.rank, alpha=alpha, rslora=rslora or None, dropout=dropout, dora=recipe.dora or None),
+        lora=Lora(rank=recipe.rank, alpha=alpha, rslora=rslora or None, dropout=dropout, dora=recipe.dora or None,
+                  target_modules=list(recipe.targets) if recipe.targets != ALL_LINEAR else None),
         seq_len=recipe.seq_len, response_len=recipe.response_len, memory_fixes=fixes, optimizer=recipe.optimizer,
         batch_size=recipe.batch if recipe.batch != 1 else None,
         made_on=made_on,

@@ -57,7 +57,8 @@ from .limits import CardLimits
 from .model_configs import model_name
 from .models import Gpu, Ledger, Measurement
 from .recipe import Recipe
-from .response_span import BATCH_AS_LENGTH_ERR, ProbeToReal, as_one_sequence, with_optimizer_state
+from .response_span import (BATCH_AS_LENGTH_ERR, ProbeToReal, as_one_sequence, fewer_targets, upper_bound,
+                            with_optimizer_state)
 from .rungs import MeasuredRealRun, probe_ladder
 
 
@@ -132,7 +133,7 @@ class Predictor:
         """The answer for a recipe on a card (a ledger key, or a card-table entry given as ``entry``)."""
         asked = recipe
         optimizer = recipe.optimizer  # the rows record none: its state is added to a real run below
-        recipe = self.resolve_model(recipe, gpu)
+        recipe, targets_text = fewer_targets(self.resolve_model(recipe, gpu))
         if optimizer is not None:
             recipe = replace(recipe, optimizer=None)
         one, batch_text = as_one_sequence(recipe)
@@ -158,11 +159,14 @@ class Predictor:
         if run == "real":
             real, method, text, evidence = self._real(recipe, gpu, probe, method, text, evidence)
             if optimizer:
-                real, text = with_optimizer_state(real, recipe, optimizer, text)
+                real, text = with_optimizer_state(real, replace(recipe, targets=asked.targets), optimizer, text)
         if batch_text:
             probe, real = widen(probe, BATCH_AS_LENGTH_ERR), widen(real, BATCH_AS_LENGTH_ERR)
             text = f"{batch_text}; {text}"
-        if batch_text:
+        if targets_text:
+            probe, real = upper_bound(probe), upper_bound(real)
+            text = f"{targets_text}; {text}"
+        if batch_text or targets_text:
             recipe = replace(asked, model=recipe.model)
         elif optimizer is not None:
             recipe = replace(recipe, optimizer=optimizer)
@@ -175,9 +179,13 @@ class Predictor:
         else:
             low, high, lsrc = self.card_limit(gpu, entry, run)
         verdict, why = decide(judged, low, high, margin_mib)
+        if targets_text and verdict == "tight":  # an upper bound over the limit says nothing of the recipe
+            verdict, why = "unknown", (f"{why}; but that is an upper bound for LoRA on {','.join(asked.targets)}: "
+                                       "only a dry run of it can say (python -m probe_kit.dry_run --target-modules ...)")
         # A measured failure on the card is one under any budget below the card's limit too.
-        failed = self.dominance.measured_failure(recipe, gpu, run) if budget_mib is None or (
-            budget_mib <= (self.card_limit(gpu, entry, run)[0] or float("inf"))) else None
+        # (not for fewer targets than the rows trained: their failure says nothing of an easier recipe)
+        failed = self.dominance.measured_failure(recipe, gpu, run) if not targets_text and (budget_mib is None or (
+            budget_mib <= (self.card_limit(gpu, entry, run)[0] or float("inf")))) else None
         if failed is not None and verdict != "won't fit":
             fid, fstatus = failed
             verdict, why = "won't fit", (f"{fid}, this recipe or an easier one, was measured on {gpu} and ran "

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, NamedTuple, Optional, TypeVar, get_args
 
+from .adapter import ALL_LINEAR
 from .models import FixName, Gpu, Measurement
 
 #: Memory fixes a probe or run can switch on, in the recipe's order.
@@ -219,6 +220,8 @@ class Recipe:
     batch: int = 1
     #: Gradient checkpointing, on in every row the fits read (``peaks.modelled``).
     checkpointing: bool = True
+    #: The projections LoRA targets (``ledger.adapter``): every row the fits read trains all 7.
+    targets: tuple[str, ...] = ALL_LINEAR
 
     def group(self) -> GroupKey:
         return GroupKey(self.model, self.quant, self.seq_len, self.dropout, self.dora, self.fixes)
@@ -233,6 +236,7 @@ class Recipe:
                 + (" DoRA" if self.dora else "") + (f" {self.seq_len} tokens" if self.seq_len else "")
                 + (f" batch {self.batch}" if self.batch != 1 else "")
                 + ("" if self.checkpointing else " no checkpointing")
+                + ("" if self.targets == ALL_LINEAR else f" LoRA on {','.join(self.targets)}")
                 + f" fixes {self.fixes}" + (f" {self.optimizer}" if self.optimizer else ""))
 
 

@@ -12,6 +12,7 @@ from math import prod
 from typing import Optional
 
 from .adapter import ALL_LINEAR, trainable_shapes
+from .answers import interval
 from .answers import Interval, scale, shift
 from .calibration import LOGIT_BYTES, kept_positions, kept_positions_of, logits_mib
 from .ledger_fit import LedgerFit
@@ -90,14 +91,14 @@ class ProbeToReal:
 def with_optimizer_state(real: Optional[Interval], recipe: Recipe, optimizer: str, text: str
                          ) -> tuple[Optional[Interval], str]:
     """A real run's figure plus the state ``optimizer`` keeps across steps for the adapter's
-    trainable tensors (``ledger.optimizers``; exact from the model's config, the 7 projections the
-    ledger's rows train). The rows record no optimizer: whatever state their runs held on the card
+    trainable tensors (``ledger.optimizers``; exact from the model's config and the recipe's target
+    modules). The rows record no optimizer: whatever state their runs held on the card
     is inside the figures they give, so adding the whole state leans high by at most that. Paged
     state is named, not added (the allocator does not count it)."""
     arch = load_arch(recipe.model) if recipe.model else None
     if arch is None:
         return real, f"{text}; the {optimizer} state is not counted: no config for {recipe.model or 'the model'}"
-    shapes = trainable_shapes(arch, recipe.rank, ALL_LINEAR, recipe.dora)
+    shapes = trainable_shapes(arch, recipe.rank, recipe.targets, recipe.dora)
     state = state_bytes(optimizer, shapes)
     n = sum(prod(s) for s in shapes)
     note = (f"plus the optimizer's state, {state.describe()} for the adapter's {n:,} trainable parameters "
@@ -138,3 +139,20 @@ def as_one_sequence(recipe: Recipe) -> tuple[Optional[Recipe], str]:
     return one, (f"micro-batch {recipe.batch} x {recipe.seq_len} tokens (every sequence padded to the longest) answered "
                  f"as one sequence of {tokens} tokens (activations are linear in batch x length with checkpointing; "
                  f"the two agree within {BATCH_AS_LENGTH_ERR:.2%} on dry runs, added to the interval)")
+
+
+def fewer_targets(recipe: Recipe) -> tuple[Recipe, str]:
+    """LoRA on fewer projections than the 7 every row and dry run trains: answered by the same recipe
+    on all 7, an upper bound (fewer adapters keep fewer weights, gradients, optimizer state and
+    activations), so it can say "fits" but never "won't fit". Returns (the recipe on all 7, the note)."""
+    if recipe.targets == ALL_LINEAR:
+        return recipe, ""
+    return (Recipe(**{**recipe.__dict__, "targets": ALL_LINEAR}),
+            f"LoRA on {','.join(recipe.targets)} answered by the same recipe on all 7 projections, an upper bound "
+            "(fewer adapters: less of their weights, gradients and activations; `python -m probe_kit.dry_run "
+            "--target-modules ...` gives its own figure)")
+
+
+def upper_bound(iv: Optional[Interval]) -> Optional[Interval]:
+    """An interval that is only an upper bound: no lower end."""
+    return None if iv is None else interval(iv.mib, None, iv.high_mib)

@@ -255,3 +255,23 @@ def test_checkpointing_off_is_unknown_with_the_dry_run_that_answers_it(capsys):
     assert cli.main(["ceiling", "--ledger", str(BUNDLED), "--model", "qwen2.5-7b", "--gpu", "RTX 4090",
                      "--seq-len", "2048", "--no-gradient-checkpointing"]) == 0
     assert "unknown: gradient checkpointing off" in capsys.readouterr().out
+
+
+def test_fewer_target_modules_are_bounded_by_all_seven_and_never_wont_fit(capsys):
+    """Attention-only LoRA from rows that train all 7 projections: an upper bound, so "fits" when it
+    fits, "unknown" (never "won't fit", never a hedge that sounds close) when it does not; the
+    optimizer's state counts the recipe's own adapters."""
+    def answer(*flags):
+        assert cli.main(["estimate", "--ledger", str(BUNDLED), "--model", "llama-3.1-8b", "--rank", "64", "--seq-len",
+                         "2048", "--real", "--json", *flags]) == 0
+        return json.loads(capsys.readouterr().out)["answer"]
+
+    seven, attn = answer("--gpu", "RTX 4090"), answer("--gpu", "RTX 4090", "--target-modules", "attn")
+    assert attn["verdict"] == "fits" and attn["real_allocated"]["low_mib"] is None
+    assert attn["real_allocated"]["mib"] < seven["real_allocated"]["mib"]  # AdamW's state of 4 projections, not 7
+    assert "an upper bound" in attn["method_text"]
+    small = answer("--gpu", "rtx-3070-ti", "--target-modules", "q_proj,v_proj")
+    assert small["verdict"] == "unknown" and "only a dry run of it can say" in small["why"]
+    assert cli.main(["estimate", "--model", "llama-3.1-8b", "--rank", "8", "--seq-len", "512",
+                     "--target-modules", "lm_head"]) == 1
+    assert capsys.readouterr().err.startswith("--target-modules: unknown target module 'lm_head'")

@@ -151,7 +151,17 @@ def recipe_from(args: argparse.Namespace, rank: int = 16):
     return Recipe(model=args.model, rank=rank, quant=args.quant, dropout=(args.dropout or 0) > 0, dora=args.dora,
                   seq_len=args.seq_len, fixes=fixes, response_len=getattr(args, "response_len", None),
                   optimizer=optimizer_of(args, fixes), batch=getattr(args, "batch_size", 1) or 1,
-                  checkpointing=not getattr(args, "no_gradient_checkpointing", False))
+                  checkpointing=not getattr(args, "no_gradient_checkpointing", False), targets=targets_of(args))
+
+
+def targets_of(args: argparse.Namespace) -> tuple:
+    """--target-modules as the projections it names, or a one-line error."""
+    from ..adapter import parse_targets
+
+    try:
+        return parse_targets(getattr(args, "target_modules", None) or "all-linear")
+    except ValueError as exc:
+        raise UserError(Issue("--target-modules", "", str(exc))) from None
 
 
 def optimizer_of(args: argparse.Namespace, fixes: str):

@@ -83,7 +83,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     print(f"{arch.name} ({arch.total_params / 1e9:.2f}B params), {args.quant}, r{args.rank}, {args.seq_len} tokens"
           + (f", dropout {args.dropout:g}" if args.dropout else "") + (", DoRA" if args.dora else "")
           + f", batch {args.batch_size}" + (", no gradient checkpointing" if args.no_gradient_checkpointing else
-                                             ", gradient checkpointing") + f", memory fixes {fixes}"
+                                             ", gradient checkpointing")
+          + f", LoRA on {args.target_modules}" + f", memory fixes {fixes}"
           + (" (the program's preset)" if fixes == "all" else " (stock)" if fixes == "none" else "")
           + ((f", {optimizer}" if optimizer else ", optimizer state as in the program's measured runs") if args.real
              else ", a one-step probe (no optimizer step; --real for a training run)")
@@ -93,8 +94,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if answer is not None and answer.allocated is not None:
         iv = answer.allocated
         what = "a real run" if args.real else "a one-step probe"
+        span = f"{iv.low_mib}–{iv.high_mib} MiB" if iv.low_mib is not None else f"at most {iv.high_mib} MiB: an upper bound"
         print(f"  vram-ledger: {answer.verdict.upper() if gpu else 'no card given'}: {what} peaks at {iv.mib} MiB "
-              f"allocated ({iv.low_mib}–{iv.high_mib} MiB)"
+              f"allocated ({span})"
               + (f", {answer.reserved.mib} MiB reserved" if answer.reserved and answer.reserved.mib else "")
               + f", by {answer.method}")
         print(f"    {answer.method_text}")

@@ -80,10 +80,13 @@ def add_optimizer_option(p: argparse.ArgumentParser) -> None:
 
 
 def add_batch_option(p: argparse.ArgumentParser) -> None:
-    """--batch-size and --no-gradient-checkpointing: how the step is run."""
+    """--batch-size, --target-modules and --no-gradient-checkpointing: how the step is run."""
     p.add_argument("--batch-size", type=int, default=1, metavar="N",
                    help="micro-batch: N sequences, each padded to --seq-len (the worst batch; gradient accumulation "
                         "does not change the peak; default 1)")
+    p.add_argument("--target-modules", default="all-linear", metavar="TARGETS",
+                   help="the projections LoRA targets: all-linear (the 7 attention and MLP projections, the default), "
+                        "attn (q,k,v,o) or a comma list; fewer than 7 are answered by all 7, an upper bound")
     p.add_argument("--no-gradient-checkpointing", action="store_true",
                    help="a run without gradient checkpointing (answered unknown, with the dry run to compute it: "
                         "every answer the ledger holds has it on)")
