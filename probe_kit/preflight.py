@@ -609,15 +609,28 @@ def _ledger_view(card, recipe: RunRecipe, seq_len: int):
 
 
 def _ceiling_advice(card, recipe: RunRecipe, seq_len: int) -> Optional[str]:
-    """The ledger's largest rank that fits at this length on the card, when it knows the model."""
+    """The ledger's largest LoRA rank that fits a real run of this recipe at this length on the card
+    (``vram ceiling``), or the command that asks it when the ledger cannot say."""
     if card is None or recipe.rank is None:
         return None
-    from ledger.ceilings import Ceilings  # noqa: F401  (the search the CLI's `vram ceiling` runs)
-
+    from ledger.dry_runs import load_dry_runs
     from ledger.model_configs import model_name
+    from ledger.optimizers import OPTIMIZERS
+    from ledger.predictor import Predictor
+    from ledger.recipe import Recipe
+
+    key, entry, ledger = card
     name = model_name(recipe.model) or "MODEL"
-    return (f"or a smaller rank: `vram ceiling --model {name} --gpu {card[0]} --seq-len {seq_len} --quant {recipe.quant} "
-            f"--fixes none --real` gives the ledger's largest rank at this length on this card")
+    q = Recipe(model=name, rank=recipe.rank, quant=recipe.quant, dropout=recipe.dropout > 0, dora=recipe.dora,
+               seq_len=seq_len, fixes="none", batch=recipe.batch_size, checkpointing=recipe.checkpointing,
+               optimizer=recipe.optimizer if recipe.optimizer in OPTIMIZERS else None)
+    c = Predictor(ledger, load_dry_runs()).ceiling(q, key, entry=entry, run="real")
+    if c.fits_rank is not None and c.fits_rank < recipe.rank:
+        return (f"or a smaller rank: the ledger's largest that fits a real run of this recipe at {seq_len} tokens on "
+                f"{key} is r{c.fits_rank} (`vram ceiling`, {c.ranks[0]['method'] if c.ranks else 'its predictor'})")
+    return (f"or a smaller rank: `vram ceiling --model {name} --gpu {key} --seq-len {seq_len} --quant {recipe.quant} "
+            f"--batch-size {recipe.batch_size} --real` asks the ledger's largest at this length on this card "
+            f"(it says: {c.status if c.fits_rank is None else f'r{c.fits_rank}'})")
 
 
 def _mib(x: Optional[float]) -> Optional[float]:
@@ -704,8 +717,6 @@ def preflight(trainer, *, gpu: Optional[str] = None, budget_mib: Optional[float]
     Returns the result; prints its report to ``stream`` (default stderr)."""
     model = model if model is not None else (getattr(trainer, "model_wrapped", None) or trainer.model)
     device = _device_of(model)
-    if device.type == "cuda" and budget_mib is not None and gpu is None:
-        pass  # a budget on a GPU judges the measured peak against it
     standalone = trainer.optimizer is None
     if standalone:  # called before train(): the optimizer train() would make
         trainer.create_optimizer()

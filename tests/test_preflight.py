@@ -325,3 +325,11 @@ def test_gradient_accumulation_adds_at_most_the_adapters_gradients_to_the_peak(t
                            stream=sys.stderr).step.peak_allocated_mib for ga in (1, 2, 4)}
     grads = sum((p.numel() * 4 + 511) // 512 * 512 for p in tiny_model().parameters() if p.requires_grad) / 2**20
     assert 0 <= peaks[2] - peaks[1] <= grads and peaks[4] == peaks[2]
+
+
+def test_when_nothing_nearby_fits_the_ledger_is_asked_for_a_smaller_rank(tmp_path):
+    result = preflight(trainer_for(tmp_path, tiny_model(), batch=2), gpu="rtx-3070-ti", budget_mib=0.01, stop=(),
+                       stream=sys.stderr)
+    assert result.verdict == "won't fit" and result.alternative is None
+    assert result.advice.startswith("or a smaller rank") and "vram ceiling" in result.advice
+    assert "vram ceiling" in result.report()
