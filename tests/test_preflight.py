@@ -19,8 +19,8 @@ from transformers import (AutoModelForCausalLM, LlamaConfig, Qwen2Config, Traine
                           TrainingArguments)
 
 from probe_kit.meters import TrackerMeter  # noqa: E402
-from probe_kit.preflight import (Preflight, PreflightFailed, find_worst_batch, preflight, read_examples,  # noqa: E402
-                                 shrink)
+from probe_kit.preflight import Preflight, PreflightFailed, find_worst_batch, preflight, shrink  # noqa: E402
+from probe_kit.preflight.data import read_examples  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 LONGEST = 13  # the planted longest example's index

@@ -1,0 +1,174 @@
+"""What a training step changes, and its exact restoration; the run's recipe as read off the
+trainer and the peft config (``preflight``)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import random
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+
+
+# -- the state a step changes, and its exact restoration ----------------------------------------
+
+
+def _unwrap(model):
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
+
+
+@contextlib.contextmanager
+def restored(trainer, model) -> Iterator[None]:
+    """Run a block, then put back everything a training step changes: trainable weights, buffers,
+    gradients, the optimizer's and scheduler's state, the gradient scaler, the accelerator's
+    gradient-sync flag and every RNG. Copies go to host memory (a LoRA adapter is small; a full
+    fine-tune's trainable weights are copied whole)."""
+    import numpy as np
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    weights = [p.detach().to("cpu", copy=True) for p in params]
+    buffers = [(b, b.detach().to("cpu", copy=True)) for b in model.buffers()]
+    grads = [None if p.grad is None else p.grad.detach().to("cpu", copy=True) for p in params]
+    opt = trainer.optimizer
+    opt_state = copy.deepcopy(_to_cpu(opt.state_dict())) if opt is not None else None
+    step_count = getattr(_inner(opt), "_step_count", None) if opt is not None else None
+    sched = trainer.lr_scheduler
+    sched_state = copy.deepcopy(sched.state_dict()) if sched is not None else None
+    scaler = getattr(trainer.accelerator, "scaler", None)
+    scaler_state = copy.deepcopy(scaler.state_dict()) if scaler is not None else None
+    gstate = trainer.accelerator.gradient_state
+    sync = gstate.sync_gradients
+    missing = object()
+    ga_steps = getattr(trainer, "current_gradient_accumulation_steps", missing)
+    rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+           random.getstate(), np.random.get_state())
+    try:
+        yield
+    finally:
+        model.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for p, w, g in zip(params, weights, grads):
+                p.copy_(w.to(p.device))
+                if g is not None:
+                    p.grad = g.to(p.device)
+            for b, w in buffers:
+                b.copy_(w.to(b.device))
+        if opt is not None:
+            opt.load_state_dict(opt_state)
+            if step_count is not None:
+                _inner(opt)._step_count = step_count
+        if sched is not None:
+            sched.load_state_dict(sched_state)
+        if scaler is not None:
+            scaler.load_state_dict(scaler_state)
+        gstate._set_sync_gradients(sync)
+        if ga_steps is missing:
+            with contextlib.suppress(AttributeError):
+                del trainer.current_gradient_accumulation_steps
+        else:
+            trainer.current_gradient_accumulation_steps = ga_steps
+        torch.set_rng_state(rng[0])
+        if rng[1] is not None:
+            torch.cuda.set_rng_state_all(rng[1])
+        random.setstate(rng[2])
+        np.random.set_state(rng[3])
+
+
+def _inner(opt):
+    return getattr(opt, "optimizer", opt)  # accelerate's AcceleratedOptimizer wraps the torch one
+
+
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+# -- what the run is -----------------------------------------------------------------------------
+
+
+@dataclass
+class RunRecipe:
+    """The run's recipe as preflight reads it off the trainer and the peft config."""
+
+    model: Optional[str]
+    quant: str
+    rank: Optional[int]
+    alpha: Optional[float]
+    rslora: bool
+    dropout: float
+    dora: bool
+    target_modules: list[str]
+    batch_size: int
+    accumulation: int
+    checkpointing: bool
+    optimizer: str
+
+    def describe(self, seq_len: int) -> str:
+        lora = (f"LoRA r{self.rank}" + (f" dropout {self.dropout:g}" if self.dropout else "")
+                + (" DoRA" if self.dora else "")) if self.rank else "no LoRA"
+        return (f"{self.model or 'the model'} {self.quant} {lora}, micro-batch {self.batch_size} × {seq_len} tokens"
+                f" (accumulation {self.accumulation}), checkpointing {'on' if self.checkpointing else 'off'}, "
+                f"{self.optimizer}")
+
+
+def read_recipe(trainer, model) -> RunRecipe:
+    base = _unwrap(model)
+    peft_cfg = None
+    cfgs = getattr(base, "peft_config", None)
+    if isinstance(cfgs, dict) and cfgs:
+        peft_cfg = cfgs.get(getattr(base, "active_adapter", "default")) or next(iter(cfgs.values()))
+    if getattr(base, "is_loaded_in_4bit", False) or any(type(m).__name__ == "Linear4bit" for m in base.modules()):
+        quant = "4bit"
+    else:  # the frozen weights' dtype: bf16, fp16, fp32
+        dtype = next((p.dtype for p in base.parameters() if not p.requires_grad), torch.float32)
+        quant = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+    config = getattr(base, "config", None)
+    name = getattr(config, "name_or_path", None) or getattr(config, "_name_or_path", None) or None
+    targets = getattr(peft_cfg, "target_modules", None)
+    ckpt = bool(getattr(trainer.args, "gradient_checkpointing", False)) or _checkpointing_on(base)
+    return RunRecipe(
+        model=name or getattr(config, "model_type", None), quant=quant,
+        rank=getattr(peft_cfg, "r", None), alpha=getattr(peft_cfg, "lora_alpha", None),
+        rslora=bool(getattr(peft_cfg, "use_rslora", False)), dropout=float(getattr(peft_cfg, "lora_dropout", 0) or 0),
+        dora=bool(getattr(peft_cfg, "use_dora", False)),
+        target_modules=sorted(targets) if isinstance(targets, (set, list, tuple)) else ([targets] if targets else []),
+        batch_size=int(trainer.args.per_device_train_batch_size),
+        accumulation=int(trainer.args.gradient_accumulation_steps or 1), checkpointing=ckpt,
+        optimizer=str(getattr(trainer.args.optim, "value", trainer.args.optim)))
+
+
+def _checkpointing_on(model) -> bool:
+    for m in model.modules():
+        if getattr(m, "is_gradient_checkpointing", False) or getattr(m, "gradient_checkpointing", False) is True:
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def _checkpointing(model, on: bool) -> Iterator[bool]:
+    """Gradient checkpointing switched on for the block (non-reentrant), off again after."""
+    base = _unwrap(model)
+    if not on or _checkpointing_on(base):
+        yield False
+        return
+    target = base.get_base_model() if hasattr(base, "get_base_model") else base
+    kwargs = {"use_reentrant": False}
+    if hasattr(target, "activation_checkpointing_enable"):  # transformers >= 5
+        target.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        off = target.activation_checkpointing_disable
+    else:
+        target.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        off = target.gradient_checkpointing_disable
+    try:
+        yield True
+    finally:
+        off()
