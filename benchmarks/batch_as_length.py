@@ -1,6 +1,6 @@
 """A micro-batch as one longer sequence: the dry run of B sequences of L tokens against the dry run of
 one sequence of B x L tokens, which is how the predictor answers a batch (``ledger.response_span.
-as_one_sequence``), without memory fixes and with the program's.
+answerable``), without memory fixes and with the program's.
 
     python benchmarks/batch_as_length.py [--models qwen2.5-0.5b,llama-3.2-1b,gemma-3-1b-it,qwen2.5-1.5b]
 

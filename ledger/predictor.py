@@ -57,7 +57,7 @@ from .limits import CardLimits
 from .model_configs import model_name
 from .models import Gpu, Ledger, Measurement
 from .recipe import Recipe
-from .response_span import (BATCH_AS_LENGTH_ERR, ProbeToReal, as_one_sequence, fewer_targets, upper_bound,
+from .response_span import (BATCH_AS_LENGTH_ERR, ProbeToReal, answerable, fewer_targets, upper_bound,
                             with_optimizer_state)
 from .rungs import MeasuredRealRun, probe_ladder
 
@@ -128,6 +128,20 @@ class Predictor:
                       method=None, method_text=why, evidence=[], limit_low_mib=low, limit_high_mib=high,
                       limit_source=lsrc, margin_mib=0.0, verdict="unknown", why=why)
 
+    def dry_answer(self, recipe: Recipe) -> Optional[Answer]:
+        """The calibrated dry run's answer with no card (what ``vram estimate`` gives without --gpu),
+        a micro-batch answered as ``predict`` answers it; None when no dry run is near."""
+        one, how = answerable(recipe)
+        raw, ids = self.dry_raw(one) if one is not None else (None, [])
+        if raw is None:
+            return None
+        answer = self.judge_dry(one, raw, derived=not self.dry_exact(one) or one is not recipe)
+        answer.evidence = ids
+        if how:
+            answer.method_text = f"{how}; {answer.method_text}"
+            answer.probe_allocated = widen(answer.probe_allocated, BATCH_AS_LENGTH_ERR)
+        return answer
+
     def predict(self, recipe: Recipe, gpu: str, *, entry: Optional[Gpu] = None, run: Run = "probe",
                 margin_mib: float = 0.0, budget_mib: Optional[float] = None) -> Answer:
         """The answer for a recipe on a card (a ledger key, or a card-table entry given as ``entry``)."""
@@ -136,7 +150,7 @@ class Predictor:
         recipe, targets_text = fewer_targets(self.resolve_model(recipe, gpu))
         if optimizer is not None:
             recipe = replace(recipe, optimizer=None)
-        one, batch_text = as_one_sequence(recipe)
+        one, batch_text = answerable(recipe)
         if one is None:
             return self.unknown(asked, gpu, entry, run, batch_text)
         recipe = one

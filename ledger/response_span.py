@@ -8,12 +8,12 @@ more, at most the whole logits chain."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from math import prod
 from typing import Optional
 
 from .adapter import ALL_LINEAR, trainable_shapes
-from .answers import interval
-from .answers import Interval, scale, shift
+from .answers import Interval, interval, scale, shift
 from .calibration import LOGIT_BYTES, kept_positions, kept_positions_of, logits_mib
 from .ledger_fit import LedgerFit
 from .model_configs import load_arch
@@ -115,13 +115,14 @@ def with_optimizer_state(real: Optional[Interval], recipe: Recipe, optimizer: st
 BATCH_AS_LENGTH_ERR = 0.0021
 
 
-def as_one_sequence(recipe: Recipe) -> tuple[Optional[Recipe], str]:
-    """A micro-batch of B sequences of L tokens as the one sequence of B x L tokens whose step holds
-    the same memory: with gradient checkpointing the activations, logits and loss are linear in batch
-    x length, and the weights, adapter and optimizer state are the batch's once. Measured on dry runs
-    (``BATCH_AS_LENGTH_ERR``). With any of the program's memory fixes it does not hold (the chunked
-    MLP and the kept logits work per sequence: up to 52% apart on Gemma 3), so no such recipe is
-    derived. Returns (recipe at batch 1, what was done) or (None, why not)."""
+def answerable(recipe: Recipe) -> tuple[Optional[Recipe], str]:
+    """The recipe as the fits answer it, or why they cannot. Gradient checkpointing off: not at all
+    (every row and dry run has it on). A micro-batch of B sequences of L tokens: as the one sequence
+    of B x L tokens whose step holds the same memory (with checkpointing the activations, logits and
+    loss are linear in batch x length; the weights, adapter and optimizer state are there once),
+    measured on dry runs (``BATCH_AS_LENGTH_ERR``); with any of the program's memory fixes that does
+    not hold (the chunked MLP and the kept logits work per sequence: up to 52% apart on Gemma 3), so
+    it is not derived. Returns (the recipe at batch 1, what was done) or (None, why not)."""
     if not recipe.checkpointing:
         return None, ("gradient checkpointing off: every row and dry run the predictor reads has it on, and without "
                       "it every layer's activations are kept; dry-run this recipe with `python -m probe_kit.dry_run "
@@ -134,8 +135,8 @@ def as_one_sequence(recipe: Recipe) -> tuple[Optional[Recipe], str]:
     if recipe.seq_len is None:
         return None, f"micro-batch {recipe.batch} needs the sequence length"
     tokens = recipe.batch * recipe.seq_len
-    one = Recipe(**{**recipe.__dict__, "batch": 1, "seq_len": tokens,
-                    "response_len": None if recipe.response_len is None else recipe.batch * recipe.response_len})
+    one = replace(recipe, batch=1, seq_len=tokens,
+                  response_len=None if recipe.response_len is None else recipe.batch * recipe.response_len)
     return one, (f"micro-batch {recipe.batch} x {recipe.seq_len} tokens (every sequence padded to the longest) answered "
                  f"as one sequence of {tokens} tokens (activations are linear in batch x length with checkpointing; "
                  f"the two agree within {BATCH_AS_LENGTH_ERR:.2%} on dry runs, added to the interval)")
@@ -147,7 +148,7 @@ def fewer_targets(recipe: Recipe) -> tuple[Recipe, str]:
     activations), so it can say "fits" but never "won't fit". Returns (the recipe on all 7, the note)."""
     if recipe.targets == ALL_LINEAR:
         return recipe, ""
-    return (Recipe(**{**recipe.__dict__, "targets": ALL_LINEAR}),
+    return (replace(recipe, targets=ALL_LINEAR),
             f"LoRA on {','.join(recipe.targets)} answered by the same recipe on all 7 projections, an upper bound "
             "(fewer adapters: less of their weights, gradients and activations; `python -m probe_kit.dry_run "
             "--target-modules ...` gives its own figure)")

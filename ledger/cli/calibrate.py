@@ -184,13 +184,13 @@ def cmd_ceiling(args: argparse.Namespace) -> int:
         raise UserError(Issue("--step", "", "needs 0 < --step <= --max-rank"))
     ledger = store.load(args.ledger)
     gpu, entry = card_of(ledger, args.gpu)
-    c = predictor_for(args, ledger).ceiling(recipe_from(args), gpu, entry=entry, run="real" if args.real else "probe",
+    recipe = recipe_from(args)
+    c = predictor_for(args, ledger).ceiling(recipe, gpu, entry=entry, run="real" if args.real else "probe",
                                             margin_mib=args.margin_mib, budget_mib=args.budget_mib, step=args.step,
                                             max_rank=args.max_rank)
     if args.json:
         dump_json(c.model_dump(mode="json"))
         return 0
-    recipe = recipe_from(args)
     what = "a real run" if args.real else "a one-step probe"
     where = f"{gpu} at {args.seq_len} tokens"
     # The first line names the whole recipe the answer is for.

@@ -9,10 +9,9 @@ from ..errors import Issue, UserError
 from ..estimators import Recipe, estimate_all, nearest_row
 from ..model_configs import load_arch
 from ..ingest import fixes_option
-from ..answers import widen
 from ..recipe import capacity_mib, fixes_key, keeps_logits, seq_len_of
-from ..response_span import BATCH_AS_LENGTH_ERR, as_one_sequence
-from .calibrate import add_dry_runs_option, card_of, optimizer_of, predictor_for, recipe_from
+from ..response_span import answerable
+from .calibrate import add_dry_runs_option, card_of, predictor_for, recipe_from
 from .options import (Command, add_batch_option, add_json_option, add_ledger_option, add_optimizer_option,
                       add_recipe_options, dump_json)
 
@@ -49,25 +48,16 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     recipe = Recipe(quant=args.quant, rank=args.rank, seq_len=args.seq_len, dropout=args.dropout, dora=args.dora,
                     batch=args.batch_size, fixes=fixes_key(fixes_option(args.fixes)))
     predictor = predictor_for(args, ledger)
-    answer = None
     question = recipe_from(args, args.rank)
+    fixes, optimizer = question.fixes, question.optimizer if args.real else None
     if gpu is not None:
         answer = predictor.predict(question, gpu, entry=entry, run="real" if args.real else "probe")
     else:
-        one, why = as_one_sequence(question)
-        raw, ids = predictor.dry_raw(one) if one is not None else (None, [])
-        if raw is not None:
-            answer = predictor.judge_dry(one, raw, derived=not predictor.dry_exact(one) or one is not question)
-            answer.evidence = ids
-            if why:
-                answer.method_text = f"{why}; {answer.method_text}"
-                answer.probe_allocated = widen(answer.probe_allocated, BATCH_AS_LENGTH_ERR)
+        answer = predictor.dry_answer(question)
     figures = estimate_all(arch, recipe, card)
     near = nearest_row(ledger, args.model, recipe, gpu)
     doc = {"model": arch.name, "params": arch.total_params,
-           "recipe": {**recipe.__dict__, "response_len": args.response_len,
-                      "fixes": fixes_key(fixes_option(args.fixes)),
-                      "optimizer": optimizer_of(args, fixes_key(fixes_option(args.fixes))) if args.real else None},
+           "recipe": {**recipe.__dict__, "response_len": args.response_len, "fixes": fixes, "optimizer": optimizer},
            "gpu": gpu, "card_mib": card,
            "answer": answer.model_dump(mode="json") if answer else None, "estimates": figures,
            "nearest_measurement": None if near is None else {
@@ -77,8 +67,6 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if args.json:
         dump_json(doc)
         return 0
-    fixes = fixes_key(fixes_option(args.fixes))
-    optimizer = optimizer_of(args, fixes)
     # The first line names the whole recipe the answer is for.
     print(f"{arch.name} ({arch.total_params / 1e9:.2f}B params), {args.quant}, r{args.rank}, {args.seq_len} tokens"
           + (f", dropout {args.dropout:g}" if args.dropout else "") + (", DoRA" if args.dora else "")
@@ -107,7 +95,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     elif answer is not None:
         print(f"  vram-ledger: {answer.verdict}: {answer.why}")
     else:
-        one, why = as_one_sequence(question)
+        one, why = answerable(question)
         print("  vram-ledger: unknown: " + (why if one is None else
                                           "no measured row or dry run of this recipe (run python -m probe_kit.dry_run)"))
     print("  outside estimators, for comparison:")

@@ -49,7 +49,7 @@ import contextlib
 import copy
 import math
 import sys
-from typing import Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 from transformers import TrainerCallback
@@ -57,7 +57,7 @@ from transformers import TrainerCallback
 from ..meters import MIB
 from .batches import DEFAULT_MAX_SCAN, WorstBatch, _train_data, find_worst_batch, shrink
 from .ledger_view import _card, _ceiling_advice, _ledger_view, record
-from .state import RunRecipe, _checkpointing, _checkpointing_on, _to_cpu, _unwrap, read_recipe, restored
+from .state import RunRecipe, _checkpointing, _to_cpu, _unwrap, checkpointing_on, read_recipe, restored
 from .step import Step, _Meter, measure_step
 from .verdict import DEFAULT_MARGIN, Alternative, PreflightFailed, PreflightResult, _verdict
 
@@ -106,31 +106,19 @@ def preflight(trainer, *, gpu: Optional[str] = None, budget_mib: Optional[float]
             trainer.optimizer = None
 
 
-@contextlib.contextmanager
-def _as_train_would(trainer, model) -> Iterator[None]:
+def _as_train_would(trainer, model):
     """Before train(): gradient checkpointing switched on as train() switches it on from the
     arguments (``activation_checkpointing`` / ``gradient_checkpointing`` and their kwargs), and off
     again after."""
     args = trainer.args
     on = getattr(args, "activation_checkpointing", None)
     on = getattr(args, "gradient_checkpointing", False) if on is None else on
-    base = _unwrap(model)
-    if not on or _checkpointing_on(base):
-        yield
-        return
+    if not on:
+        return contextlib.nullcontext()
     kwargs = dict(getattr(args, "activation_checkpointing_kwargs", None)
                   or getattr(args, "gradient_checkpointing_kwargs", None) or {})
     extra = {k: kwargs.pop(k) for k in ("every_n_layers", "offload") if k in kwargs}
-    if hasattr(base, "activation_checkpointing_enable"):
-        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None, **extra)
-        off = base.activation_checkpointing_disable
-    else:
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
-        off = base.gradient_checkpointing_disable
-    try:
-        yield
-    finally:
-        off()
+    return checkpointing_on(_unwrap(model), kwargs, **extra)
 
 
 def _preflight(trainer, model, device, gpu, budget_mib, margin_mib, max_scan, ledger, stop, stream) -> PreflightResult:

@@ -154,21 +154,29 @@ def _checkpointing_on(model) -> bool:
 
 
 @contextlib.contextmanager
-def _checkpointing(model, on: bool) -> Iterator[bool]:
-    """Gradient checkpointing switched on for the block (non-reentrant), off again after."""
-    base = _unwrap(model)
-    if not on or _checkpointing_on(base):
+def checkpointing_on(module, kwargs: Optional[dict] = None, **extra) -> Iterator[bool]:
+    """Gradient checkpointing switched on in ``module`` for the block (``kwargs`` for
+    torch.utils.checkpoint, ``extra`` for transformers' call), off again after; nothing when it is on
+    already. Yields whether it switched it on."""
+    if _checkpointing_on(module):
         yield False
         return
-    target = base.get_base_model() if hasattr(base, "get_base_model") else base
-    kwargs = {"use_reentrant": False}
-    if hasattr(target, "activation_checkpointing_enable"):  # transformers >= 5
-        target.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        off = target.activation_checkpointing_disable
+    if hasattr(module, "activation_checkpointing_enable"):  # transformers >= 5
+        module.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None, **extra)
+        off = module.activation_checkpointing_disable
     else:
-        target.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        off = target.gradient_checkpointing_disable
+        module.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
+        off = module.gradient_checkpointing_disable
     try:
         yield True
     finally:
         off()
+
+
+def _checkpointing(model, on: bool):
+    """Gradient checkpointing on (non-reentrant) for a measured alternative, when ``on``."""
+    if not on:
+        return contextlib.nullcontext(False)
+    base = _unwrap(model)
+    return checkpointing_on(base.get_base_model() if hasattr(base, "get_base_model") else base,
+                            {"use_reentrant": False})
