@@ -300,3 +300,25 @@ def test_an_append_revalidates_what_the_change_built_without_validation(tmp_path
     assert lines and all(line.startswith(str(path)) for line in lines), lines
     assert any(k in " ".join(lines) for k in ("measurements[", "findings[", "gpus")), lines
     assert path.read_bytes() == before
+
+
+def test_objects_made_while_collection_is_paused_are_not_walked_again():
+    """A load's models go straight to the collector's oldest generation (no young collection walks
+    a 100k-row ledger again), and the collector is left as found: enabled, nothing frozen."""
+    import gc
+
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    with store.gc_paused():
+        made = [[i] for i in range(50_000)]
+        assert not gc.isenabled()
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    oldest = {id(o) for o in gc.get_objects(generation=2)}
+    assert id(made) in oldest and id(made[-1]) in oldest  # no young collection walks them
+    gc.freeze()  # another caller's frozen objects stay frozen
+    try:
+        frozen = gc.get_freeze_count()
+        with store.gc_paused():
+            [[i] for i in range(1000)]
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
