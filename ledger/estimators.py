@@ -21,23 +21,12 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .model_configs import Arch
-from .recipe import fixes_key, seq_len_of
+from .recipe import Recipe, recipe_of, seq_len_of
 from .models import Ledger, Measurement
 
 GIB = 2**30
 MIB = 2**20
 GB = 1e9
-
-
-@dataclass
-class Recipe:
-    quant: str  # "4bit" | "bf16"
-    rank: int
-    seq_len: int
-    dropout: float = 0.0
-    dora: bool = False
-    batch: int = 1
-    fixes: str = "all"
 
 
 @dataclass
@@ -160,7 +149,7 @@ class Canifinetune(Estimator):
         req = EstimateRequest(
             model_id=arch.name, seq_len=recipe.seq_len, micro_batch_size=recipe.batch,
             method="qlora" if recipe.quant == "4bit" else "lora", lora_rank=recipe.rank,
-            lora_dropout=min(recipe.dropout, 0.99), lora_target_scope="all_linear", optimizer="adamw_torch",
+            lora_dropout=min(recipe.dropout_rate or 0.0, 0.99), lora_target_scope="all_linear", optimizer="adamw_torch",
             gpu_vram_gb=(gpu_total_mib or 24 * 1024) / 1024, override=override, use_network=False,
         )
         e = estimate(req).memory
@@ -179,14 +168,13 @@ ESTIMATORS: list[Estimator] = [Canifinetune(), UnslothStudio(), FT01()]
 # -- reading a row ---------------------------------------------------------------------------------------
 
 
-def recipe_of(m: Measurement) -> Optional[Recipe]:
-    seq = seq_len_of(m)
-    if m.lora is None or seq is None or m.quant not in ("4bit", "bf16"):
+def scored_recipe(m: Measurement) -> Optional[Recipe]:
+    """A row's recipe (``ledger.recipe.recipe_of``) when an estimator can be asked for it: LoRA
+    settings, a known length and a quantisation the estimators model (4-bit or bf16)."""
+    r = recipe_of(m)
+    if r is None or r.seq_len is None or m.quant not in ("4bit", "bf16"):
         return None
-    fixes = fixes_key(m.memory_fixes) if m.memory_fixes is not None else None
-    fixes = fixes if fixes in ("all", "none", None) else "custom"
-    return Recipe(quant=m.quant, rank=m.lora.rank, seq_len=seq, dropout=m.lora.dropout or 0.0,
-                  dora=bool(m.lora.dora), batch=m.batch_size or 1, fixes=fixes or "all")
+    return r
 
 
 def estimate_all(arch: Arch, recipe: Recipe, gpu_total_mib: Optional[float] = None) -> list[dict]:

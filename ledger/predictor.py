@@ -124,7 +124,7 @@ class Predictor:
         """The answer "unknown" for a recipe the predictor does not derive, with why."""
         low, high, lsrc = self.card_limit(gpu, entry or self.ledger.gpus.get(gpu), run)
         return Answer(gpu=gpu, card_source="ledger" if gpu in self.ledger.gpus else "card table",
-                      recipe=dict(recipe.__dict__), run=run, probe_allocated=None, real_allocated=None, reserved=None,
+                      recipe=recipe.memory_fields(), run=run, probe_allocated=None, real_allocated=None, reserved=None,
                       method=None, method_text=why, evidence=[], limit_low_mib=low, limit_high_mib=high,
                       limit_source=lsrc, margin_mib=0.0, verdict="unknown", why=why)
 
@@ -206,7 +206,7 @@ class Predictor:
                                          f"{'out of memory' if fstatus == 'oom' else 'past the card (spilled)'}")
             if fid not in evidence:
                 evidence = [*evidence, fid]
-        return Answer(gpu=gpu, card_source=source, recipe={k: v for k, v in recipe.__dict__.items()}, run=run,
+        return Answer(gpu=gpu, card_source=source, recipe=recipe.memory_fields(), run=run,
                       probe_allocated=probe, real_allocated=real, reserved=reserved, method=method or None,
                       method_text=text, evidence=evidence, limit_low_mib=low, limit_high_mib=high, limit_source=lsrc,
                       margin_mib=margin_mib, verdict=verdict, why=why)
@@ -251,7 +251,7 @@ class Predictor:
             low, high, lsrc, source = None, None, "no card or budget given", "budget"
         ratio = self.reserved_ratio(gpu or "")
         verdict, why = decide(iv, low, high, margin_mib)
-        return Answer(gpu=gpu or "", card_source=source, recipe=dict(recipe.__dict__), run="probe", probe_allocated=iv,
+        return Answer(gpu=gpu or "", card_source=source, recipe=recipe.memory_fields(), run="probe", probe_allocated=iv,
                       real_allocated=None, reserved=scale(iv, *ratio) if ratio else None, method="dry run",
                       method_text=text, evidence=[], limit_low_mib=low, limit_high_mib=high, limit_source=lsrc,
                       margin_mib=margin_mib, verdict=verdict, why=why)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Callable, Iterator, Mapping, NamedTuple, Optional, TypeVar, get_args
 
 from .adapter import ALL_LINEAR
@@ -222,9 +222,19 @@ class Recipe:
     checkpointing: bool = True
     #: The projections LoRA targets (``ledger.adapter``): every row the fits read trains all 7.
     targets: tuple[str, ...] = ALL_LINEAR
+    #: Named so the recipe is whole, but no memory depends on them, so two recipes that differ only
+    #: here are the same question: the dropout rate (any rate above 0 keeps the same masks), lora_alpha
+    #: and rsLoRA (they scale the update, not the tensors).
+    dropout_rate: Optional[float] = field(default=None, compare=False)
+    alpha: Optional[float] = field(default=None, compare=False)
+    rslora: bool = field(default=False, compare=False)
 
     def group(self) -> GroupKey:
         return GroupKey(self.model, self.quant, self.seq_len, self.dropout, self.dora, self.fixes)
+
+    def memory_fields(self) -> dict:
+        """The fields memory depends on, by name (what an answer records as its recipe)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.compare}
 
     def span(self) -> Optional[int]:
         """The response length where it changes memory: only the logits_to_keep fix keeps logits for
@@ -246,8 +256,31 @@ def recipe_of(m: Measurement) -> Optional[Recipe]:
 
 
 def _recipe_of(m: Measurement) -> Optional[Recipe]:
-    if m.lora is None:
+    lora = m.lora
+    if lora is None:
         return None
-    return Recipe(model=m.model, rank=m.lora.rank, quant=m.quant or "4bit", dropout=bool(m.lora.dropout),
-                  dora=bool(m.lora.dora), seq_len=seq_len_of(m), fixes=fixes_key(m.memory_fixes),
-                  response_len=m.response_len)
+    return Recipe(model=m.model, rank=lora.rank, quant=m.quant or "4bit", dropout=bool(lora.dropout),
+                  dora=bool(lora.dora), seq_len=seq_len_of(m), fixes=fixes_key(m.memory_fixes),
+                  response_len=m.response_len, optimizer=m.optimizer, batch=m.batch_size or 1,
+                  checkpointing=m.gradient_checkpointing is not False, targets=targets_of_row(lora.target_modules),
+                  dropout_rate=lora.dropout, alpha=lora.alpha, rslora=bool(lora.rslora))
+
+
+def targets_of_row(names: Optional[list[str]]) -> tuple[str, ...]:
+    """A row's target modules as the recipe names them: all 7 projections when it does not say
+    (every row before the field existed trained them), else its projections in the decoder's order
+    (module paths such as 'self_attn.q_proj' read by their last part, fused ones by their parts). Names that are not the
+    decoder's projections (an lm_head, a vision tower's) are kept as given, after them."""
+    if not names:
+        return ALL_LINEAR
+    last = set()
+    for n in names:
+        part = n.rsplit(".", 1)[-1]
+        last.update(FUSED_PROJECTIONS.get(part, (part,)))
+    known = tuple(t for t in ALL_LINEAR if t in last)
+    return known + tuple(sorted(last - set(ALL_LINEAR)))
+
+
+#: Projections some architectures fuse into one module (Phi-3 and Phi-4): LoRA on the fused module
+#: trains the same weights as on its parts.
+FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

@@ -9,12 +9,12 @@ import statistics
 from collections import defaultdict
 from typing import Iterable, Optional
 
-from .estimators import ESTIMATORS, MIB, Canifinetune, Estimate, Estimator, Recipe, recipe_of
+from .estimators import ESTIMATORS, MIB, Canifinetune, Estimate, Estimator, scored_recipe
 from .model_configs import Arch, load_arch
 from .models import Ledger, Measurement
 from .peaks import modelled
 from .held_out import held_out, shared_predictor
-from .recipe import capacity_mib, row_keys_cached
+from .recipe import Recipe, capacity_mib, row_keys_cached
 
 
 # -- this project --------------------------------------------------------------------------------
@@ -101,7 +101,14 @@ def _seq_bucket(seq: int) -> str:
 
 def _slice_keys(m: Measurement, r: Recipe) -> dict[str, str]:
     return {"seq_len": _seq_bucket(r.seq_len), "rank": str(r.rank), "dropout": "yes" if r.dropout else "no",
-            "dora": "yes" if r.dora else "no", "fixes": r.fixes, "kind": m.kind, "gpu": m.gpu or "", "quant": r.quant}
+            "dora": "yes" if r.dora else "no", "fixes": _fixes_slice(r.fixes), "kind": m.kind, "gpu": m.gpu or "",
+            "quant": r.quant}
+
+
+def _fixes_slice(fixes: str) -> str:
+    """The scoreboard's fixes slice: all, none, or custom for any other set; a row that does not say
+    is the program's recipe, all."""
+    return "all" if fixes == "?" else fixes if fixes in ("all", "none") else "custom"
 
 
 @row_keys_cached()
@@ -122,7 +129,7 @@ def scoreboard(ledger: Ledger, estimators: Optional[list[Estimator]] = None, kee
     for m in ledger.measurements:
         if m.kind not in ("probe", "real") or m.outcome.status not in ("ok", "oom", "spilled"):
             continue
-        r = recipe_of(m)
+        r = scored_recipe(m)
         if r is None:
             continue
         if m.model not in arch_cache:
@@ -164,7 +171,7 @@ def scoreboard(ledger: Ledger, estimators: Optional[list[Estimator]] = None, kee
                 pred = est.predict_row(m)
                 e = None if pred is None else Estimate(est.name, pred * MIB, est.predicts)
             else:
-                key = (arch.name, r.quant, r.rank, r.seq_len, r.dropout, r.dora, r.batch, card)
+                key = (arch.name, r.quant, r.rank, r.seq_len, r.dropout_rate, r.dora, r.batch, card)
                 if key not in cache:
                     cache[key] = est.estimate(arch, r, card)
                 e = cache[key]

@@ -42,7 +42,7 @@ import torch
 
 from ledger import store
 from ledger.paths import DEFAULT_LEDGER
-from ledger.recipe import fixes_key, fixes_value
+from ledger.recipe import fixes_value
 from ledger.models import Environment, Measurement, Outcome, Provenance
 
 from .meters import MIB, TrackerMeter
@@ -321,13 +321,6 @@ def _predictor(ledger: Optional[str]):
     return Predictor(store.load(ledger or DEFAULT_LEDGER), load_dry_runs())
 
 
-def _recipe(cfg: ProbeConfig):
-    from ledger.recipe import Recipe
-
-    return Recipe(model=cfg.model, rank=cfg.rank, quant=cfg.quant, dropout=cfg.dropout > 0, dora=cfg.dora,
-                  seq_len=cfg.seq_len, fixes=fixes_key(fixes_value(cfg.fixes)), response_len=cfg.response_len)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m probe_kit.dry_run", description=__doc__.split("\n\n")[0],
                                 epilog="Exit codes: 0 ok, 1 bad input, 2 bad usage.")
@@ -372,7 +365,7 @@ def main(argv=None) -> int:
                                              multimodal=multimodal)
                 return
             outcome, breakdown = predict(cfg, multimodal=multimodal)
-            answer = predictor.judge_dry(_recipe(cfg), outcome["peak_allocated_mib"], gpu, entry=entry,
+            answer = predictor.judge_dry(cfg.recipe(), outcome["peak_allocated_mib"], gpu, entry=entry,
                                          budget_mib=args.budget_mib) if outcome["peak_allocated_mib"] else None
             m = measurement(cfg, outcome, breakdown, None, args.id)
             result["doc"] = {"measurement": m.model_dump(mode="json", exclude_none=True), "breakdown": breakdown,
@@ -418,7 +411,7 @@ def find_ceiling(cfg: ProbeConfig, predictor, *, gpu: Optional[str] = None, entr
         if rank not in answers:
             outcome, _ = predict(replace(cfg, rank=rank), multimodal=multimodal)
             raw = outcome["peak_allocated_mib"]
-            a = predictor.judge_dry(_recipe(replace(cfg, rank=rank)), raw, gpu, entry=entry, budget_mib=budget_mib) \
+            a = predictor.judge_dry(replace(cfg, rank=rank).recipe(), raw, gpu, entry=entry, budget_mib=budget_mib) \
                 if raw is not None else None
             answers[rank] = {"verdict": a.verdict if a else "won't fit", "raw_mib": raw,
                              "mib": a.probe_allocated.mib if a else None,

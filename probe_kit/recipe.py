@@ -28,6 +28,7 @@ import torch
 from ledger import recipe as ledger_recipe
 from ledger.models import Lora, Measurement
 from ledger.optimizers import OPTIMIZERS
+from ledger.model_configs import config_path
 from ledger.paths import MODEL_CONFIGS
 from ledger.recipe import FIX_NAMES
 
@@ -119,6 +120,17 @@ class ProbeConfig:
                 del key[name]
         return key
 
+    def recipe(self) -> ledger_recipe.Recipe:
+        """The typed recipe the ledger answers for (``ledger.recipe.Recipe``), read as ``recipe_of``
+        reads the row this configuration records: every axis, the same way."""
+        return ledger_recipe.Recipe(
+            model=self.model, rank=self.rank, quant=self.quant, dropout=self.dropout > 0, dora=self.dora,
+            seq_len=self.seq_len, fixes=ledger_recipe.fixes_key(ledger_recipe.fixes_value(self.fixes)),
+            response_len=self.response_len, optimizer=self.optimizer, batch=self.batch_size,
+            checkpointing=self.gradient_checkpointing, targets=ledger_recipe.targets_of_row(list(self.target_modules)),
+            dropout_rate=self.dropout, alpha=self.alpha if self.alpha is not None else float(self.rank),
+            rslora=self.rslora)
+
     def measurement(self, *, id: str, kind: str, gpu: Optional[str] = None, **fields) -> Measurement:
         """The one place a probe configuration becomes a ledger Measurement (probe, crashed
         sweep point, dry run): the recipe fields from this config, the rest from ``fields``."""
@@ -139,16 +151,12 @@ class ProbeConfig:
 
 
 def resolve_config_path(model: str) -> Optional[Path]:
-    """A config JSON: a path, or the name of one shipped in ledger/model_configs/."""
-    path = Path(model)
-    if path.suffix == ".json" and path.is_file():
-        return path
-    shipped = CONFIG_DIR / f"{model.split('/')[-1]}.json"
-    if shipped.is_file():
-        return shipped
-    if path.suffix == ".json":
+    """A config JSON (``ledger.model_configs.config_path``: a path or folder, a shipped name, a Hub
+    id in the local Hugging Face cache)."""
+    found = config_path(model)
+    if found is None and Path(model).suffix == ".json":
         raise RecipeError(f"{model}: no such config file")
-    return None
+    return found
 
 
 def load_config(model: str):

@@ -379,8 +379,6 @@ def predicted_start(group: list[Point], sweep: Sweep, ledger: str, start_rank: O
         from ledger.cards import resolve_card
         from ledger.dry_runs import load_dry_runs
         from ledger.predictor import Predictor
-        from ledger.recipe import Recipe
-        from ledger.recipe import fixes_key, fixes_value
 
         path = ledger if Path(ledger).exists() else str(BUNDLED)
         lg = store.load(path)
@@ -388,8 +386,7 @@ def predicted_start(group: list[Point], sweep: Sweep, ledger: str, start_rank: O
         if found is None:
             return None, f"{sweep.gpu} is not a known card: plain bisection"
         cfg = group[0].config
-        recipe = Recipe(model=cfg.model, quant=cfg.quant, dropout=cfg.dropout > 0, dora=cfg.dora, seq_len=cfg.seq_len,
-                        fixes=fixes_key(fixes_value(cfg.fixes)), response_len=cfg.response_len)
+        recipe = cfg.recipe()
         p = Predictor(lg, load_dry_runs() + [m for m in lg.measurements if m.kind == "dry_run"])
         c = p.ceiling(recipe, found[0], entry=found[1])
         if c.fits_rank is None:

@@ -8,7 +8,8 @@ import pytest
 
 from conftest import FROZEN as BUNDLED
 from ledger import cli, store
-from ledger.estimators import FT01, GB, Canifinetune, Recipe, UnslothStudio
+from ledger.estimators import FT01, GB, Canifinetune, UnslothStudio
+from ledger.recipe import Recipe
 from ledger.model_configs import Arch, load_arch
 from ledger.scoreboard import scoreboard
 from ledger.models import SCHEMA_VERSION, Ledger, Measurement, Outcome
@@ -30,7 +31,7 @@ def test_unsloth_studio_by_hand():
     # activations = (512*(1024+256+256) + 512*2 + 512*(4096+4096)) * 2 * 1.25 = 12,454,400
     # gradients = max(704,512, min(0.15*weights = 22,196,087.5, max(12,454,400, 1,409,024))) = 12,454,400
     # total = 147,973,916.4 + 704,512 + 1,409,024 + 12,454,400 + 12,454,400 + 1.4e9 = 1,574,996,252.4
-    e = UnslothStudio().estimate(TOY, Recipe(quant="4bit", rank=8, seq_len=512))
+    e = UnslothStudio().estimate(TOY, Recipe(model=None, quant="4bit", rank=8, seq_len=512))
     assert e.bytes == pytest.approx(1_574_996_252.4, rel=1e-9)
     assert e.predicts == "reserved"
 
@@ -40,18 +41,18 @@ def test_ft01_by_hand():
     #   = 1,048,576 + 524,288 + 1,048,576 + 12,582,912 = 15,204,352; x2 layers = 30,408,704
     # embeddings (untied) = 2*32000*1024 = 65,536,000; norms = (4*1024 + 2*128)*2 + 1024 = 9,728
     # total = 95,954,432; 4-bit weights = 47,977,216 B; range +6 GB .. +10 GB (decimal GB), midpoint +8 GB
-    e = FT01().estimate(TOY, Recipe(quant="4bit", rank=8, seq_len=512))
+    e = FT01().estimate(TOY, Recipe(model=None, quant="4bit", rank=8, seq_len=512))
     assert TOY.total_params == 95_954_432
     assert (e.low_bytes, e.high_bytes) == (47_977_216 + 6 * GB, 47_977_216 + 10 * GB)
     assert e.bytes == 47_977_216 + 8 * GB
-    bf16 = FT01().estimate(TOY, Recipe(quant="bf16", rank=8, seq_len=512))
+    bf16 = FT01().estimate(TOY, Recipe(model=None, quant="bf16", rank=8, seq_len=512))
     assert (bf16.low_bytes, bf16.high_bytes) == (2 * 95_954_432 * 2, 3 * 95_954_432 * 2)
 
 
 @pytest.mark.skipif(not Canifinetune.available(), reason="canifinetune is not installed")
 def test_canifinetune_logits_chain_by_hand():
     # Its write-up: logits = s * b * vocab * (2 + 12) bytes; for the toy at s=512: 512*32000*14 = 229,376,000 B.
-    e = Canifinetune().estimate(TOY, Recipe(quant="4bit", rank=8, seq_len=512), gpu_total_mib=24 * 1024)
+    e = Canifinetune().estimate(TOY, Recipe(model=None, quant="4bit", rank=8, seq_len=512), gpu_total_mib=24 * 1024)
     assert e.breakdown["logits"] == pytest.approx(229_376_000, rel=1e-3)
     # Its 8% CUDA overhead of the card: 0.08 * 24 GiB.
     assert e.breakdown["cuda_overhead"] == pytest.approx(0.08 * 24 * 2**30, rel=1e-3)

@@ -65,3 +65,54 @@ def test_ids_of_the_recipes_every_earlier_probe_ran_are_unchanged():
         recipe("tiny-llama", optimizer="adam_typo")
     with pytest.raises(RecipeError, match="--batch-size must be > 0"):
         recipe("tiny-llama", batch=0)
+
+
+# -- one typed recipe, read the same way from a probe configuration and from the row it records ----
+
+
+@pytest.mark.parametrize("cfg", [
+    ProbeConfig(model="tiny-llama", rank=8),
+    ProbeConfig(model="tiny-qwen2", rank=32, alpha=64, rslora=True, dropout=0.05, dora=True, quant="bf16",
+                seq_len=512, response_len=100, fixes=["chunked_mlp"], batch_size=4, gradient_checkpointing=False,
+                optimizer="paged_adamw_8bit", target_modules=["q_proj", "v_proj"]),
+    ProbeConfig(model="tiny-llama", rank=16, fixes=[], target_modules=["qkv_proj", "o_proj", "gate_up_proj",
+                                                                       "down_proj"]),
+])
+def test_a_probe_config_and_its_row_name_the_same_recipe(cfg):
+    from ledger.recipe import recipe_of
+
+    row = recipe_of(cfg.measurement(id="x", kind="dry_run"))
+    mine = cfg.recipe()
+    assert mine == row
+    # The fields that change no memory are named all the same, and equal on both sides.
+    assert (mine.dropout_rate, mine.alpha, mine.rslora) == (row.dropout_rate, row.alpha, row.rslora)
+    assert (row.batch, row.checkpointing, row.optimizer) == (cfg.batch_size, cfg.gradient_checkpointing,
+                                                             cfg.optimizer)
+
+
+def test_recipes_differing_only_where_memory_does_not_are_one_question():
+    from dataclasses import replace
+
+    from ledger.adapter import ALL_LINEAR
+    from ledger.recipe import Recipe, targets_of_row
+
+    base = Recipe("tiny-llama", rank=16, dropout=True, dropout_rate=0.05, alpha=16)
+    same = replace(base, dropout_rate=0.1, alpha=32, rslora=True)
+    assert same == base and hash(same) == hash(base)
+    assert replace(base, dropout=False) != base and replace(base, batch=2) != base
+    # Fused projections train the same weights as their parts; module paths read by their last part.
+    assert targets_of_row(["self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"]) == ALL_LINEAR
+    assert targets_of_row(["q_proj", "v_proj"]) == ("q_proj", "v_proj")
+    assert targets_of_row(None) == ALL_LINEAR
+    assert targets_of_row(["v_proj", "lm_head"]) == ("v_proj", "lm_head")
+
+
+def test_the_estimators_answer_the_one_recipe():
+    import ledger.estimators as estimators
+    from ledger.recipe import Recipe
+
+    assert not hasattr(estimators, "Recipe") or estimators.Recipe is Recipe
+    arch = load_arch("tiny-llama")
+    one = estimators.UnslothStudio().estimate(arch, Recipe("tiny-llama", rank=8, seq_len=256, batch=1))
+    four = estimators.UnslothStudio().estimate(arch, Recipe("tiny-llama", rank=8, seq_len=256, batch=4))
+    assert four.breakdown["activations"] == pytest.approx(4 * one.breakdown["activations"])
