@@ -98,6 +98,30 @@ class CeilingAnswer(BaseModel):
     ranks: list[dict]
 
 
+class LengthCeiling(BaseModel):
+    """The longest sequence (a multiple of a step) that fits and that is tight at one rank, with
+    the answers at the lengths where the verdict changes."""
+
+    model_config = ConfigDict(extra="forbid")
+    gpu: str
+    run: Run
+    rank: int
+    fits_len: Optional[int]
+    tight_len: Optional[int]
+    status: Literal["ok", "none-fits", "unknown"]
+    step: int
+    max_len: int
+    at_least: bool
+    #: The shortest length searched with no answer above the last answered one (no dry-run rows
+    #: reach it yet), or None.
+    unknown_from: Optional[int]
+    note: str
+    limit_low_mib: Optional[float]
+    limit_high_mib: Optional[float]
+    margin_mib: float
+    lengths: list[dict]
+
+
 def verdict_for(bottom: Optional[float], top: Optional[float], low: Optional[float], high: Optional[float],
                 margin: float) -> Verdict:
     """The verdict alone for a predicted interval (bottom, top) against a limit (low, high): the

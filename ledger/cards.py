@@ -22,6 +22,10 @@ class Card:
     key: str
     gpu: Gpu
     source: str
+    #: The total nvidia-smi shows (MiB), where a public source gives it.
+    smi_total_mib: Optional[float] = None
+    #: Shown on the site's fit page (the common cards; the commands answer every card).
+    fit_page: bool = False
 
 
 @lru_cache(maxsize=1)
@@ -30,7 +34,46 @@ def _card_table() -> tuple[tuple[str, Card], ...]:
     return tuple((c["key"], Card(c["key"], Gpu(name=c["name"], vendor=c["vendor"], total_mib=c["total_mib"],
                                                 usable_gib_torch=c.get("usable_gib_torch"),
                                                 aliases=c.get("aliases", []), provenance=Provenance(source=c["source"])),
-                                  c["source"])) for c in doc["cards"])
+                                  c["source"], c.get("smi_total_mib"), c.get("fit_page", False))) for c in doc["cards"])
+
+
+@dataclass(frozen=True)
+class UsableRatio:
+    """What PyTorch reports as a card's total over what nvidia-smi shows, on the cards of the card
+    table that have a public source for both: the rule that turns a total into usable memory."""
+
+    low: float
+    high: float
+    cards: tuple[str, ...]
+
+    def usable_mib(self, total_mib: float) -> tuple[float, float]:
+        return round(total_mib * self.low, 1), round(total_mib * self.high, 1)
+
+    def describe(self) -> str:
+        return (f"PyTorch reports {self.low:.4f}–{self.high:.4f} of nvidia-smi's total on "
+                f"{', '.join(self.cards)} (the card table's sources)")
+
+
+@lru_cache(maxsize=1)
+def usable_ratio() -> UsableRatio:
+    pairs = [(k, c.gpu.usable_gib_torch * 1024 / c.smi_total_mib) for k, c in _card_table()
+             if c.smi_total_mib and c.gpu.usable_gib_torch]
+    ratios = [r for _, r in pairs]
+    return UsableRatio(min(ratios), max(ratios), tuple(k for k, _ in pairs))
+
+
+def derives_usable(entry: Optional[Gpu]) -> bool:
+    """A CUDA card whose usable memory no PyTorch report gives: derived from its total by the rule
+    (ROCm reports a card's whole memory, so an AMD card's total is what PyTorch sees)."""
+    return entry is not None and not entry.usable_gib_torch and entry.vendor == "nvidia" and bool(entry.total_mib)
+
+
+def card_of_total(total_mib: float) -> tuple[str, Gpu]:
+    """A card the table does not list, by the total nvidia-smi shows for it (``--gpu-mib``)."""
+    total = float(total_mib)
+    key = f"gpu-{total:g}-mib"
+    return key, Gpu(name=f"a card of {total:g} MiB (--gpu-mib)", vendor="nvidia", total_mib=total,
+                    provenance=Provenance(source=f"--gpu-mib {total:g}: the total nvidia-smi shows"))
 
 
 def card_table() -> dict[str, Card]:
@@ -59,5 +102,5 @@ def require_card(ledger: Ledger, name: str, where: str = "--gpu") -> tuple[str, 
     found = resolve_card(ledger, name)
     if found is None:
         raise UserError(Issue(where, "", f"unknown gpu {name!r} (known: {', '.join(known_card_names(ledger))}; for "
-                              "another card give --budget-mib with any of them)"))
+                              "another card give --gpu-mib with the total nvidia-smi shows for it)"))
     return found

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional
 
-from .answers import CeilingAnswer, Run
+from .answers import CeilingAnswer, LengthCeiling, Run
 from .models import Gpu
 from .recipe import Recipe, row_keys_cached
 
@@ -132,3 +132,54 @@ def ceiling_table(p, step: int = 8) -> list[dict]:
                                 "at_least": c.at_least}
             rows.append({"gpu": gpu, "model": model, "quant": quant, "fixes": fixes, "seq_len": seq, "ceilings": cells})
     return rows
+
+
+def longest(p, recipe: Recipe, gpu: str, *, entry: Optional[Gpu] = None, run: Run = "probe",
+            margin_mib: float = 0.0, budget_mib: Optional[float] = None, step: int = 256,
+            max_len: int = 131072) -> LengthCeiling:
+    """The inverse question: at ``recipe.rank``, the longest sequence (a multiple of ``step``, up to
+    ``max_len``) whose verdict is ``fits``, and the longest that is ``tight`` or better, scanning
+    lengths upwards until the first that will not fit (a step's peak grows with its length).
+    Lengths with no answer (past the dry-run rows) are skipped; ``unknown_from`` says where the
+    answers stop when nothing past them was known."""
+    rows: list[dict] = []
+    fits_len = tight_len = None
+    low = high = None
+    last_known = None
+    for seq in range(step, max_len + 1, step):
+        a = p.predict(replace(recipe, seq_len=seq), gpu, entry=entry, run=run, margin_mib=margin_mib,
+                      budget_mib=budget_mib)
+        low, high = a.limit_low_mib, a.limit_high_mib
+        fig = a.allocated
+        row = {"seq_len": seq, "verdict": a.verdict, "method": a.method, "mib": fig.mib if fig else None,
+               "high_mib": fig.high_mib if fig else None, "evidence": a.evidence}
+        if a.verdict == "unknown":
+            continue
+        last_known = seq
+        if not rows or rows[-1]["verdict"] != a.verdict:
+            rows.append(row)
+        else:
+            rows[-1] = {**row, "from_seq_len": rows[-1].get("from_seq_len", rows[-1]["seq_len"])}
+        if a.verdict == "won't fit":
+            break
+        if a.verdict == "fits" and tight_len == fits_len:
+            fits_len = seq
+        tight_len = seq
+    stopped = bool(rows) and rows[-1]["verdict"] == "won't fit"
+    unknown_from = None if stopped or last_known == max_len else (last_known or 0) + step
+    if not rows:
+        status, note = "unknown", p.predict(replace(recipe, seq_len=step), gpu, entry=entry, run=run,
+                                               budget_mib=budget_mib).why
+    elif fits_len is None and tight_len is None:
+        status, note = "none-fits", f"rank {recipe.rank} does not fit at {rows[0]['seq_len']} tokens"
+    else:
+        status, note = "ok", ""
+    at_least = status == "ok" and not stopped
+    if at_least:
+        note = (f"at least {tight_len if fits_len is None else fits_len} tokens: "
+                + (f"no answer from {unknown_from} tokens on (no dry-run rows reach it)" if unknown_from and
+                   unknown_from <= max_len else f"the search stops at {max_len} tokens"))
+    return LengthCeiling(gpu=gpu, run=run, rank=recipe.rank, fits_len=fits_len, tight_len=tight_len, status=status,
+                         step=step, max_len=max_len, at_least=at_least,
+                         unknown_from=unknown_from if unknown_from and unknown_from <= max_len else None, note=note,
+                         limit_low_mib=low, limit_high_mib=high, margin_mib=margin_mib, lengths=rows)

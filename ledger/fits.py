@@ -26,8 +26,17 @@ GRID_MODELS = ("qwen2.5-0.5b", "gemma-3-1b-it", "llama-3.2-1b", "qwen2.5-1.5b", 
                "phi-3.5-mini", "gemma-3-4b-it", "qwen3-4b", "mistral-7b", "qwen2.5-7b", "llama-3.1-8b", "qwen3-8b",
                "gemma-3-12b-it", "qwen2.5-14b")
 GRID_RESPONSE_LEN = 256
-#: Projections LoRA targets where a model's differ from the default seven (Phi-3 fuses them).
-GRID_TARGETS = {"phi-3.5-mini": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
+#: The projections LoRA targets in an architecture that fuses them (Phi-3 and Phi-4: qkv_proj and
+#: gate_up_proj), by model_type; the others have the default seven.
+FUSED_TARGETS = {"phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
+
+
+def target_option(model: str) -> dict:
+    """A dry-run point's target_modules where the model's architecture fuses its projections."""
+    from .model_configs import model_type
+
+    fused = FUSED_TARGETS.get(model_type(model) or "")
+    return {"target_modules": fused} if fused else {}
 SETTINGS = (("plain", False, False), ("dropout", True, False), ("DoRA", False, True))
 STEP, MAX_RANK = 8, 512
 
@@ -66,11 +75,10 @@ def grid_points(model: str, lengths: Iterable[int] = LENGTHS) -> list[dict]:
     is derived)."""
     lengths = sorted(lengths)
     out = []
-    key = model.split("/")[-1].removesuffix(".json")
     for quant in ("4bit", "bf16"):
         for fixes in ("none", "all"):
             base = {"model": model, "quant": quant, "fixes": fixes, "response_len": GRID_RESPONSE_LEN,
-                    **({"target_modules": GRID_TARGETS[key]} if key in GRID_TARGETS else {})}
+                    **target_option(model)}
             out += [{**base, "seq_len": seq, "rank": 8} for seq in lengths]
             for seq in (lengths[0], lengths[-1]):
                 out += [{**base, "seq_len": seq, "rank": 64}, {**base, "seq_len": seq, "rank": 8, "dropout": 0.1},
@@ -108,6 +116,14 @@ def cards(p: Predictor) -> dict[str, Gpu]:
     return dict(sorted(out.items(), key=lambda kv: (kv[1].total_mib or 0, kv[0])))
 
 
+def page_cards(p: Predictor) -> list[str]:
+    """The cards the site's fit table covers: the ledger's and the card table's common ones
+    (``fit_page``). One page holds every model, so each card costs the page a table per model;
+    every card of the table is answered by ``vram fit --gpu`` all the same."""
+    table = card_table()
+    return [k for k in cards(p) if k in p.ledger.gpus or (k in table and table[k].fit_page)]
+
+
 def _dry_ceiling(p: Predictor, recipe: Recipe, gpu: str, entry: Gpu) -> tuple[Optional[int], Optional[int], str, bool]:
     """(fits, tight, status, at least) from the calibrated dry run alone, by bisection over ranks."""
     cache: dict[int, str] = {}
@@ -142,13 +158,15 @@ def _dry_ceiling(p: Predictor, recipe: Recipe, gpu: str, entry: Gpu) -> tuple[Op
 
 @row_keys_cached()
 def fit_table(p: Predictor, *, models: Optional[Iterable[str]] = None, gpus: Optional[Iterable[str]] = None,
-              lengths: Iterable[int] = LENGTHS, ladder: bool = True) -> list[FitCell]:
-    lengths = sorted(lengths)
+              lengths: Iterable[int] = LENGTHS, ladder: bool = True,
+              extra_cards: Optional[dict[str, Gpu]] = None) -> list[FitCell]:
     """Every cell of the fit table (see the module docstring). ``ladder=False``: the calibrated
-    dry run answers every cell (a site built from a very large ledger)."""
-    all_cards = cards(p)
+    dry run answers every cell (a site built from a very large ledger). ``extra_cards``: cards by
+    key beside the ledger's and the card table's (a card given by its total, ``--gpu-mib``)."""
+    lengths = sorted(lengths)
+    all_cards = {**cards(p), **{k: v for k, v in (extra_cards or {}).items() if v is not None}}
     models = list(models) if models is not None else dry_models(p)
-    gpus = list(gpus) if gpus is not None else list(all_cards)
+    gpus = list(gpus) if gpus is not None else page_cards(p)
     measured_models = {(m.gpu, model_name(m.model)) for m in p.ms if m.kind in ("probe", "real") and m.lora}
     out = []
     for model in models:

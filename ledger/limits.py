@@ -10,6 +10,7 @@ from functools import cached_property
 from typing import Literal, Optional
 
 from .calibration import Limit, limit_for
+from .cards import derives_usable, usable_ratio
 from .peaks import probes, ok_peak
 from .ledger_fit import LedgerFit
 from .models import Gpu
@@ -47,10 +48,16 @@ class CardLimits:
         fit = self.overheads
         if not fit["context"]:
             return None, None, f"no measured card to derive {gpu}'s limit from: give --budget-mib"
-        low = (usable - max(fit["context"])) / max(fit["ratio"])
-        high = (usable - min(fit["context"])) / min(fit["ratio"])
-        return round(low, 1), round(min(high, usable), 1), (
-            f"{usable} MiB usable (card table) less the CUDA context ({min(fit['context']):.0f}–"
+        low_usable = high_usable = usable
+        basis = f"{usable} MiB usable (card table)"
+        if derives_usable(entry):
+            rule = usable_ratio()
+            low_usable, high_usable = rule.usable_mib(entry.total_mib)
+            basis = f"{low_usable}–{high_usable} MiB usable ({entry.total_mib:g} MiB total; {rule.describe()})"
+        low = (low_usable - max(fit["context"])) / max(fit["ratio"])
+        high = (high_usable - min(fit["context"])) / min(fit["ratio"])
+        return round(low, 1), round(min(high, high_usable), 1), (
+            f"{basis} less the CUDA context ({min(fit['context']):.0f}–"
             f"{max(fit['context']):.0f} MiB), over reserved/allocated ({min(fit['ratio']):.3f}–{max(fit['ratio']):.3f}), "
             f"as measured on {', '.join(fit['cards'])}")
 

@@ -1,10 +1,13 @@
 """The shipped model configs (``ledger/model_configs/*.json``, public facts) and what the library
 reads off them: a model's short name, its architecture, its vocabulary. Below everything that
-reads a config (calibration, the predictor, the estimators); no I/O beyond those files."""
+reads a config (calibration, the predictor, the estimators); no I/O beyond those files, the
+user's config files and the local Hugging Face cache (never the network)."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -57,14 +60,125 @@ class Arch:
         return self.linear_params + self.embedding_params + norms
 
 
+# -- where a model's config is ----------------------------------------------------------------
+
+
+def hub_cache_dirs() -> list[Path]:
+    """The Hugging Face hub caches a Hub id is looked up in, as huggingface_hub finds them:
+    ``HF_HUB_CACHE``, else ``HF_HOME``/hub, else ``XDG_CACHE_HOME``/huggingface/hub, else
+    ~/.cache/huggingface/hub (the legacy ``HUGGINGFACE_HUB_CACHE`` too). Nothing is downloaded."""
+    env = os.environ
+    if env.get("HF_HUB_CACHE"):
+        dirs = [Path(env["HF_HUB_CACHE"])]
+    elif env.get("HUGGINGFACE_HUB_CACHE"):
+        dirs = [Path(env["HUGGINGFACE_HUB_CACHE"])]
+    elif env.get("HF_HOME"):
+        dirs = [Path(env["HF_HOME"]) / "hub"]
+    else:
+        base = Path(env["XDG_CACHE_HOME"]) if env.get("XDG_CACHE_HOME") else Path.home() / ".cache"
+        dirs = [base / "huggingface" / "hub"]
+    return [d.expanduser() for d in dirs]
+
+
+def _from_hub_cache(model_id: str) -> Optional[Path]:
+    """config.json of a Hub id in a local cache: the snapshot refs/main names, else the newest."""
+    for cache in hub_cache_dirs():
+        repo = cache / ("models--" + model_id.replace("/", "--"))
+        snapshots = repo / "snapshots"
+        if not snapshots.is_dir():
+            continue
+        ref = repo / "refs" / "main"
+        if ref.is_file():
+            path = snapshots / ref.read_text(encoding="utf-8").strip() / "config.json"
+            if path.is_file():
+                return path
+        found = sorted(snapshots.glob("*/config.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+        if found:
+            return found[0]
+    return None
+
+
+def config_path(model: str) -> Optional[Path]:
+    """A model's config.json: a path to one (or to the folder holding it), the name of one shipped
+    in ledger/model_configs ('unsloth/gemma-3-4b-it' -> gemma-3-4b-it.json), or a Hub id
+    ('Qwen/Qwen2.5-32B') found in the local Hugging Face cache. None when none of them has it."""
+    path = Path(model).expanduser()
+    if path.suffix == ".json" and path.is_file():
+        return path
+    if path.is_dir() and (path / "config.json").is_file():
+        return path / "config.json"
+    shipped = CONFIG_DIR / f"{model.split('/')[-1]}.json"
+    if shipped.is_file():
+        return shipped
+    if _hub_id(model) and not path.exists():
+        return _from_hub_cache(model)
+    return None
+
+
+def _hub_id(model: str) -> bool:
+    """Whether ``model`` reads as a Hub id ORG/NAME (not a path or a file name)."""
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", model) is not None and not model.endswith(".json")
+
+
+def where_looked(model: str) -> str:
+    """What ``config_path`` tried, for a one-line error, with how to get a config."""
+    tried = [f"a config file or folder {model!r}", f"{CONFIG_DIR}/{model.split('/')[-1].removesuffix('.json')}.json"]
+    if _hub_id(model):
+        tried += [f"{d}/models--{model.replace('/', '--')}/snapshots/*/config.json" for d in hub_cache_dirs()]
+        how = (f"fetch just its config with `huggingface-cli download {model} config.json` (or "
+               f"hf_hub_download('{model}', 'config.json')), or give --model the path of its config.json")
+    else:
+        how = "give --model a shipped name (ls ledger/model_configs), a config.json path or folder, or a Hub id ORG/NAME"
+    return f"no config for {model}: looked in {'; '.join(tried)}; {how}"
+
+
+def model_type(model: str) -> Optional[str]:
+    """The config's model_type (its text model's for a multimodal config), or None."""
+    path = config_path(model)
+    if path is None:
+        return None
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return data.get("text_config", data).get("model_type") or data.get("model_type")
+
+
+def max_length(model: Optional[str]) -> Optional[int]:
+    """The longest sequence the model's config allows (max_position_embeddings), or None."""
+    path = config_path(model) if model else None
+    if path is None:
+        return None
+    data = json.loads(path.read_text(encoding="utf-8"))
+    value = data.get("text_config", data).get("max_position_embeddings")
+    return int(value) if value else None
+
+
+def moe_experts(model: str) -> Optional[int]:
+    """The experts per layer of a mixture-of-experts config (Mixtral, Qwen2/3-MoE, ...), else None."""
+    path = config_path(model)
+    if path is None:
+        return None
+    data = json.loads(path.read_text(encoding="utf-8"))
+    text = data.get("text_config", data)
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if text.get(key):
+            return int(text[key])
+    return None
+
+
+def _name_of(path: Path) -> str:
+    """A config's model name: the file's stem, its folder's name for a config.json, the Hub name
+    (lowercase, as ``model_name`` reads a Hub id) for a cached snapshot."""
+    if path.name != "config.json":
+        return path.stem
+    if path.parent.parent.name == "snapshots":
+        return path.parent.parent.parent.name.split("--")[-1].lower()
+    return path.parent.name
+
+
 def load_arch(model: str) -> Optional[Arch]:
-    """The architecture of a model: a config JSON path, or a model id / name whose config ships in
-    ledger/model_configs ('unsloth/gemma-3-4b-it' -> gemma-3-4b-it.json). None when unknown."""
-    path = Path(model)
-    if not (path.suffix == ".json" and path.is_file()):
-        path = CONFIG_DIR / f"{model.split('/')[-1]}.json"
-        if not path.is_file():
-            return None
+    """The architecture of a model (a config ``config_path`` finds). None when unknown."""
+    path = config_path(model)
+    if path is None:
+        return None
     data = json.loads(path.read_text(encoding="utf-8"))
     text = data.get("text_config", data)
     hidden = text["hidden_size"]
@@ -73,7 +187,7 @@ def load_arch(model: str) -> Optional[Arch]:
     family = "gemma" if "gemma" in model_type else ("qwen2" if "qwen" in model_type else
                                                      ("mistral" if "mistral" in model_type else "llama"))
     return Arch(
-        name=path.stem, hidden=hidden, layers=text["num_hidden_layers"], heads=heads,
+        name=_name_of(path), hidden=hidden, layers=text["num_hidden_layers"], heads=heads,
         kv_heads=text.get("num_key_value_heads", heads), head_dim=text.get("head_dim") or hidden // heads,
         intermediate=text["intermediate_size"], vocab=text["vocab_size"],
         tied=bool(text.get("tie_word_embeddings", data.get("tie_word_embeddings", True))), family=family,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ledger.fits import GRID_MODELS, GRID_RESPONSE_LEN, GRID_TARGETS, grid_points, sweep_toml  # noqa: E402
+from ledger.fits import GRID_MODELS, GRID_RESPONSE_LEN, grid_points, sweep_toml, target_option  # noqa: E402
 
 #: (model, quant, fixes, seq_len, rank, extra): points the table derives, computed directly.
 HELD_OUT = [("gemma-3-4b-it", "4bit", "all", 4096, 64, {}), ("qwen2.5-7b", "bf16", "none", 8192, 64, {}),
@@ -26,7 +26,7 @@ HELD_OUT = [("gemma-3-4b-it", "4bit", "all", 4096, 64, {}), ("qwen2.5-7b", "bf16
 
 def held_out() -> list[dict]:
     return [{"model": m, "quant": q, "fixes": f, "response_len": GRID_RESPONSE_LEN, "seq_len": s, "rank": r, **extra,
-             **({"target_modules": GRID_TARGETS[m]} if m in GRID_TARGETS else {})} for m, q, f, s, r, extra in HELD_OUT]
+             **target_option(m)} for m, q, f, s, r, extra in HELD_OUT]
 
 
 def main() -> None:

@@ -114,7 +114,14 @@ def test_bad_input_is_one_line(capsys):
                                            ("llama-3.1-8b", 8.03), ("qwen2.5-7b", 7.62), ("mistral-7b", 7.25),
                                            ("llama-3.2-1b", 1.24), ("llama-3.2-3b", 3.21), ("qwen2.5-0.5b", 0.49),
                                            ("qwen2.5-1.5b", 1.54), ("qwen2.5-3b", 3.09), ("qwen2.5-14b", 14.77),
-                                           ("qwen3-4b", 4.02), ("qwen3-8b", 8.19), ("phi-3.5-mini", 3.82)])
+                                           ("qwen3-4b", 4.02), ("qwen3-8b", 8.19), ("phi-3.5-mini", 3.82),
+                                           # published: 70.6B, 32.8B, 72.7B, 14.8B, 32.8B, 27.4B (the text model
+                                           # 27.0B, the vision tower the rest), 23.6B, 12.2B, 14.7B, 7.62B, 14.8B
+                                           ("llama-3.3-70b", 70.55), ("qwen2.5-32b", 32.76), ("qwen2.5-72b", 72.71),
+                                           ("qwen3-14b", 14.77), ("qwen3-32b", 32.76), ("gemma-3-27b-it", 27.01),
+                                           ("mistral-small-24b", 23.57), ("mistral-nemo-12b", 12.25), ("phi-4", 14.66),
+                                           ("deepseek-r1-distill-qwen-7b", 7.62),
+                                           ("deepseek-r1-distill-qwen-14b", 14.77)])
 def test_shipped_configs_have_the_published_sizes(name, billions):
     from ledger.model_configs import load_arch
 

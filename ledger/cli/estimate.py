@@ -6,12 +6,13 @@ import argparse
 
 from .. import store
 from ..errors import Issue, UserError
-from ..estimators import Recipe, estimate_all, nearest_row
+from ..estimators import estimate_all, nearest_row
 from ..model_configs import load_arch
-from ..ingest import fixes_option
-from ..recipe import capacity_mib, fixes_key, keeps_logits, seq_len_of
+from ..recipe import capacity_mib, keeps_logits, seq_len_of
 from ..response_span import answerable
-from .calibrate import add_dry_runs_option, card_of, predictor_for, recipe_from
+from .calibrate import (BUDGET_CARD, add_card_option, add_dry_runs_option, card_from, predictor_for, recipe_from,
+                        require_model)
+from .compute import add_compute_option, ensure_dry_runs
 from .options import (Command, add_batch_option, add_json_option, add_ledger_option, add_optimizer_option,
                       add_recipe_options, dump_json)
 
@@ -19,12 +20,12 @@ from .options import (Command, add_batch_option, add_json_option, add_ledger_opt
 def add_estimate_options(p: argparse.ArgumentParser) -> None:
     add_recipe_options(p, required=("model", "rank", "seq-len"), skip=("alpha", "rslora"))
     add_batch_option(p)
-    p.add_argument("--gpu", help="the card: a ledger key, alias or name, or a common card ('RTX 4090', a100-40gb); "
-                                 "this project's verdict is for it")
+    add_card_option(p, required=False, budget=True)
     p.add_argument("--real", action="store_true", help="this project's answer for a real run, not a one-step probe")
     add_optimizer_option(p)
     add_ledger_option(p)
     add_dry_runs_option(p)
+    add_compute_option(p)
     add_json_option(p)
 
 
@@ -35,29 +36,29 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     every outside estimator's figure (canifinetune, Unsloth Studio's formula, the FT01 rule of
     thumb) with the quantity it claims to predict, and the ledger's nearest measured row (on the
     requested card when it has one). How each fares against the ledger is on the estimator page."""
+    require_model(args.model)
     arch = load_arch(args.model)
-    if arch is None:
-        raise UserError(Issue(args.model, "", "no such config (give a config JSON or a model whose config ships)"))
     if args.rank <= 0 or args.seq_len <= 0 or args.batch_size <= 0:
         raise UserError(Issue("--rank", "", "rank, seq-len and batch size must be > 0"))
     ledger = store.load(args.ledger)
-    gpu = entry = None
-    if args.gpu:
-        gpu, entry = card_of(ledger, args.gpu)
+    gpu, entry = card_from(args, ledger, required=False)
     card = capacity_mib(entry) if entry is not None else None
-    recipe = Recipe(quant=args.quant, rank=args.rank, seq_len=args.seq_len, dropout=args.dropout, dora=args.dora,
-                    batch=args.batch_size, fixes=fixes_key(fixes_option(args.fixes)))
     predictor = predictor_for(args, ledger)
     question = recipe_from(args, args.rank)
+    if ensure_dry_runs(args, predictor, question):
+        predictor = predictor_for(args, ledger)
     fixes, optimizer = question.fixes, question.optimizer if args.real else None
     if gpu is not None:
-        answer = predictor.predict(question, gpu, entry=entry, run="real" if args.real else "probe")
+        answer = predictor.predict(question, gpu, entry=entry, run="real" if args.real else "probe",
+                                   budget_mib=args.budget_mib)
     else:
         answer = predictor.dry_answer(question)
-    figures = estimate_all(arch, recipe, card)
-    near = nearest_row(ledger, args.model, recipe, gpu)
+    figures = estimate_all(arch, question, card)
+    near = nearest_row(ledger, args.model, question, None if gpu == BUDGET_CARD else gpu)
     doc = {"model": arch.name, "params": arch.total_params,
-           "recipe": {**recipe.__dict__, "response_len": args.response_len, "fixes": fixes, "optimizer": optimizer},
+           "recipe": {"quant": question.quant, "rank": question.rank, "seq_len": question.seq_len,
+                      "dropout": args.dropout, "dora": question.dora, "batch": question.batch, "fixes": fixes,
+                      "response_len": args.response_len, "optimizer": optimizer},
            "gpu": gpu, "card_mib": card,
            "answer": answer.model_dump(mode="json") if answer else None, "estimates": figures,
            "nearest_measurement": None if near is None else {
@@ -76,7 +77,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
           + (" (the program's preset)" if fixes == "all" else " (stock)" if fixes == "none" else "")
           + ((f", {optimizer}" if optimizer else ", optimizer state as in the program's measured runs") if args.real
              else ", a one-step probe (no optimizer step; --real for a training run)")
-          + (f", on {gpu}" if gpu else "")
+          + (f", on {gpu}" if gpu and gpu != BUDGET_CARD else "")
+          + (f", judged against --budget-mib {args.budget_mib:g} MiB of peak allocated (no CUDA context or allocator "
+             "overhead taken off)" if args.budget_mib is not None else "")
           + (" (--response-len ignored: without logits_to_keep every position's logits are made)"
              if args.response_len is not None and not keeps_logits(fixes) else ""))
     if answer is not None and answer.allocated is not None:
@@ -91,7 +94,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         if gpu:
             print(f"    {answer.why} ({answer.limit_source})")
         else:
-            print("    give --gpu for a verdict on a card")
+            print("    give --gpu (or --gpu-mib for a card not in `vram cards`) for a verdict on a card")
     elif answer is not None:
         print(f"  vram-ledger: {answer.verdict}: {answer.why}")
     else:

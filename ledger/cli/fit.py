@@ -14,14 +14,13 @@ from ..fits import LENGTHS, SETTINGS, fit_table, grid_points, stale_rows, sweep_
 from ..model_configs import model_name
 from ..dry_runs import cache_file
 from ..recipe import fixes_key
-from .calibrate import add_dry_runs_option, card_of, dry_rows, predictor_for
+from .calibrate import add_card_option, add_dry_runs_option, card_from, dry_rows, predictor_for, require_model
 from .options import Command, add_json_option, add_ledger_option, dump_json
 
 
 def add_fit_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="a shipped model config name (e.g. qwen2.5-7b) or a config JSON")
-    p.add_argument("--gpu", required=True, help="the card: a ledger key, alias or name, or a common card "
-                                                "('RTX 4090', a100-40gb; see `vram cards`)")
+    add_card_option(p)
     p.add_argument("--quant", choices=("4bit", "bf16"), action="append",
                    help="base weights (repeatable; default both)")
     p.add_argument("--fixes", choices=("none", "all"), action="append",
@@ -41,7 +40,8 @@ def cmd_fit(args: argparse.Namespace) -> int:
     or the whole evidence ladder where the ledger measured the model on the card. With --compute,
     the dry runs the model lacks are run first (python -m probe_kit.run_sweep, device "dry")."""
     ledger = store.load(args.ledger)
-    gpu, entry = card_of(ledger, args.gpu)
+    require_model(args.model, ledger)
+    gpu, entry = card_from(args, ledger)
     name = model_name(args.model)
     if args.compute:
         _compute(args)
@@ -52,7 +52,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
                               "(needs torch), or pick a model of the fit table (`vram fit --help`)"))
     quants = args.quant or ["4bit", "bf16"]
     fixes = args.fixes or ["none", "all"]
-    cells = [c for c in fit_table(p, models=[name], gpus=[gpu]) if c.quant in quants and c.fixes in fixes]
+    cells = [c for c in fit_table(p, models=[name], gpus=[gpu], extra_cards={gpu: entry}) if c.quant in quants and c.fixes in fixes]
     stale = [i for i in stale_rows(p.dry) if name in i]
     low, high, source = p.card_limit(gpu, entry, "probe")
     if args.json:

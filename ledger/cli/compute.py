@@ -1,0 +1,177 @@
+"""Dry runs computed when an answer needs them: a model without committed rows (a config path or
+folder, a Hub id in the local cache), or a length the committed grid does not reach. They run as
+a dry-run sweep (``python -m probe_kit.run_sweep``, device "dry", torch on the CPU) into the
+user's cache (``ledger.dry_runs.cache_file``), never into the shipped rows, and are reused by
+every later command.
+
+A cached row is reused only while it was computed from the same config and the same library
+versions: a user's config is copied into the cache under its content hash (the rows name that
+copy), and rows of an edited config or of other torch / transformers / peft versions are left out
+and computed again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Optional
+
+from ..atomic import atomic_write_text
+from ..dry_runs import cache_file, load_dry_runs
+from ..errors import Issue, UserError
+from ..fits import GRID_RESPONSE_LEN, stale_rows, sweep_toml, target_option
+from ..model_configs import CONFIG_DIR, config_path, load_arch, model_name
+from ..paths import DRY_RUNS
+from ..recipe import Recipe
+
+#: Ranks a length needs dry-run so that any rank there is derived (a step's peak is affine in rank).
+RANKS = (8, 64)
+
+
+def add_compute_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-compute", action="store_true",
+                   help="never run dry runs: a model or length without dry-run rows is answered 'unknown' (by "
+                        "default the few dry runs the answer needs are run on the CPU, with a time estimate first, "
+                        "and kept in --cache)")
+
+
+def config_sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def model_for_rows(model: str, cache: Optional[str]) -> str:
+    """The model name computed rows record: a shipped config's name as given; a user's config is
+    copied into the cache under its content hash (``configs/<sha>/<name>.json``) and named by that
+    path, so rows of an edited config are never taken for the new one's."""
+    path = config_path(model)
+    if path is None or path.parent == CONFIG_DIR:
+        return model
+    sha = config_sha(path)
+    name = model_name(model) or path.stem
+    target = Path(cache_file(cache)).parent / "configs" / sha / f"{name}.json"
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(target, path.read_text(encoding="utf-8"))
+    return str(target)
+
+
+def fresh_rows(rows: list, model: Optional[str], cache: Optional[str]) -> list:
+    """Dry-run rows less the cache's rows of ``model`` that no longer describe it: computed from
+    another version of its config, or with other library versions than the installed ones."""
+    if not model or cache is None:
+        return rows
+    name = model_name(model)
+    current = model_for_rows(model, cache) if config_path(model) is not None else model
+    cached = [m for m in rows if model_name(m.model) == name and _in_cache(m.model, cache)]
+    stale = set(stale_rows(cached)) | {m.id for m in cached if m.model != current and "/configs/" in str(m.model)}
+    return [m for m in rows if m.id not in stale]
+
+
+def _in_cache(model: Optional[str], cache: Optional[str]) -> bool:
+    return bool(model) and str(Path(cache_file(cache)).parent) in str(model)
+
+
+def needed_points(predictor, recipe: Recipe, model_rows: str) -> list[dict]:
+    """The dry runs an answer for ``recipe`` lacks: none when the dry-run table already has a
+    figure for it; else ranks 8 and 64 at its length (for its quant, fixes, dropout, DoRA and
+    response length), from which every rank there is derived."""
+    if recipe.seq_len is None or recipe.model is None or predictor.table.raw(replace(recipe, rank=RANKS[0]))[0]:
+        return []
+    if recipe.response_len is not None and not 0 < recipe.response_len < recipe.seq_len:
+        return []
+    base = {"model": model_rows, "quant": recipe.quant, "fixes": recipe.fixes, "seq_len": recipe.seq_len,
+            "response_len": recipe.response_len or min(GRID_RESPONSE_LEN, recipe.seq_len - 1),
+            **({"dropout": 0.1} if recipe.dropout else {}), **({"dora": True} if recipe.dora else {}),
+            **target_option(recipe.model)}
+    return [{**base, "rank": r} for r in RANKS]
+
+
+def seconds_for(points: list[dict]) -> Optional[float]:
+    """The expected wall seconds of these dry runs on this kind of machine: a least-squares fit of
+    the shipped rows' recorded times in the model's layers and the length (seconds = a + b layers +
+    c tokens + d layers x tokens: fake tensors cost per op, and ops grow with both)."""
+    import numpy as np
+
+    xs, ys = [], []
+    for m in load_dry_runs(DRY_RUNS):
+        a = load_arch(m.model) if m.model else None
+        found = re.search(r'"seconds": ([0-9.]+)', " ".join(m.provenance.notes)) if a and m.seq_len else None
+        if found:
+            xs.append(_terms(a.layers, m.seq_len))
+            ys.append(float(found.group(1)))
+    if len(xs) < 8:
+        return None
+    coef = np.linalg.lstsq(np.array(xs), np.array(ys), rcond=None)[0]
+    total = 0.0
+    for p in points:
+        a = load_arch(p["model"])
+        if a is None:
+            return None
+        total += max(float(np.dot(coef, _terms(a.layers, p["seq_len"]))), 1.0)
+    return total
+
+
+def _terms(layers: int, seq_len: int) -> list[float]:
+    return [1.0, layers, seq_len / 1000, layers * seq_len / 1000]
+
+
+def compute_points(points: list[dict], label: str, cache: Optional[str], *, no_compute: bool = False) -> None:
+    """Run these dry runs (a dry-run sweep appending to the cache's rows), with a time estimate
+    first and the sweep's progress on stderr; ``no_compute`` refuses with what would run."""
+    if not points:
+        return
+    target = cache_file(cache)
+    secs = seconds_for(points)
+    guess = f"about {secs:.0f} s" if secs else "time unknown"
+    if no_compute:
+        raise UserError(Issue("--no-compute", "", f"{label} needs {len(points)} dry runs not computed yet ({guess} on "
+                              "the CPU): run again without --no-compute"))
+    print(f"computing {len(points)} dry runs of {label} on the CPU into {target} ({guess}, from the shipped dry runs' "
+          "times by layers and length; this machine may differ; --no-compute refuses)", file=sys.stderr, flush=True)
+    fd, path = tempfile.mkstemp(suffix=".toml", prefix="vram-dry-")
+    t0 = time.perf_counter()
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(sweep_toml(points, f"dry-{model_name(label) or 'model'}"))
+        argv = [sys.executable, "-m", "probe_kit.run_sweep", path, "--resume", "--ledger", str(target)]
+        try:  # the sweep's progress goes to our stderr (its stdout too: ours is for the answer)
+            out = sys.stderr.fileno()
+        except (AttributeError, OSError, ValueError):  # a stream with no file (captured in a library call)
+            out = None
+        if out is not None:
+            proc = subprocess.run(argv, stdout=out)
+        else:
+            proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            sys.stderr.write(proc.stdout or "")
+    finally:
+        os.unlink(path)
+    if proc.returncode != 0:
+        raise UserError(Issue("--compute", "", f"the dry-run sweep exited {proc.returncode} (see above)"))
+    print(f"computed in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+
+
+def ensure_dry_runs(args: argparse.Namespace, predictor, recipe: Recipe) -> bool:
+    """Compute the dry runs ``recipe`` lacks (see ``needed_points``); whether any were computed
+    (the caller then fits its predictor again). None are when the recipe cannot use them: a model
+    without a config, a micro-batch with the program's fixes."""
+    from ..response_span import answerable, fewer_targets
+
+    model = getattr(args, "model", None)
+    if not model or config_path(model) is None:
+        return False
+    one, _ = answerable(fewer_targets(recipe)[0])
+    if one is None:
+        return False
+    points = needed_points(predictor, one, model_for_rows(model, args.cache))
+    if not points:
+        return False
+    compute_points(points, f"{model_name(model)} at {one.seq_len} tokens", args.cache, no_compute=args.no_compute)
+    return True

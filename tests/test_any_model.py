@@ -1,0 +1,144 @@
+"""Any model: a config path or folder, a Hub id in the local Hugging Face cache (no network), the
+dry runs an answer lacks computed into the user's cache and reused while the config and the
+libraries are the same; a mixture-of-experts config refused with its reason."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+
+from conftest import BUNDLED
+from ledger import cli
+from ledger.model_configs import CONFIG_DIR, config_path, load_arch, where_looked
+
+
+def hub_cache(root, model_id: str, config: dict, revision: str = "0123abcd") -> None:
+    """A Hugging Face hub cache laid out as huggingface_hub lays it out."""
+    repo = root / "hub" / ("models--" + model_id.replace("/", "--"))
+    (repo / "snapshots" / revision).mkdir(parents=True)
+    (repo / "snapshots" / revision / "config.json").write_text(json.dumps(config))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+
+
+def test_a_hub_id_is_read_from_the_local_cache(tmp_path, monkeypatch):
+    config = json.loads((CONFIG_DIR / "qwen2.5-7b.json").read_text())
+    hub_cache(tmp_path, "Acme/Qwen-Like-7B", config)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    path = config_path("Acme/Qwen-Like-7B")
+    assert path is not None and path.parent.name == "0123abcd"
+    arch = load_arch("Acme/Qwen-Like-7B")
+    assert arch.name == "qwen-like-7b" and arch.total_params == load_arch("qwen2.5-7b").total_params
+    # HF_HUB_CACHE wins over HF_HOME, as huggingface_hub has it.
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "elsewhere"))
+    assert config_path("Acme/Qwen-Like-7B") is None
+    assert str(tmp_path / "elsewhere" / "models--Acme--Qwen-Like-7B") in where_looked("Acme/Qwen-Like-7B")
+
+
+def test_a_model_it_cannot_find_says_where_it_looked(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    assert cli.main(["estimate", "--model", "Nobody/Nothing-1B", "--rank", "8", "--seq-len", "512"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "models--Nobody--Nothing-1B/snapshots" in err
+    assert "huggingface-cli download Nobody/Nothing-1B config.json" in err
+
+
+def test_a_config_folder_is_a_model(tmp_path):
+    (tmp_path / "my-model").mkdir()
+    shutil.copy(CONFIG_DIR / "tiny-llama.json", tmp_path / "my-model" / "config.json")
+    assert load_arch(str(tmp_path / "my-model")).name == "my-model"
+
+
+def test_a_mixture_of_experts_config_is_refused_with_its_reason(tmp_path, capsys):
+    config = json.loads((CONFIG_DIR / "tiny-llama.json").read_text())
+    moe = tmp_path / "tiny-moe.json"
+    moe.write_text(json.dumps({**config, "model_type": "mixtral", "num_local_experts": 8}))
+    assert cli.main(["ceiling", "--ledger", str(BUNDLED), "--model", str(moe), "--seq-len", "512",
+                     "--gpu", "RTX 4090"]) == 1
+    err = capsys.readouterr().err
+    assert "mixture-of-experts" in err and "8 experts" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_length_past_the_grid_needs_dry_runs_and_no_compute_refuses(tmp_path, capsys):
+    assert cli.main(["estimate", "--ledger", str(BUNDLED), "--model", "llama-3.1-8b", "--rank", "16",
+                     "--seq-len", "28454", "--gpu", "RTX 4090", "--cache", str(tmp_path), "--no-compute"]) == 1
+    err = capsys.readouterr().err
+    assert "needs 2 dry runs" in err and "without --no-compute" in err
+
+
+def test_an_unlisted_model_is_answered_from_dry_runs_computed_once(tmp_path, capsys):
+    config = json.loads((CONFIG_DIR / "tiny-llama.json").read_text())
+    mine = tmp_path / "my-tiny.json"
+    mine.write_text(json.dumps(config))
+    cache = tmp_path / "cache"
+    argv = ["estimate", "--ledger", str(BUNDLED), "--model", str(mine), "--rank", "16", "--seq-len", "256",
+            "--gpu", "RTX 4060 Ti 16GB", "--cache", str(cache), "--json"]
+    assert cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "computing 2 dry runs of my-tiny at 256 tokens" in err and "about" in err
+    first = json.loads(out)["answer"]
+    assert first["method"] == "dry run" and first["verdict"] == "fits"
+    rows = json.loads((cache / "dry-runs.json").read_text())["measurements"]
+    assert len(rows) == 2 and all("/configs/" in r["model"] for r in rows)
+    # The shipped rows are untouched.
+    assert not any("my-tiny" in r["model"] for r in json.loads((CONFIG_DIR.parent / "dry-runs.json").read_text())
+                   ["measurements"])
+    # Asked again (another rank at the same length): nothing computed, the same rows answer.
+    assert cli.main([*argv[:6], "32", *argv[7:]]) == 0
+    out, err = capsys.readouterr()
+    assert "computing" not in err and json.loads(out)["answer"]["method"] == "dry run"
+    # The config edited: its old rows no longer describe it, so they are computed again.
+    mine.write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] * 2}))
+    assert cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "computing 2 dry runs" in err
+    rows = json.loads((cache / "dry-runs.json").read_text())["measurements"]
+    assert len({r["model"] for r in rows}) == 2 and len(rows) == 4
+    assert json.loads(out)["answer"]["probe_allocated"]["mib"] > first["probe_allocated"]["mib"]
+
+
+def test_the_shipped_mixture_of_experts_config_is_refused_not_mis_modelled(capsys):
+    from probe_kit import recipe
+
+    recipe.load_config("qwen3-30b-a3b")  # transformers accepts it
+    assert cli.main(["estimate", "--model", "qwen3-30b-a3b", "--rank", "16", "--seq-len", "2048"]) == 1
+    assert "128 experts per layer" in capsys.readouterr().err
+
+
+def test_the_longest_sequence_at_a_rank_agrees_with_the_rank_ceiling_at_that_length(capsys):
+    base = ["--ledger", str(BUNDLED), "--model", "qwen2.5-7b", "--gpu", "RTX 4090", "--json"]
+    assert cli.main(["ceiling", *base, "--rank", "16", "--no-compute"]) == 0
+    c = json.loads(capsys.readouterr().out)
+    assert c["status"] == "ok" and c["fits_len"] and c["tight_len"] >= c["fits_len"] and not c["at_least"]
+    assert c["lengths"][-1]["verdict"] == "won't fit"
+
+    def verdict(seq: int) -> str:
+        assert cli.main(["estimate", *base, "--rank", "16", "--seq-len", str(seq), "--no-compute"]) == 0
+        return json.loads(capsys.readouterr().out)["answer"]["verdict"]
+
+    assert verdict(c["fits_len"]) == "fits"
+    assert verdict(c["fits_len"] + c["step"]) != "fits"
+    assert verdict(c["tight_len"] + c["step"]) == "won't fit"
+    # The rank ceiling at the longest length that fits is rank 16 or more.
+    assert cli.main(["ceiling", *base, "--seq-len", str(c["fits_len"]), "--no-compute"]) == 0
+    assert json.loads(capsys.readouterr().out)["fits_rank"] >= 16
+
+
+def test_a_length_ceiling_computes_the_lengths_no_row_reaches(tmp_path, capsys):
+    config = json.loads((CONFIG_DIR / "tiny-llama.json").read_text())
+    mine = tmp_path / "short-tiny.json"
+    mine.write_text(json.dumps({**config, "max_position_embeddings": 2048}))
+    argv = ["ceiling", "--ledger", str(BUNDLED), "--model", str(mine), "--rank", "8", "--budget-mib", "200000",
+            "--cache", str(tmp_path / "cache"), "--json"]
+    assert cli.main([*argv, "--no-compute"]) == 0
+    assert json.loads(capsys.readouterr().out)["status"] == "unknown"
+    assert cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    c = json.loads(out)
+    # Nothing fails under a huge budget: every ladder length up to the model's context is computed.
+    assert [line.split(" at ")[1].split(" ")[0] for line in err.splitlines() if line.startswith("computing")] == \
+        ["512", "1024", "2048"]
+    assert c["fits_len"] == 2048 and c["at_least"] and c["unknown_from"] is None and "stops at 2048" in c["note"]

@@ -1,0 +1,123 @@
+"""The card table and the cards a command can be asked about: the table's coverage and sources,
+the rule that derives a card's usable memory from its total (--gpu-mib, and table cards with no
+PyTorch report), and --budget-mib's meaning."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from conftest import BUNDLED
+from ledger import cli, store
+from ledger.cards import card_table, derives_usable, usable_ratio
+from ledger.cli.calibrate import BUDGET_CARD
+from ledger.dry_runs import load_dry_runs
+from ledger.predictor import Predictor
+from ledger.recipe import Recipe
+
+
+def test_the_table_covers_the_cards_people_fine_tune_on_each_with_its_source():
+    table = card_table()
+    assert len(table) >= 30
+    by_size: dict[int, list[str]] = {}
+    for key, card in table.items():
+        assert card.source and card.gpu.total_mib and card.gpu.vendor in ("nvidia", "amd")
+        # Every figure names where it comes from: a public page, the ledger, or the derivation rule.
+        assert re.search(r"github\.com/|specification|the ledger|--gpu-mib rule", card.source), key
+        if card.gpu.usable_gib_torch:
+            assert "GiB" in card.source or "the ledger" in card.source, key
+        by_size.setdefault(round(card.gpu.total_mib / 1024), []).append(key)
+    # 16, 20, 24, 32, 48 and 80+ GB classes, each with several cards.
+    assert len(by_size[16]) >= 8
+    assert len(by_size[20]) >= 2 and len(by_size[24]) >= 5 and len(by_size[32]) >= 2
+    assert sum(len(v) for k, v in by_size.items() if 44 <= k <= 48) >= 4
+    assert sum(len(v) for k, v in by_size.items() if k >= 64) >= 7
+
+
+def test_the_usable_rule_is_measured_on_the_table_itself():
+    rule = usable_ratio()
+    table = card_table()
+    ratios = {k: table[k].gpu.usable_gib_torch * 1024 / table[k].smi_total_mib for k in rule.cards}
+    assert len(ratios) >= 5 and rule.low == min(ratios.values()) and rule.high == max(ratios.values())
+    assert 0.95 < rule.low < rule.high < 1.0
+    # A card with a PyTorch report keeps it; a CUDA card without one is derived; ROCm's total stands.
+    assert not derives_usable(table["rtx-4090"].gpu)
+    assert derives_usable(table["rtx-4060-ti-16gb"].gpu)
+    assert not derives_usable(table["mi300x"].gpu)
+
+
+@pytest.fixture(scope="module")
+def predictor():
+    return Predictor(store.load(BUNDLED), load_dry_runs())
+
+
+def test_a_derived_card_is_judged_on_the_low_end_of_its_usable_memory(predictor):
+    table = card_table()
+    derived = table["rtx-4060-ti-16gb"].gpu
+    low, high, source = predictor.card_limit("rtx-4060-ti-16gb", derived, "probe")
+    lo_usable, hi_usable = usable_ratio().usable_mib(derived.total_mib)
+    assert low < lo_usable < hi_usable and high <= hi_usable and "nvidia-smi" in source
+    # Cards of the same 16 GB whose PyTorch figure is known (RTX A4000: 15.61 GiB, RTX 4080: 15.99
+    # GiB) are above the derived low end: the rule leans safe (the 4080 is even above its high end, so
+    # a derived card's "won't fit" can be pessimistic, never its "fits" optimistic).
+    for known in ("rtx-a4000", "rtx-4080"):
+        assert lo_usable <= table[known].gpu.usable_gib_torch * 1024
+        assert low <= predictor.card_limit(known, table[known].gpu, "probe")[0]
+
+
+def test_gpu_mib_answers_a_card_the_table_does_not_list(capsys):
+    args = ["ceiling", "--ledger", str(BUNDLED), "--model", "qwen2.5-7b", "--seq-len", "2048", "--json"]
+    assert cli.main([*args, "--gpu-mib", "16380"]) == 0
+    by_total = json.loads(capsys.readouterr().out)
+    assert cli.main([*args, "--gpu", "RTX 4060 Ti 16GB"]) == 0
+    by_name = json.loads(capsys.readouterr().out)
+    # 16380 MiB (what nvidia-smi shows a 16 GB card) against the table's nominal 16384: a hair lower.
+    assert by_total["limit_low_mib"] < by_name["limit_low_mib"] < by_total["limit_low_mib"] + 5
+    assert by_total["fits_rank"] is not None and by_total["fits_rank"] <= by_name["fits_rank"]
+    assert cli.main([*args[:-1], "--gpu-mib", "16380"]) == 0
+    assert "gpu-16380-mib" in capsys.readouterr().out
+
+
+def test_budget_mib_alone_is_peak_allocated_and_says_so(capsys):
+    base = ["--ledger", str(BUNDLED), "--model", "qwen2.5-7b", "--seq-len", "2048"]
+    assert cli.main(["ceiling", *base, "--budget-mib", "14000"]) == 0
+    out = capsys.readouterr().out
+    assert "--budget-mib 14000 MiB of peak allocated" in out and "limit 14000.0–14000.0 MiB allocated" in out
+    assert cli.main(["estimate", *base, "--rank", "16", "--budget-mib", "14000", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["gpu"] == BUDGET_CARD and doc["answer"]["limit_low_mib"] == 14000.0
+    assert doc["answer"]["verdict"] in ("fits", "tight", "won't fit")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["ceiling", "--model", "qwen2.5-7b", "--seq-len", "2048"], "--gpu: which card?"),
+    (["ceiling", "--model", "qwen2.5-7b", "--seq-len", "2048", "--gpu", "RTX 4090", "--gpu-mib", "24564"],
+     "not both"),
+    (["ceiling", "--model", "qwen2.5-7b", "--seq-len", "2048", "--gpu-mib", "0"], "--gpu-mib: must be in"),
+    (["ceiling", "--model", "qwen2.5-7b", "--seq-len", "2048", "--budget-mib", "-1"], "--budget-mib: must be in"),
+    (["fit", "--model", "qwen2.5-7b"], "--gpu: which card?"),
+    (["ceiling", "--model", "qwen2.5-7b", "--seq-len", "2048", "--gpu", "RTX 9999"], "--gpu-mib"),
+])
+def test_a_card_asked_wrongly_is_one_located_line(argv, message, capsys):
+    assert cli.main([*argv, "--ledger", str(BUNDLED)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_the_fit_page_keeps_to_the_common_cards_and_says_how_to_ask_for_the_rest(predictor):
+    from ledger.fits import cards, page_cards
+
+    shown = page_cards(predictor)
+    assert "rtx-4060-ti-16gb" in shown and "l4" in shown and set(predictor.ledger.gpus) <= set(shown)
+    assert len(shown) < len(cards(predictor))
+    # Every card is still answered on the command line.
+    assert cli.main(["fit", "--ledger", str(BUNDLED), "--model", "qwen2.5-7b", "--gpu", "rtx-5080", "--json"]) == 0
+
+
+def test_a_stock_recipe_on_a_16gb_card_is_answered(predictor):
+    table = card_table()
+    a = predictor.predict(Recipe("qwen2.5-7b", rank=16, seq_len=2048, fixes="none", optimizer="adamw_torch"),
+                          "rtx-5070-ti", entry=table["rtx-5070-ti"].gpu, run="real")
+    assert a.verdict in ("fits", "tight") and a.limit_low_mib > 13000
