@@ -18,6 +18,7 @@ from .cards import card_table
 from .model_configs import model_name
 from .predictor import Predictor
 from .recipe import Recipe, recipe_of, row_keys_cached
+from .response_span import BATCH_AS_LENGTH_ERR, answerable
 from .recipe import fixes_key
 
 LENGTHS = (512, 2048, 4096, 8192, 16384)
@@ -124,10 +125,16 @@ def page_cards(p: Predictor) -> list[str]:
     return [k for k in cards(p) if k in p.ledger.gpus or (k in table and table[k].fit_page)]
 
 
-def _dry_ceiling(p: Predictor, recipe: Recipe, gpu: str, entry: Gpu) -> tuple[Optional[int], Optional[int], str, bool]:
-    """(fits, tight, status, at least) from the calibrated dry run alone, by bisection over ranks."""
+def _dry_ceiling(p: Predictor, recipe: Recipe, gpu: str, entry: Gpu,
+                 budget_mib: Optional[float] = None) -> tuple[Optional[int], Optional[int], str, bool]:
+    """(fits, tight, status, at least) from the calibrated dry run alone, by bisection over ranks.
+    A micro-batch is answered as ``predict`` answers it: the single sequence of batch x length
+    tokens (``response_span.answerable``), its interval widened by that derivation's error."""
     cache: dict[int, str] = {}
-    judge = p.dry_judge(recipe, gpu, entry)
+    one, _ = answerable(recipe)
+    if one is None:
+        return None, None, "unknown", False
+    judge = p.dry_judge(one, gpu, entry, budget_mib, BATCH_AS_LENGTH_ERR if recipe.batch != 1 else 0.0)
 
     def verdict(rank: int) -> str:
         if rank not in cache:
@@ -159,10 +166,13 @@ def _dry_ceiling(p: Predictor, recipe: Recipe, gpu: str, entry: Gpu) -> tuple[Op
 @row_keys_cached()
 def fit_table(p: Predictor, *, models: Optional[Iterable[str]] = None, gpus: Optional[Iterable[str]] = None,
               lengths: Iterable[int] = LENGTHS, ladder: bool = True,
-              extra_cards: Optional[dict[str, Gpu]] = None) -> list[FitCell]:
+              extra_cards: Optional[dict[str, Gpu]] = None, budget_mib: Optional[float] = None,
+              batch: int = 1, fixes_settings: tuple[str, ...] = ("none", "all")) -> list[FitCell]:
     """Every cell of the fit table (see the module docstring). ``ladder=False``: the calibrated
     dry run answers every cell (a site built from a very large ledger). ``extra_cards``: cards by
-    key beside the ledger's and the card table's (a card given by its total, ``--gpu-mib``)."""
+    key beside the ledger's and the card table's (a card given by its total, ``--gpu-mib``).
+    ``budget_mib``: every cell judged against it instead of its card's limit. ``batch``: a
+    micro-batch of that many sequences of each length (the fixes ``fixes_settings`` names)."""
     lengths = sorted(lengths)
     all_cards = {**cards(p), **{k: v for k, v in (extra_cards or {}).items() if v is not None}}
     models = list(models) if models is not None else dry_models(p)
@@ -171,17 +181,18 @@ def fit_table(p: Predictor, *, models: Optional[Iterable[str]] = None, gpus: Opt
     out = []
     for model in models:
         for gpu in gpus:
-            entry = all_cards[gpu]
+            entry = all_cards.get(gpu)
             use_ladder = ladder and (gpu, model) in measured_models
             for quant in ("4bit", "bf16"):
-                for fixes in ("none", "all"):
+                for fixes in fixes_settings:
                     for setting, dropout, dora in SETTINGS:
                         for seq in lengths:
                             recipe = Recipe(model=model, quant=quant, dropout=dropout, dora=dora, seq_len=seq,
-                                            fixes=fixes_key(fixes))
+                                            fixes=fixes_key(fixes), batch=batch)
                             if use_ladder:
                                 known = {m.model for m in p.ms if model_name(m.model) == model}
-                                c = p.ceiling(replace(recipe, model=sorted(known)[0]), gpu, entry=entry)
+                                c = p.ceiling(replace(recipe, model=sorted(known)[0]), gpu, entry=entry,
+                                              budget_mib=budget_mib)
                                 fits, tight, status, more = c.fits_rank, c.tight_rank, c.status, c.at_least
                                 lower = max([s for s in lengths if s < seq], default=0)
                                 rows = tuple(sorted({m.id for m in p.ms if m.gpu == gpu and m.kind == "probe"
@@ -191,7 +202,7 @@ def fit_table(p: Predictor, *, models: Optional[Iterable[str]] = None, gpus: Opt
                                                      and bool(m.lora.dropout) == dropout
                                                      and bool(m.lora.dora) == dora}))
                             else:
-                                fits, tight, status, more = _dry_ceiling(p, recipe, gpu, entry)
+                                fits, tight, status, more = _dry_ceiling(p, recipe, gpu, entry, budget_mib)
                                 rows = ()
                             out.append(FitCell(model=model, gpu=gpu, quant=quant, fixes=fixes, setting=setting,
                                                seq_len=seq, fits_rank=fits, tight_rank=tight, status=status,

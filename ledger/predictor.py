@@ -256,16 +256,19 @@ class Predictor:
                       method_text=text, evidence=[], limit_low_mib=low, limit_high_mib=high, limit_source=lsrc,
                       margin_mib=margin_mib, verdict=verdict, why=why)
 
-    def dry_judge(self, recipe: Recipe, gpu: str, entry: Optional[Gpu] = None) -> Callable[[int], str]:
+    def dry_judge(self, recipe: Recipe, gpu: str, entry: Optional[Gpu] = None,
+                  budget_mib: Optional[float] = None, widened: float = 0.0) -> Callable[[int], str]:
         """``judge_dry(...).verdict`` for the committed rows' figure of this recipe, as a function of
         the rank ("unknown" where the dry-run table does not reach it), computed from the figures
-        alone: the fit table asks it some hundred thousand times."""
+        alone: the fit table asks it some hundred thousand times. ``budget_mib``: judged against it
+        instead of the card's limit. ``widened``: each end of the interval then moved out by this
+        fraction, as ``predict`` widens a derived answer (a micro-batch answered as one sequence)."""
         figure = self.table.rank_figure(recipe)
         exact = self.table.exact_ranks(recipe)
         entry = entry or self.ledger.gpus.get(gpu)
         rem = self.remainder(gpu or "", entry.vendor if entry else None)[0] or 0.0
         narrow, wide = self.dry_cal.width_fraction(False), self.dry_cal.width_fraction(True)
-        low, high, _ = self.card_limit(gpu, entry, "probe")
+        low, high, _ = self.card_limit(gpu, entry, "probe") if budget_mib is None else (budget_mib, budget_mib, "")
 
         def verdict(rank: int) -> str:
             raw, _ = figure(rank)
@@ -273,7 +276,10 @@ class Predictor:
                 return "unknown"
             mib = raw + rem
             width = narrow if rank in exact else wide
-            return verdict_for(round(mib * (1 - width), 1), round(mib * (1 + width), 1), low, high, 0.0)
+            bottom, top = round(mib * (1 - width), 1), round(mib * (1 + width), 1)
+            if widened:
+                bottom, top = round(bottom * (1 - widened), 1), round(top * (1 + widened), 1)
+            return verdict_for(bottom, top, low, high, 0.0)
         return verdict
 
     def ceiling(self, recipe: Recipe, gpu: str, **kw) -> CeilingAnswer:

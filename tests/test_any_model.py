@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import shutil
 
-
 from conftest import BUNDLED
 from ledger import cli
 from ledger.model_configs import CONFIG_DIR, config_path, load_arch, where_looked
@@ -142,3 +141,21 @@ def test_a_length_ceiling_computes_the_lengths_no_row_reaches(tmp_path, capsys):
     assert [line.split(" at ")[1].split(" ")[0] for line in err.splitlines() if line.startswith("computing")] == \
         ["512", "1024", "2048"]
     assert c["fits_len"] == 2048 and c["at_least"] and c["unknown_from"] is None and "stops at 2048" in c["note"]
+
+
+def test_fit_runs_an_unlisted_models_grid_once_and_takes_a_budget(tmp_path, capsys):
+    config = json.loads((CONFIG_DIR / "tiny-llama.json").read_text())
+    mine = tmp_path / "fit-tiny.json"
+    mine.write_text(json.dumps(config))
+    argv = ["fit", "--ledger", str(BUNDLED), "--model", str(mine), "--budget-mib", "300", "--quant", "4bit",
+            "--fixes", "none", "--cache", str(tmp_path / "cache"), "--json"]
+    assert cli.main([*argv, "--no-compute"]) == 1
+    assert "without --no-compute" in capsys.readouterr().err
+    assert cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "computing 11 dry runs of fit-tiny's fit table" in err
+    doc = json.loads(out)
+    assert doc["gpu"] == "budget" and doc["limit_low_mib"] == 300 and "--budget-mib 300" in doc["limit_source"]
+    assert all(c["method"] == "dry run" for c in doc["cells"]) and any(c["fits_rank"] for c in doc["cells"])
+    assert cli.main(argv) == 0
+    assert "computing" not in capsys.readouterr().err

@@ -74,16 +74,16 @@ def test_screenshot_is_saved_as_an_artifact(site, tmp_path):
 #: Headless Chromium lays a page out no narrower than 500 CSS px (a 390 px window gets 500): the
 #: narrowest width it allows stands in for a phone.
 NARROW, WIDE = 500, 1400
-PROBE = ("<script>(function(){var d=document.documentElement, f=document.getElementById('fits');"
+PROBE = ("<script>(function(){var d=document.documentElement, f=document.getElementById('picker');"
          "document.body.setAttribute('data-scroll-width', d.scrollWidth);"
          "document.body.setAttribute('data-client-width', d.clientWidth);"
-         "document.body.setAttribute('data-fits-top', f ? Math.round(f.getBoundingClientRect().top) : -1);})();"
+         "document.body.setAttribute('data-picker-top', f ? Math.round(f.getBoundingClientRect().top) : -1);})();"
          "</script></body>")
 
 
 def measure(site: Path, page: str, width: int, tmp_path: Path) -> dict:
     """Layout figures of a page as Chromium lays it out at ``width``: from a copy with a probe."""
-    probe = site / f"probe-{width}-{page}"
+    probe = (site / page).parent / f"probe-{width}-{Path(page).name}"
     probe.write_text((site / page).read_text(encoding="utf-8").replace("</body>", PROBE), encoding="utf-8")
     try:
         run = chromium(tmp_path, f"--window-size={width},1800", "--dump-dom", probe.as_uri())
@@ -91,19 +91,19 @@ def measure(site: Path, page: str, width: int, tmp_path: Path) -> dict:
         probe.unlink()
     assert run.returncode == 0, run.stderr[-2000:]
     body = html5lib.parse(run.stdout, namespaceHTMLElements=False).find("body")
-    return {k: int(body.get(f"data-{k}")) for k in ("scroll-width", "client-width", "fits-top")}
+    return {k: int(body.get(f"data-{k}")) for k in ("scroll-width", "client-width", "picker-top")}
 
 
-@pytest.mark.parametrize("page", ["index.html", "fits.html", "estimators.html"])
+@pytest.mark.parametrize("page", ["index.html", "fits.html", "fits/qwen2.5-7b.html", "estimators.html"])
 @pytest.mark.parametrize("width", [NARROW, WIDE])
 def test_no_page_scrolls_sideways(site, tmp_path, page, width):
     m = measure(site, page, width, tmp_path)
     assert m["scroll-width"] <= m["client-width"], m  # wide tables scroll inside their own box
 
 
-def test_what_fits_is_the_first_thing_on_the_page(site, tmp_path):
+def test_the_picker_is_the_first_thing_on_the_page(site, tmp_path):
     m = measure(site, "index.html", WIDE, tmp_path)
-    assert 0 < m["fits-top"] <= 1000, m
+    assert 0 < m["picker-top"] <= 400, m
 
 
 @pytest.mark.parametrize("width", [NARROW, WIDE])
@@ -147,8 +147,8 @@ def test_axe_core_finds_no_serious_or_critical_violation(site, tmp_path):
     import json
 
     axe = _tool("VRAM_AXE_JS", REPO / "node_modules" / "axe-core" / "axe.min.js")
-    for page in ("index.html", "fits.html", "estimators.html"):
-        probe = site / f"axe-{page}"
+    for page in ("index.html", "fits.html", "fits/qwen2.5-7b.html", "estimators.html"):
+        probe = (site / page).parent / f"axe-{Path(page).name}"
         script = (f'<script src="{axe.as_uri()}"></script><script>axe.run(document).then(function(r){{'
                   "var p=document.createElement('pre');p.id='axe-result';p.textContent=JSON.stringify(r.violations"
                   ".map(function(v){return {id:v.id,impact:v.impact,nodes:v.nodes.length};}));"
@@ -173,8 +173,61 @@ def test_the_nu_validator_has_nothing_to_say(site):
     java = shutil.which("java")
     if java is None:
         pytest.skip("no java")
-    pages = [site / p for p in ("index.html", "fits.html", "estimators.html")] + sorted((site / "plots").glob("*.svg"))
+    pages = [site / p for p in ("index.html", "fits.html", "estimators.html")] + sorted((site / "fits").glob("*.html")) \
+        + sorted((site / "plots").glob("*.svg"))
     run = subprocess.run([java, "-jar", str(jar), "--format", "json", "--also-check-svg", *map(str, pages)],
                          capture_output=True, text=True, timeout=600)
     messages = json.loads(run.stderr or run.stdout)["messages"]
     assert [m for m in messages if m["type"] == "error" or m.get("subType") == "warning"] == []
+
+
+# -- the picker: your model and your card in two choices --------------------------------------
+
+
+def _fit_label(model: str, gpu: str, seq: int, batch: int, capsys) -> str:
+    import json
+
+    assert cli.main(["fit", "--ledger", str(BUNDLED), "--model", model, "--gpu", gpu, "--quant", "4bit", "--fixes",
+                     "none", "--batch-size", str(batch), "--no-compute", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    return next(c["label"] for c in doc["cells"] if c["seq_len"] == seq and c["setting"] == "plain")
+
+
+CELL = "(() => {{ const c = document.querySelector('#fit-answer-table tr[data-len=\"{seq}\"] td'); " \
+       "return c && c.textContent; }})()"
+
+
+@pytest.mark.parametrize("width", [NARROW, WIDE])
+def test_the_picker_answers_what_vram_fit_prints_in_two_choices(site, tmp_path, width, capsys):
+    from cdp import Browser
+
+    expected = _fit_label("qwen2.5-7b", "RTX 4090", 4096, 1, capsys)
+    expected_4 = _fit_label("qwen2.5-7b", "RTX 4090", 4096, 4, capsys)
+    artifacts = REPO / "test-artifacts"
+    artifacts.mkdir(exist_ok=True)
+    browser = Browser(CHROMIUM, tmp_path / "cdp-profile")
+    try:
+        browser.open((site / "index.html").as_uri(), width)
+        browser.choose("model", "qwen2.5-7b")  # one
+        browser.choose("gpu", "rtx-4090")  # two
+        assert browser.wait_for(CELL.format(seq=4096)) == expected
+        assert browser.eval("document.documentElement.scrollWidth <= document.documentElement.clientWidth")
+        browser.screenshot(artifacts / f"picker-{width}.png")
+        browser.choose("batch", "4")
+        assert browser.wait_for(f"document.getElementById('fit-answer-title').textContent.endsWith('batch 4') && "
+                                f"{CELL.format(seq=4096)}") == expected_4
+        assert browser.eval("document.documentElement.scrollWidth <= document.documentElement.clientWidth")
+    finally:
+        browser.close()
+    assert (artifacts / f"picker-{width}.png").stat().st_size > 20_000
+
+
+def test_without_javascript_the_default_recipe_is_a_plain_table(site, capsys):
+    expected = _fit_label("qwen2.5-7b", "RTX 4090", 4096, 1, capsys)
+    dom = html5lib.parse((site / "fits" / "qwen2.5-7b.html").read_text(encoding="utf-8"), namespaceHTMLElements=False)
+    table = next(el for el in dom.iter("h3") if el.get("id") == "fit-qwen2-5-7b-4bit-none-plain")
+    rows = [r for r in dom.iter("tr") if r.find("th") is not None and r.find("th").text == "rtx-4090"]
+    assert table is not None and rows
+    # The first rtx-4090 row is the stock 4-bit plain table's; its 4096-token cell is the third.
+    cells = rows[0].findall("td")
+    assert "".join(cells[2].itertext()).startswith(expected)

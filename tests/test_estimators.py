@@ -105,7 +105,7 @@ def test_estimate_cli(capsys):
     assert names == ["canifinetune", "unsloth-studio", "ft01"]
     assert doc["nearest_measurement"]["id"] == "rx-7900-xtx-4bit-fixes-all-r16-seq7177"
     assert cli.main(["estimate", "--model", "nope", "--rank", "16", "--seq-len", "7177"]) == 1
-    assert "nope: no such config" in capsys.readouterr().err
+    assert "--model: no config for nope: looked in" in capsys.readouterr().err
 
 
 def test_dry_run_rows_join_the_scoreboard():

@@ -59,6 +59,11 @@ def build(args: argparse.Namespace) -> int:
             f"({len(ledger.measurements)} measurements) in {time.perf_counter() - t0:.1f} s"
             + (f"; removed {len(result.removed)} stale" if result.removed else "")
         )
+        pages = {k: v for k, v in result.files.items() if k.endswith(".html")}
+        if pages:
+            largest = max(pages, key=lambda k: (pages[k], k))
+            print(f"  largest page {largest} {pages[largest] / 1024:.0f} KiB; {len(pages)} pages "
+                  f"{sum(pages.values()) / 1024:.0f} KiB; the whole site {size / 1024:.0f} KiB")
     return 0
 
 

@@ -123,14 +123,18 @@ def _terms(layers: int, seq_len: int) -> list[float]:
     return [1.0, layers, seq_len / 1000, layers * seq_len / 1000]
 
 
-def compute_points(points: list[dict], label: str, cache: Optional[str], *, no_compute: bool = False) -> None:
+def compute_points(points: list[dict], label: str, cache: Optional[str], *, no_compute: bool = False,
+                   shards: Optional[int] = None) -> None:
     """Run these dry runs (a dry-run sweep appending to the cache's rows), with a time estimate
-    first and the sweep's progress on stderr; ``no_compute`` refuses with what would run."""
+    first and the sweep's progress on stderr; ``no_compute`` refuses with what would run. The
+    points are shared among ``shards`` processes (default: one per core, at most two per point
+    pair), each appending under the ledger's lock."""
     if not points:
         return
     target = cache_file(cache)
+    shards = max(1, min(shards or os.cpu_count() or 1, len(points) // 2 or 1))
     secs = seconds_for(points)
-    guess = f"about {secs:.0f} s" if secs else "time unknown"
+    guess = f"about {secs / shards:.0f} s" if secs else "time unknown"
     if no_compute:
         raise UserError(Issue("--no-compute", "", f"{label} needs {len(points)} dry runs not computed yet ({guess} on "
                               "the CPU): run again without --no-compute"))
@@ -146,15 +150,23 @@ def compute_points(points: list[dict], label: str, cache: Optional[str], *, no_c
             out = sys.stderr.fileno()
         except (AttributeError, OSError, ValueError):  # a stream with no file (captured in a library call)
             out = None
+        shard_args = [[]] if shards == 1 else [["--shard", f"{k}/{shards}"] for k in range(1, shards + 1)]
         if out is not None:
-            proc = subprocess.run(argv, stdout=out)
+            procs = [subprocess.Popen(argv + extra, stdout=out) for extra in shard_args]
+            codes = [proc.wait() for proc in procs]
         else:
-            proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            sys.stderr.write(proc.stdout or "")
+            procs = [subprocess.Popen(argv + extra, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                     for extra in shard_args]
+            codes = []
+            for proc in procs:
+                text, _ = proc.communicate()
+                sys.stderr.write(text or "")
+                codes.append(proc.returncode)
     finally:
         os.unlink(path)
-    if proc.returncode != 0:
-        raise UserError(Issue("--compute", "", f"the dry-run sweep exited {proc.returncode} (see above)"))
+    failed = [c for c in codes if c != 0]
+    if failed:
+        raise UserError(Issue("--compute", "", f"the dry-run sweep exited {failed[0]} (see above)"))
     print(f"computed in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
 
 

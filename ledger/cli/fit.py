@@ -3,31 +3,33 @@
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
-import tempfile
 
 from .. import store
 from ..errors import Issue, UserError
-from ..fits import LENGTHS, SETTINGS, fit_table, grid_points, stale_rows, sweep_toml
-from ..model_configs import model_name
+from ..fits import LENGTHS, SETTINGS, fit_table, grid_points, stale_rows
+from ..model_configs import config_path, model_name
 from ..dry_runs import cache_file
 from ..recipe import fixes_key
 from .calibrate import add_card_option, add_dry_runs_option, card_from, dry_rows, predictor_for, require_model
+from .compute import add_compute_option, compute_points, model_for_rows
 from .options import Command, add_json_option, add_ledger_option, dump_json
 
 
 def add_fit_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="a shipped model config name (e.g. qwen2.5-7b) or a config JSON")
-    add_card_option(p)
+    add_card_option(p, budget=True)
     p.add_argument("--quant", choices=("4bit", "bf16"), action="append",
                    help="base weights (repeatable; default both)")
     p.add_argument("--fixes", choices=("none", "all"), action="append",
                    help="memory fixes (repeatable; default both)")
     p.add_argument("--compute", action="store_true",
-                   help="first run the dry runs this model lacks (needs torch; kept in --cache, never in the shipped "
-                        "rows)")
+                   help="first run every grid dry run this model lacks (needs torch; kept in --cache, never in the "
+                        "shipped rows); a model with no rows at all has them run without it, unless --no-compute")
+    p.add_argument("--batch-size", type=int, default=1, metavar="N",
+                   help="micro-batch: N sequences, each padded to the length (default 1); with the program's memory "
+                        "fixes a batch is unknown")
+    add_compute_option(p)
     add_ledger_option(p)
     add_dry_runs_option(p)
     add_json_option(p)
@@ -43,25 +45,36 @@ def cmd_fit(args: argparse.Namespace) -> int:
     require_model(args.model, ledger)
     gpu, entry = card_from(args, ledger)
     name = model_name(args.model)
-    if args.compute:
-        _compute(args)
+    quants = args.quant or ["4bit", "bf16"]
+    fixes = args.fixes or ["none", "all"]
+    has_rows = any(model_name(d.model) == name for d in dry_rows(args))
+    if args.compute or (not has_rows and not args.no_compute and config_path(args.model) is not None):
+        _compute(args, quants, fixes)
     p = predictor_for(args, ledger)
     if not any(model_name(d.model) == name for d in p.dry):
         raise UserError(Issue("--model", "", f"no dry-run rows for {name} in {args.dry_runs} or {cache_file(args.cache)}: "
-                              "run again with --compute "
-                              "(needs torch), or pick a model of the fit table (`vram fit --help`)"))
-    quants = args.quant or ["4bit", "bf16"]
-    fixes = args.fixes or ["none", "all"]
-    cells = [c for c in fit_table(p, models=[name], gpus=[gpu], extra_cards={gpu: entry}) if c.quant in quants and c.fixes in fixes]
+                              "run again without --no-compute (needs torch), or pick a model of the fit table "
+                              "(`vram fit --help`)"))
+    if args.batch_size <= 0:
+        raise UserError(Issue("--batch-size", "", f"must be > 0, got {args.batch_size}"))
+    cells = [c for c in fit_table(p, models=[name], gpus=[gpu], extra_cards={gpu: entry}, budget_mib=args.budget_mib,
+                                  batch=args.batch_size, fixes_settings=tuple(fixes))
+             if c.quant in quants]
     stale = [i for i in stale_rows(p.dry) if name in i]
-    low, high, source = p.card_limit(gpu, entry, "probe")
+    if args.budget_mib is not None:
+        low, high, source = args.budget_mib, args.budget_mib, (
+            f"--budget-mib {args.budget_mib:g}: peak allocated, no CUDA context or allocator overhead taken off")
+    else:
+        low, high, source = p.card_limit(gpu, entry, "probe")
     if args.json:
-        dump_json({"model": name, "gpu": gpu, "limit_low_mib": low, "limit_high_mib": high, "limit_source": source,
+        dump_json({"model": name, "gpu": gpu, "batch": args.batch_size, "limit_low_mib": low, "limit_high_mib": high, "limit_source": source,
                    "dry_run_median_abs_err_pct": p.dry_loo["median_abs_err_pct"],
                    "dry_run_max_abs_err_pct": p.dry_loo["max_abs_err_pct"], "stale": stale,
                    "cells": [{**c.__dict__, "measured": list(c.measured), "label": c.label()} for c in cells]})
         return 0
-    print(f"{name} on {gpu}: the largest LoRA rank that fits (tight: the interval reaches past the limit); limit "
+    print(f"{name} on {gpu}" + (f", micro-batch {args.batch_size} (sequences each padded to the length; with memory "
+                                "fixes a batch is unknown)" if args.batch_size != 1 else "")
+          + f": the largest LoRA rank that fits (tight: the interval reaches past the limit); limit "
           f"{low}–{high} MiB allocated ({source})")
     for q in quants:
         for f in fixes:
@@ -87,34 +100,18 @@ def cmd_fit(args: argparse.Namespace) -> int:
     return 0
 
 
-def _compute(args: argparse.Namespace) -> None:
-    """Run the model's grid points that neither --dry-runs nor the cache holds as a dry-run
-    sweep, appending to the cache's file (never to the shipped rows)."""
+def _compute(args: argparse.Namespace, quants: list[str], fixes: list[str]) -> None:
+    """Run the model's grid points (of the asked quants and fixes) that neither --dry-runs nor the
+    cache holds, as a dry-run sweep sharded over the cores, appending to the cache's file (never to
+    the shipped rows)."""
     have = {_point_key(d) for d in dry_rows(args)}
-    points = [p for p in grid_points(args.model) if _point_key(p) not in have]
-    target = cache_file(args.cache)
+    rows_model = model_for_rows(args.model, args.cache)
+    points = [{**p, "model": rows_model} for p in grid_points(args.model)
+              if _point_key(p) not in have and p["quant"] in quants and p["fixes"] in fixes]
     if not points:
         print(f"every grid point of {model_name(args.model)} is computed already", file=sys.stderr)
         return
-    print(f"computing {len(points)} dry runs of {model_name(args.model)} into {target}", file=sys.stderr)
-    fd, path = tempfile.mkstemp(suffix=".toml", prefix="vram-fit-")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(sweep_toml(points, f"fit-{model_name(args.model)}"))
-        argv = [sys.executable, "-m", "probe_kit.run_sweep", path, "--resume", "--ledger", str(target)]
-        try:  # the sweep's progress goes to our stderr (its stdout too: ours is for the table)
-            out = sys.stderr.fileno()
-        except (AttributeError, OSError, ValueError):  # a stream with no file (captured in a library call)
-            out = None
-        if out is not None:
-            proc = subprocess.run(argv, stdout=out)
-        else:
-            proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            sys.stderr.write(proc.stdout or "")
-    finally:
-        os.unlink(path)
-    if proc.returncode != 0:
-        raise UserError(Issue("--compute", "", f"the dry-run sweep exited {proc.returncode} (see above)"))
+    compute_points(points, f"{model_name(args.model)}'s fit table", args.cache, no_compute=args.no_compute)
 
 
 def _point_key(p) -> tuple:

@@ -3,10 +3,13 @@ of the ledger's own cards, from the committed dry-run rows and the one predictor
 
 from __future__ import annotations
 
+import json
+import re
+from dataclasses import dataclass
 from typing import Optional
 
 from ..dry_runs import load_dry_runs
-from ..fits import fits_document, ledger_grids
+from ..fits import fit_table, fits_document, ledger_grids
 from ..models import Ledger
 from ..held_out import shared_predictor
 from ..results import Fits
@@ -15,13 +18,117 @@ from ..results import Fits
 LOO_LIMIT = 1000
 
 
-def fit_table_doc(ledger: Ledger) -> tuple[Optional[Fits], list]:
-    """The fit table (site/fits.html) from the committed dry-run rows (None without any), and the
-    first section's grids of the ledger's own cards (none above LOO_LIMIT rows)."""
+#: Micro-batches the picker answers beside 1: stock recipes only (with the program's memory fixes
+#: a batch is unknown), each as ``vram fit --batch-size N`` answers it.
+PICKER_BATCHES = (2, 4, 8)
+
+
+def fit_table_doc(ledger: Ledger) -> tuple[Optional[Fits], list, dict]:
+    """The fit table (site/fits.html) from the committed dry-run rows (None without any), the
+    first section's grids of the ledger's own cards (none above LOO_LIMIT rows), and the picker's
+    cells for micro-batches above 1, by batch."""
     p = shared_predictor(ledger, load_dry_runs())
     small = len(ledger.measurements) <= LOO_LIMIT
     grids = ledger_grids(p) if small else []
     if not p.dry:
-        return None, grids
+        return None, grids, {}
     # Above LOO_LIMIT rows the whole ladder per cell is too slow for a build: the dry run answers.
-    return Fits.model_validate(fits_document(p, ladder=small)), grids
+    batches = {b: fit_table(p, ladder=small, batch=b, fixes_settings=("none",)) for b in PICKER_BATCHES}
+    return Fits.model_validate(fits_document(p, ladder=small)), grids, batches
+
+
+# -- the fit pages: an index of models and a page per model, with the picker's data ------------
+
+#: The cards the fit index's headline columns answer for, one per common memory size (the
+#: ledger's and the card table's keys; a column is left out when its card is not in the table).
+HEADLINE_CARDS = (("8 GB", "rtx-3070-ti"), ("12 GB", "rtx-3060-12gb"), ("16 GB", "rtx-4060-ti-16gb"),
+                  ("24 GB", "rtx-4090"), ("48 GB", "rtx-6000-ada"), ("80 GB", "a100-80gb"))
+#: The headline recipe: stock (no memory fixes), 4-bit, plain LoRA, at this length.
+HEADLINE_LEN = 2048
+#: Ranks the "longest length at a rank" view answers.
+VIEW_RANKS = (8, 16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class FitModel:
+    """One model's fit page: its name, family and size, its cells by table row, the headline
+    answers per common card size, and its picker data (JSON, and the same as a script a page
+    opened from file:// can load)."""
+
+    name: str
+    slug: str
+    family: str
+    params_b: Optional[float]
+    max_len: Optional[int]
+    headline: list[tuple[str, str, str]]
+    data_json: str
+
+
+def family_of(model: str) -> str:
+    for prefix, family in (("qwen3", "Qwen3"), ("qwen2.5", "Qwen2.5"), ("llama-3", "Llama 3"), ("gemma-3", "Gemma 3"),
+                           ("mistral", "Mistral"), ("phi", "Phi"), ("deepseek", "DeepSeek-R1 distills")):
+        if model.startswith(prefix):
+            return family
+    return "Other"
+
+
+def model_slug(model: str) -> str:
+    """A model's page name (fits/<slug>.html): its name, with only [a-z0-9.-]."""
+    return re.sub(r"[^a-z0-9.-]+", "-", model.lower()).strip("-.") or "model"
+
+
+def fit_models(fits: Fits, batches: Optional[dict] = None) -> list[FitModel]:
+    """Every model of the fit table, smallest first within its family, with its page's data (the
+    cells of ``batches``, micro-batch -> fit cells, keyed with their batch)."""
+    from ..model_configs import load_arch, max_length
+
+    by_row = fits.by_row()
+    cards = {c.key: c for c in fits.cards}
+    out = []
+    for model in fits.models:
+        arch = load_arch(model)
+        headline = []
+        for size, key in HEADLINE_CARDS:
+            if key not in cards:
+                continue
+            cells = by_row.get((model, "4bit", "none", "plain", key), [])
+            cell = next((c for c in cells if c.seq_len == HEADLINE_LEN), None)
+            headline.append((size, key, cell_label(cell) if cell else "unknown"))
+        rows = {"|".join(k[1:]): [_cell(c) for c in cells] for k, cells in by_row.items() if k[0] == model}
+        for batch, cells in (batches or {}).items():
+            for c in cells:
+                if c.model == model:
+                    rows.setdefault(f"{c.quant}|{c.fixes}|{c.setting}|{c.gpu}|{batch}", []).append(_cell(c))
+        data = {"model": model, "lengths": fits.lengths, "ranks": list(VIEW_RANKS),
+                "cards": [{"key": c.key, "name": c.name, "limit_low_mib": c.limit_low_mib,
+                           "limit_high_mib": c.limit_high_mib} for c in fits.cards],
+                "rows": rows}
+        out.append(FitModel(name=model, slug=model_slug(model), family=family_of(model),
+                            params_b=round(arch.total_params / 1e9, 2) if arch else None,
+                            max_len=max_length(model), headline=headline,
+                            data_json=json.dumps(data, separators=(",", ":"), ensure_ascii=False)))
+    order = {f: i for i, f in enumerate(dict.fromkeys(family_of(m) for m in fits.models))}
+    return sorted(out, key=lambda m: (order[m.family], m.params_b or 0, m.name))
+
+
+def _cell(c) -> list:
+    """A cell as the picker reads it: length, fits, tight, status, at least, method, words, rows."""
+    return [c.seq_len, c.fits_rank, c.tight_rank, c.status, c.at_least, c.method, cell_label(c), list(c.measured)]
+
+
+def cell_label(c) -> str:
+    """A cell's words as ``vram fit`` prints them (``ledger.fits.FitCell.label``)."""
+    from ..fits import FitCell
+
+    if isinstance(c, FitCell):
+        return c.label()
+    return FitCell(model=c.model, gpu=c.gpu, quant=c.quant, fixes=c.fixes, setting=c.setting, seq_len=c.seq_len,
+                   fits_rank=c.fits_rank, tight_rank=c.tight_rank, status=c.status, at_least=c.at_least,
+                   method=c.method, measured=tuple(c.measured)).label()
+
+
+def data_script(m: FitModel) -> str:
+    """The picker's data for one model as a script (a page opened from file:// cannot fetch JSON,
+    but it can load a script): it registers the JSON under the model's name."""
+    safe = m.data_json.replace("</", "<\\/")
+    return f"window.VRAM_FITS=window.VRAM_FITS||{{}};window.VRAM_FITS[{json.dumps(m.name)}]={safe};\n"

@@ -34,7 +34,7 @@ from ..store import gc_paused
 from . import filters
 from .context import all_tables, build_context, fitted
 from .estimators_page import estimator_plot, estimator_scoreboard
-from .fits_page import fit_table_doc
+from .fits_page import data_script, fit_table_doc, fit_models
 from .index_page import canonical_json, ledger_hash, training_gpu_key
 from .plot_data import make_plots
 from .views import SiteContext
@@ -187,7 +187,8 @@ def check_output_folder(out: Path, protect: Sequence[Path] = ()) -> None:
     root = Path(os.path.realpath(out))
     for path in protect:
         real = Path(os.path.realpath(path))
-        if (real.parent == root and real.name in OUTPUT_NAMES) or (root / "plots") in real.parents:
+        if (real.parent == root and real.name in OUTPUT_NAMES) or (root / "plots") in real.parents \
+                or (root / "fits") in real.parents:
             raise UserError(Issue(str(path), "", f"the build would overwrite this ledger with its output "
                                   f"{real.relative_to(root)}: choose another --out"))
 
@@ -315,8 +316,8 @@ def compute_site(ledger: Ledger, out: Path, *, build_date: Optional[str], base_u
         ctx = build_context(ledger, build_date=build_date, ledger_sha256=sha, plots=plot_list,
                             fitted_doc=fitted_doc, scoreboard_doc=scoreboard_doc)
         images = dict(zip([p.file for p in ctx.plots] + ([board_plot.file] if board_plot else []), svgs))
-        fits, grids = done["fits"]
-        ctx = replace(ctx, fits=fits, fit_grids=grids)
+        fits, grids, batches = done["fits"]
+        ctx = replace(ctx, fits=fits, fit_grids=grids, fit_models=fit_models(fits, batches) if fits else [])
     finally:
         pool.shutdown(cancel_futures=True)
     stages["page tables"] = time.process_time() - t0
@@ -330,6 +331,9 @@ def compute_site(ledger: Ledger, out: Path, *, build_date: Optional[str], base_u
     data["vram.csv"] = filters.neutral(measurements_csv(ledger))
     if ctx.fits is not None:
         data["fits.csv"] = filters.neutral(fits_csv(ctx.fits))
+    for m in ctx.fit_models:  # the picker's data, per model: JSON to download, a script for the pages
+        data[f"fits/{m.slug}.json"] = m.data_json + "\n"
+        data[f"fits/{m.slug}.js"] = data_script(m)
     unchanged = prev_doc is not None and prev_doc.get("ledger_sha256") == sha
     ledger_doc = None if unchanged or prev_doc is None else json.loads(ledger_json)
     history = history_for(prev_doc if not unchanged else None, prev_history, ledger_doc or {}, sha, build_date)
@@ -345,7 +349,7 @@ def compute_site(ledger: Ledger, out: Path, *, build_date: Optional[str], base_u
         downloads=[download(name, data[name], base_url) for name in
                    ("vram.json", "vram.csv", "fits.csv", "vram.schema.json", "changes.json", "feed.xml")
                    if name in data],
-        css=static_text("style.css", dirs), js=static_text("sort.js", dirs),
+        css=static_text("style.css", dirs), js=static_text("sort.js", dirs), picker_js=static_text("picker.js", dirs),
         hrefs={r.id: f"#m-{r.id}" for t in all_tables(ctx) for r in t.rows},
         data_files=data, images=images,
     )
@@ -373,6 +377,8 @@ def render_outputs(ctx: SiteContext, env: Environment) -> dict[str, str]:
     if ctx.fits is not None:
         files["fits.html"] = page("fits.html.j2", page_ctx)
         files["fits.md"] = page("fits.md.j2", page_ctx)
+        for m in ctx.fit_models:
+            files[f"fits/{m.slug}.html"] = page("fit_model.html.j2", replace(page_ctx, fit_model=m, root="../"))
     files.update(ctx.data_files)
     files.update(ctx.images)
     return files

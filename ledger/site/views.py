@@ -174,6 +174,12 @@ class SiteContext:
     fits: Optional[Fits] = None
     #: The first section's grids (ledger.fits.ledger_grids): what fits on the ledger's own cards.
     fit_grids: list = field(default_factory=list)
+    #: Every model of the fit table with its page's data (``site.fits_page.FitModel``), and the
+    #: model a per-model page is about (None on the other pages).
+    fit_models: list = field(default_factory=list)
+    fit_model: Optional[object] = None
+    #: The relative path from a page to the site's root ("" at the top, "../" under fits/).
+    root: str = ""
     estimator_plot: Optional[Plot] = None
     base_url: Optional[str] = None
     downloads: list[dict] = field(default_factory=list)
@@ -181,6 +187,8 @@ class SiteContext:
     #: The inlined stylesheet and script (the page opens from file:// with nothing fetched).
     css: str = ""
     js: str = ""
+    #: The fit picker's script (inlined on the pages that have the picker).
+    picker_js: str = ""
     #: In-page link of every measurement id shown in a table.
     hrefs: dict[str, str] = field(default_factory=dict)
     #: The data files and plot images, by path in the output folder.
