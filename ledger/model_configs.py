@@ -132,35 +132,34 @@ def where_looked(model: str) -> str:
     return f"no config for {model}: looked in {'; '.join(tried)}; {how}"
 
 
-def model_type(model: str) -> Optional[str]:
-    """The config's model_type (its text model's for a multimodal config), or None."""
-    path = config_path(model)
-    if path is None:
-        return None
-    data = json.loads(path.read_text(encoding="utf-8"))
-    return data.get("text_config", data).get("model_type") or data.get("model_type")
-
-
-def max_length(model: Optional[str]) -> Optional[int]:
-    """The longest sequence the model's config allows (max_position_embeddings), or None."""
+def _config(model: Optional[str]) -> Optional[tuple[Path, dict, dict]]:
+    """(path, the config, its text model's part) of a model ``config_path`` finds, else None."""
     path = config_path(model) if model else None
     if path is None:
         return None
     data = json.loads(path.read_text(encoding="utf-8"))
-    value = data.get("text_config", data).get("max_position_embeddings")
+    return path, data, data.get("text_config", data)
+
+
+def model_type(model: str) -> Optional[str]:
+    """The config's model_type (its text model's for a multimodal config), or None."""
+    found = _config(model)
+    return (found[2].get("model_type") or found[1].get("model_type")) if found else None
+
+
+def max_length(model: Optional[str]) -> Optional[int]:
+    """The longest sequence the model's config allows (max_position_embeddings), or None."""
+    found = _config(model)
+    value = found[2].get("max_position_embeddings") if found else None
     return int(value) if value else None
 
 
 def moe_experts(model: str) -> Optional[int]:
     """The experts per layer of a mixture-of-experts config (Mixtral, Qwen2/3-MoE, ...), else None."""
-    path = config_path(model)
-    if path is None:
-        return None
-    data = json.loads(path.read_text(encoding="utf-8"))
-    text = data.get("text_config", data)
+    found = _config(model)
     for key in ("num_local_experts", "num_experts", "n_routed_experts"):
-        if text.get(key):
-            return int(text[key])
+        if found and found[2].get(key):
+            return int(found[2][key])
     return None
 
 
@@ -176,11 +175,10 @@ def _name_of(path: Path) -> str:
 
 def load_arch(model: str) -> Optional[Arch]:
     """The architecture of a model (a config ``config_path`` finds). None when unknown."""
-    path = config_path(model)
-    if path is None:
+    found = _config(model)
+    if found is None:
         return None
-    data = json.loads(path.read_text(encoding="utf-8"))
-    text = data.get("text_config", data)
+    path, data, text = found
     hidden = text["hidden_size"]
     heads = text["num_attention_heads"]
     model_type = str(text.get("model_type", data.get("model_type", "")))

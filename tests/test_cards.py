@@ -12,7 +12,7 @@ import pytest
 from conftest import BUNDLED
 from ledger import cli, store
 from ledger.cards import card_table, derives_usable, usable_ratio
-from ledger.cli.calibrate import BUDGET_CARD
+from ledger.cli.question import BUDGET_CARD
 from ledger.dry_runs import load_dry_runs
 from ledger.predictor import Predictor
 from ledger.recipe import Recipe

@@ -173,7 +173,7 @@ def test_fit_prints_a_cards_table_without_torch(capsys):
     out = capsys.readouterr().out
     assert "gemma-3-4b-it on rtx-4090" in out and "16384" in out and "dry run" in out
     assert cli.main(["fit", "--ledger", str(BUNDLED), "--model", "no-such-model", "--gpu", "t4"]) == 1
-    assert "no dry-run rows for no-such-model" in capsys.readouterr().err
+    assert "no config for no-such-model: looked in" in capsys.readouterr().err
 
 
 def test_a_card_without_rows_has_a_derived_limit_under_its_memory(p):

@@ -16,13 +16,13 @@ from typing import Sequence
 
 from .. import store
 from ..errors import UserError
-from . import build, calibrate, doctor, estimate, files, fit, ingest_log
+from . import build, calibrate, ceiling, doctor, estimate, files, fit, ingest_log
 from .options import Command, dump_json
 
 __all__ = ["COMMANDS", "build_parser", "dump_json", "main"]
 
 #: Every command, in the order `vram --help` lists them.
-COMMANDS: list[Command] = [*files.COMMANDS, *build.COMMANDS, *ingest_log.COMMANDS, *calibrate.COMMANDS,
+COMMANDS: list[Command] = [*files.COMMANDS, *build.COMMANDS, *ingest_log.COMMANDS, *calibrate.COMMANDS, *ceiling.COMMANDS,
                            *estimate.COMMANDS, *fit.COMMANDS, *doctor.COMMANDS]
 
 

@@ -10,7 +10,7 @@ from ..estimators import estimate_all, nearest_row
 from ..model_configs import load_arch
 from ..recipe import capacity_mib, keeps_logits, seq_len_of
 from ..response_span import answerable
-from .calibrate import (BUDGET_CARD, add_card_option, add_dry_runs_option, card_from, predictor_for, recipe_from,
+from .question import (BUDGET_CARD, add_card_option, add_dry_runs_option, card_from, predictor_for, recipe_from,
                         require_model)
 from .compute import add_compute_option, ensure_dry_runs
 from .options import (Command, add_batch_option, add_json_option, add_ledger_option, add_optimizer_option,

@@ -11,7 +11,7 @@ from ..fits import LENGTHS, SETTINGS, fit_table, grid_points, stale_rows
 from ..model_configs import config_path, model_name
 from ..dry_runs import cache_file
 from ..recipe import fixes_key
-from .calibrate import add_card_option, add_dry_runs_option, card_from, dry_rows, predictor_for, require_model
+from .question import add_card_option, add_dry_runs_option, card_from, dry_rows, predictor_for, require_model
 from .compute import add_compute_option, compute_points, model_for_rows
 from .options import Command, add_json_option, add_ledger_option, dump_json
 

@@ -1,0 +1,176 @@
+"""``vram ceiling``: the largest LoRA rank that fits a card at a length, or with ``--rank`` the
+longest sequence that fits at a rank."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+from .. import store
+from ..errors import Issue, UserError
+from .options import (Command, add_batch_option, add_json_option, add_ledger_option, add_optimizer_option,
+                      add_recipe_options, dump_json)
+from .question import (BUDGET_CARD, add_card_option, add_dry_runs_option, card_from, predictor_for, recipe_from,
+                       require_model)
+
+
+def add_ceiling_options(p: argparse.ArgumentParser) -> None:
+    from .compute import add_compute_option
+
+    add_ledger_option(p)
+    add_dry_runs_option(p)
+    add_compute_option(p)
+    add_card_option(p, budget=True)
+    add_recipe_options(p, skip=("rank", "alpha", "rslora"))
+    p.add_argument("--rank", type=int, help="instead of --seq-len: the longest sequence that fits at this rank (a length "
+                                            "ceiling, the form of published context tables)")
+    p.add_argument("--max-seq-len", type=int, help="with --rank: the longest length searched (default: the model's "
+                                                   f"max_position_embeddings, at most {MAX_SEARCHED_LEN})")
+    p.add_argument("--seq-step", type=int, default=256, help="with --rank: the length step (default 256)")
+    p.add_argument("--real", action="store_true", help="for a real run (calibrated), not a probe")
+    add_optimizer_option(p)
+    add_batch_option(p)
+    p.add_argument("--step", type=int, default=8, help="rank step (default 8)")
+    p.add_argument("--max-rank", type=int, default=512, help="largest rank searched (default 512)")
+    p.add_argument("--margin-mib", type=float, default=0.0, help="stay this far under the limit, MiB (default 0)")
+    add_json_option(p)
+
+
+#: The longest sequence a length ceiling searches unless told (128k tokens).
+MAX_SEARCHED_LEN = 131072
+#: Lengths dry runs are computed at when a length ceiling needs rows the committed ones lack (a
+#: model without rows, or past the grid's 16384 tokens): doublings, each asked only while the
+#: previous still fits.
+LENGTH_LADDER = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+
+def cmd_ceiling(args: argparse.Namespace) -> int:
+    """The largest LoRA rank (a multiple of --step) whose verdict is "fits" on the card, and the
+    largest that is "tight" (the predicted interval reaches past the card's limit): from the one
+    predictor (ledger.predictor: measured real runs, probes, interpolation, the calibrated dry run,
+    other cards), judged against the low end of the card's effective limit less --margin-mib.
+    With --rank instead of --seq-len: the longest sequence that fits at that rank."""
+    if args.step <= 0 or args.max_rank < args.step:
+        raise UserError(Issue("--step", "", "needs 0 < --step <= --max-rank"))
+    if (args.seq_len is None) == (args.rank is None):
+        raise UserError(Issue("--seq-len", "", "give --seq-len N (the largest rank at that length) or --rank N (the "
+                              "longest sequence at that rank)" + (", not both" if args.seq_len is not None else "")))
+    ledger = store.load(args.ledger)
+    require_model(args.model, ledger)
+    gpu, entry = card_from(args, ledger)
+    if args.rank is not None:
+        return _length_ceiling(args, ledger, gpu, entry)
+    recipe = recipe_from(args)
+    from .compute import ensure_dry_runs
+
+    predictor = predictor_for(args, ledger)
+    if ensure_dry_runs(args, predictor, recipe):
+        predictor = predictor_for(args, ledger)
+    c = predictor.ceiling(recipe, gpu, entry=entry, run="real" if args.real else "probe",
+                                            margin_mib=args.margin_mib, budget_mib=args.budget_mib, step=args.step,
+                                            max_rank=args.max_rank)
+    if args.json:
+        dump_json(c.model_dump(mode="json"))
+        return 0
+    what = "a real run" if args.real else "a one-step probe"
+    where = f"{'a budget' if gpu == BUDGET_CARD else gpu} at {args.seq_len} tokens" + _budget_text(args)
+    print(_recipe_line(replace(recipe, rank=0), args).replace(" r0", ""))
+    limit = _limit_text(c)
+    if c.status == "unknown":
+        print(f"unknown: {c.note or 'no evidence near this recipe'} ({where})")
+        return 0
+    if c.fits_rank is None:
+        print(f"no rank fits {what} on {where} for sure" + (f"; up to rank {c.tight_rank} is tight"
+                                                            if c.tight_rank else "") + f" ({limit})")
+    else:
+        print(f"rank {c.fits_rank} fits {what} on {where}" + ("" if c.tight_rank == c.fits_rank else
+                                                               f"; up to rank {c.tight_rank} is tight") + f" ({limit})")
+    for r in c.ranks:
+        if r["rank"] in (c.fits_rank, c.tight_rank) or r["verdict"] == "won't fit":
+            span = f"up to {r['high_mib']} MiB" if r["high_mib"] is not None else "a lower bound: the step needs more"
+            print(f"  r{r['rank']}: {r['verdict']}, {r['mib']} MiB ({span}) by {r['method']}"
+                  + (f" [{', '.join(r['evidence'][:3])}]" if r["evidence"] else ""))
+    if c.note:
+        print(f"  {c.note}")
+    return 0
+
+
+def _recipe_line(recipe, args: argparse.Namespace) -> str:
+    """The first line of a ceiling: the whole recipe the answer is for."""
+    what = "a real run" if args.real else "a one-step probe"
+    shown = replace(recipe, optimizer=recipe.optimizer if args.real else None)
+    return (f"for {what} of {shown.describe()}"
+            + (" (the program's preset)" if recipe.fixes == "all" else " (stock)" if recipe.fixes == "none" else "")
+            + ((", optimizer state as in the program's measured runs" if recipe.optimizer is None else "")
+               if args.real else ", no optimizer step"))
+
+
+def _budget_text(args: argparse.Namespace) -> str:
+    return (f", judged against --budget-mib {args.budget_mib:g} MiB of peak allocated (no CUDA context or allocator "
+            "overhead taken off)" if args.budget_mib is not None else "")
+
+
+def _limit_text(c) -> str:
+    return f"limit {c.limit_low_mib}–{c.limit_high_mib} MiB allocated" + (
+        f", margin {c.margin_mib} MiB" if c.margin_mib else "")
+
+
+def _length_ceiling(args: argparse.Namespace, ledger, gpu: str, entry) -> int:
+    """``vram ceiling --rank N``: the longest sequence (a multiple of --seq-step) that fits at the
+    rank, computing the dry runs of the lengths no row reaches (``LENGTH_LADDER``, within the model's
+    context) while the longest answered still fits, unless --no-compute."""
+    from ..ceilings import longest
+    from ..model_configs import max_length
+    from .compute import ensure_dry_runs
+
+    if args.rank <= 0 or args.seq_step <= 0:
+        raise UserError(Issue("--rank", "", "--rank and --seq-step must be > 0"))
+    limit = args.max_seq_len or min(max_length(args.model or "") or MAX_SEARCHED_LEN, MAX_SEARCHED_LEN)
+    if limit < args.seq_step:
+        raise UserError(Issue("--max-seq-len", "", f"must be at least --seq-step ({args.seq_step})"))
+    recipe = recipe_from(args, args.rank)
+    run = "real" if args.real else "probe"
+    predictor = predictor_for(args, ledger)
+
+    def ask():
+        return longest(predictor, recipe, gpu, entry=entry, run=run, margin_mib=args.margin_mib,
+                       budget_mib=args.budget_mib, step=args.seq_step, max_len=limit)
+
+    c = ask()
+    for _ in LENGTH_LADDER:
+        length = next((n for n in LENGTH_LADDER if c.unknown_from is not None and c.unknown_from <= n <= limit), None)
+        if length is None or args.no_compute or not ensure_dry_runs(args, predictor, replace(recipe, seq_len=length)):
+            break
+        predictor = predictor_for(args, ledger)
+        c = ask()
+    if args.json:
+        dump_json(c.model_dump(mode="json"))
+        return 0
+    what = "a real run" if args.real else "a one-step probe"
+    print(_recipe_line(recipe, args))
+    where = ("a budget" if gpu == BUDGET_CARD else gpu) + _budget_text(args)
+    lim = _limit_text(c)
+    if c.status == "unknown":
+        print(f"unknown: {c.note or 'no evidence near this recipe'} ({where})")
+        return 0
+    if c.fits_len is None:
+        print(f"no length fits {what} at rank {args.rank} on {where} for sure"
+              + (f"; up to {c.tight_len} tokens is tight" if c.tight_len else "") + f" ({lim})")
+    else:
+        print(f"{c.fits_len} tokens fit {what} at rank {args.rank} on {where}"
+              + ("" if c.tight_len == c.fits_len else f"; up to {c.tight_len} tokens is tight") + f" ({lim})")
+    for r in c.lengths:
+        span = f"up to {r['high_mib']} MiB" if r["high_mib"] is not None else "a lower bound: the step needs more"
+        first = r.get("from_seq_len")
+        print(f"  {f'{first}–' if first else ''}{r['seq_len']} tokens: {r['verdict']}"
+              + (f" (at {r['seq_len']}: " if first else " (") + f"{r['mib']} MiB, {span}) by {r['method']}"
+              + (f" [{', '.join(r['evidence'][:3])}]" if r["evidence"] else ""))
+    if c.note:
+        print(f"  {c.note}")
+    return 0
+
+
+COMMANDS = [
+    Command("ceiling", "the largest LoRA rank that fits a card (and that is tight) at a sequence length, or the "
+                       "longest sequence at a rank", add_ceiling_options, cmd_ceiling),
+]
