@@ -130,11 +130,21 @@ def _dry_ceiling(p: Predictor, recipe: Recipe, gpu: str, entry: Gpu,
     """(fits, tight, status, at least) from the calibrated dry run alone, by bisection over ranks.
     A micro-batch is answered as ``predict`` answers it: the single sequence of batch x length
     tokens (``response_span.answerable``), its interval widened by that derivation's error."""
-    cache: dict[int, str] = {}
     one, _ = answerable(recipe)
     if one is None:
         return None, None, "unknown", False
-    judge = p.dry_judge(one, gpu, entry, budget_mib, BATCH_AS_LENGTH_ERR if recipe.batch != 1 else 0.0)
+    widened = BATCH_AS_LENGTH_ERR if recipe.batch != 1 else 0.0
+    # B sequences of L tokens and B' of L' with B x L = B' x L' are one question: asked once per fit.
+    memo = p.dry_ceilings
+    key = (one, gpu, None if entry is None else (entry.name, entry.vendor, entry.total_mib, entry.usable_gib_torch),
+           budget_mib, widened)
+    if key not in memo:
+        memo[key] = _bisect(p.dry_judge(one, gpu, entry, budget_mib, widened))
+    return memo[key]
+
+
+def _bisect(judge) -> tuple[Optional[int], Optional[int], str, bool]:
+    cache: dict[int, str] = {}
 
     def verdict(rank: int) -> str:
         if rank not in cache:

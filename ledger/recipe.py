@@ -234,7 +234,7 @@ class Recipe:
 
     def memory_fields(self) -> dict:
         """The fields memory depends on, by name (what an answer records as its recipe)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.compare}
+        return {name: getattr(self, name) for name in _MEMORY_FIELDS}
 
     def span(self) -> Optional[int]:
         """The response length where it changes memory: only the logits_to_keep fix keeps logits for
@@ -248,6 +248,10 @@ class Recipe:
                 + ("" if self.checkpointing else " no checkpointing")
                 + ("" if self.targets == ALL_LINEAR else f" LoRA on {','.join(self.targets)}")
                 + f" fixes {self.fixes}" + (f" {self.optimizer}" if self.optimizer else ""))
+
+
+#: Recipe's fields that memory depends on (those its equality compares), in order.
+_MEMORY_FIELDS = tuple(f.name for f in fields(Recipe) if f.compare)
 
 
 def recipe_of(m: Measurement) -> Optional[Recipe]:

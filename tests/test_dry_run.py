@@ -100,7 +100,7 @@ def test_find_ceiling_without_measurements(capsys):
         Recipe("tiny-llama", rank=64, seq_len=1024), outcome["peak_allocated_mib"])
     budget = answer.probe_allocated.high_mib
     assert dry_main(["--model", "tiny-llama", "--rank", "8", "--seq-len", "1024", "--response-len", "237",
-                     "--find-ceiling", "rank", "--budget-mib", str(budget + 0.01), "--json"]) == 0
+                     "--fixes", "all", "--find-ceiling", "rank", "--budget-mib", str(budget + 0.01), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["ceiling"] == 64 and doc["probes"] <= 14  # two bisections of 64 ranks: fits, then tight
 
