@@ -201,9 +201,16 @@ def fit_table(p: Predictor, *, models: Optional[Iterable[str]] = None, gpus: Opt
                                             fixes=fixes_key(fixes), batch=batch)
                             if use_ladder:
                                 known = {m.model for m in p.ms if model_name(m.model) == model}
-                                c = p.ceiling(replace(recipe, model=sorted(known)[0]), gpu, entry=entry,
-                                              budget_mib=budget_mib)
-                                fits, tight, status, more = c.fits_rank, c.tight_rank, c.status, c.at_least
+                                asked = replace(recipe, model=sorted(known)[0])
+                                # A micro-batch is asked as its one sequence of B x L tokens: the same
+                                # total from another batch and length is one question (asked once).
+                                one = answerable(asked)[0]
+                                key = ("ladder", one if recipe.batch != 1 else asked, recipe.batch != 1, gpu,
+                                       budget_mib)
+                                if key not in p.dry_ceilings:
+                                    c = p.ceiling(asked, gpu, entry=entry, budget_mib=budget_mib)
+                                    p.dry_ceilings[key] = (c.fits_rank, c.tight_rank, c.status, c.at_least)
+                                fits, tight, status, more = p.dry_ceilings[key]
                                 lower = max([s for s in lengths if s < seq], default=0)
                                 rows = tuple(sorted({m.id for m in p.ms if m.gpu == gpu and m.kind == "probe"
                                                      and m.lora and model_name(m.model) == model and m.quant == quant
