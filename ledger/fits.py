@@ -167,6 +167,15 @@ def _bisect(judge) -> tuple[Optional[int], Optional[int], str, bool]:
 
     fits = largest(lambda v: v == "fits")
     tight = largest(lambda v: v in ("fits", "tight"))
+    # A rank dry-run exactly has a narrower interval than the derived ranks around it, so its
+    # verdict can be stricter: a "won't fit" there ends the ranks that fit, as a scan from the
+    # smallest rank (``vram ceiling``) would find.
+    stop = min((r for r in getattr(judge, "exact", ()) if r % STEP == 0 and r <= (tight or 0)
+                and verdict(r) == "won't fit"), default=None)
+    if stop is not None:
+        ranks = [r for r in ranks if r < stop]
+        fits = largest(lambda v: v == "fits")
+        tight = largest(lambda v: v in ("fits", "tight"))
     top = tight or fits
     # Past the last rank known to fit only unknowns (no slope to extrapolate with): "at least".
     at_least = top is not None and top + STEP <= MAX_RANK and verdict(top + STEP) == "unknown"

@@ -283,6 +283,7 @@ class Predictor:
             if widened:
                 bottom, top = round(bottom * (1 - widened), 1), round(top * (1 + widened), 1)
             return verdict_for(bottom, top, low, high, 0.0)
+        verdict.exact = exact  # the ranks dry-run exactly (a narrower interval: the verdict can be stricter)
         return verdict
 
     def ceiling(self, recipe: Recipe, gpu: str, **kw) -> CeilingAnswer:

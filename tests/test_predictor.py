@@ -275,3 +275,28 @@ def test_fewer_target_modules_are_bounded_by_all_seven_and_never_wont_fit(capsys
     assert cli.main(["estimate", "--model", "llama-3.1-8b", "--rank", "8", "--seq-len", "512",
                      "--target-modules", "lm_head"]) == 1
     assert capsys.readouterr().err.startswith("--target-modules: unknown target module 'lm_head'")
+
+
+def test_the_fit_table_says_what_the_ceiling_scan_says(p):
+    """The fit table bisects over ranks; a rank dry-run exactly has a narrower interval than the
+    ranks derived around it, so its verdict can be stricter. The table's cells equal vram ceiling's
+    scan from the smallest rank (which stops at the first "won't fit"), for every cell of a sample
+    that holds such a case (qwen2.5-7b bf16 plain at 4096 tokens on the RTX 4090)."""
+    from ledger.cards import card_table
+    from ledger.fits import fit_table
+
+    table = card_table()
+    cells = fit_table(p, models=["qwen2.5-7b", "qwen2.5-14b"], gpus=["rtx-4090", "rtx-4060-ti-16gb"],
+                      fixes_settings=("none",))
+    checked = 0
+    for c in cells:
+        if c.status == "unknown":
+            continue
+        a = p.ceiling(Recipe(c.model, quant=c.quant, fixes="none", seq_len=c.seq_len, dropout=c.setting == "dropout",
+                             dora=c.setting == "DoRA"), c.gpu, entry=table[c.gpu].gpu)
+        assert (c.fits_rank, c.tight_rank) == (a.fits_rank, a.tight_rank), c
+        checked += 1
+    assert checked >= 50
+    odd = next(c for c in cells if (c.model, c.gpu, c.quant, c.setting, c.seq_len) ==
+               ("qwen2.5-7b", "rtx-4090", "bf16", "plain", 4096))
+    assert odd.tight_rank is None and odd.status == "none-fits"
