@@ -60,7 +60,9 @@
     cells.forEach(function (c) {
       var tr = el("tr", {"data-len": String(c[0])});
       tr.appendChild(el("th", {scope: "row"}, String(c[0])));
-      var td = el("td", {"class": "num fit-" + c[3], "data-label": c[6],
+      // Only a tight rank (none that fits for sure): its own colour, never the colour of "fits".
+      var status = c[1] === null && c[2] ? "tight" : c[3];
+      var td = el("td", {"class": "num fit-" + status, "data-label": c[6],
         title: data.model + " " + quant + " fixes " + fixes + " " + setting + " batch " + batch + " " + c[0] +
           " tokens on " + gpu + ": " + c[5] + (c[7].length ? "; measured nearby: " + c[7].join(", ") : "")}, c[6]);
       tr.appendChild(td);
