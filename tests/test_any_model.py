@@ -134,6 +134,7 @@ def test_a_length_ceiling_computes_the_lengths_no_row_reaches(tmp_path, capsys):
             "--cache", str(tmp_path / "cache"), "--json"]
     assert cli.main([*argv, "--no-compute"]) == 0
     assert json.loads(capsys.readouterr().out)["status"] == "unknown"
+    assert not (tmp_path / "cache").exists()  # asking wrote nothing
     assert cli.main(argv) == 0
     out, err = capsys.readouterr()
     c = json.loads(out)

@@ -47,16 +47,22 @@ def config_sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
+def _rows_config(model: str, cache: Optional[str]) -> tuple[Optional[Path], Optional[Path]]:
+    """(the user's config, where its copy lives in the cache) — (path, None) for a shipped config."""
+    path = config_path(model)
+    if path is None or path.parent == CONFIG_DIR:
+        return path, None
+    name = model_name(model) or path.stem
+    return path, Path(cache_file(cache)).parent / "configs" / config_sha(path) / f"{name}.json"
+
+
 def model_for_rows(model: str, cache: Optional[str]) -> str:
     """The model name computed rows record: a shipped config's name as given; a user's config is
     copied into the cache under its content hash (``configs/<sha>/<name>.json``) and named by that
     path, so rows of an edited config are never taken for the new one's."""
-    path = config_path(model)
-    if path is None or path.parent == CONFIG_DIR:
+    path, target = _rows_config(model, cache)
+    if target is None:
         return model
-    sha = config_sha(path)
-    name = model_name(model) or path.stem
-    target = Path(cache_file(cache)).parent / "configs" / sha / f"{name}.json"
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(target, path.read_text(encoding="utf-8"))
@@ -69,7 +75,8 @@ def fresh_rows(rows: list, model: Optional[str], cache: Optional[str]) -> list:
     if not model or cache is None:
         return rows
     name = model_name(model)
-    current = model_for_rows(model, cache) if config_path(model) is not None else model
+    target = _rows_config(model, cache)[1]  # reading rows writes nothing
+    current = str(target) if target is not None else model
     cached = [m for m in rows if model_name(m.model) == name and _in_cache(m.model, cache)]
     stale = set(stale_rows(cached)) | {m.id for m in cached if m.model != current and "/configs/" in str(m.model)}
     return [m for m in rows if m.id not in stale]
@@ -101,8 +108,11 @@ def seconds_for(points: list[dict]) -> Optional[float]:
     import numpy as np
 
     xs, ys = [], []
+    archs: dict = {}
     for m in load_dry_runs(DRY_RUNS):
-        a = load_arch(m.model) if m.model else None
+        if m.model not in archs:
+            archs[m.model] = load_arch(m.model) if m.model else None
+        a = archs[m.model]
         found = re.search(r'"seconds": ([0-9.]+)', " ".join(m.provenance.notes)) if a and m.seq_len else None
         if found:
             xs.append(_terms(a.layers, m.seq_len))

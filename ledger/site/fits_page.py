@@ -93,12 +93,12 @@ def fit_models(fits: Fits, batches: Optional[dict] = None) -> list[FitModel]:
                 continue
             cells = by_row.get((model, "4bit", "none", "plain", key), [])
             cell = next((c for c in cells if c.seq_len == HEADLINE_LEN), None)
-            headline.append((size, key, cell_label(cell) if cell else "unknown"))
-        rows = {"|".join(k[1:]): [_cell(c) for c in cells] for k, cells in by_row.items() if k[0] == model}
+            headline.append((size, key, cell.label if cell else "unknown"))
+        rows = {"|".join(k[1:]): [_cell(c, c.label) for c in cells] for k, cells in by_row.items() if k[0] == model}
         for batch, cells in (batches or {}).items():
             for c in cells:
                 if c.model == model:
-                    rows.setdefault(f"{c.quant}|{c.fixes}|{c.setting}|{c.gpu}|{batch}", []).append(_cell(c))
+                    rows.setdefault(f"{c.quant}|{c.fixes}|{c.setting}|{c.gpu}|{batch}", []).append(_cell(c, c.label()))
         data = {"model": model, "lengths": fits.lengths, "ranks": list(VIEW_RANKS),
                 "cards": [{"key": c.key, "name": c.name, "limit_low_mib": c.limit_low_mib,
                            "limit_high_mib": c.limit_high_mib} for c in fits.cards],
@@ -111,20 +111,9 @@ def fit_models(fits: Fits, batches: Optional[dict] = None) -> list[FitModel]:
     return sorted(out, key=lambda m: (order[m.family], m.params_b or 0, m.name))
 
 
-def _cell(c) -> list:
+def _cell(c, label: str) -> list:
     """A cell as the picker reads it: length, fits, tight, status, at least, method, words, rows."""
-    return [c.seq_len, c.fits_rank, c.tight_rank, c.status, c.at_least, c.method, cell_label(c), list(c.measured)]
-
-
-def cell_label(c) -> str:
-    """A cell's words as ``vram fit`` prints them (``ledger.fits.FitCell.label``)."""
-    from ..fits import FitCell
-
-    if isinstance(c, FitCell):
-        return c.label()
-    return FitCell(model=c.model, gpu=c.gpu, quant=c.quant, fixes=c.fixes, setting=c.setting, seq_len=c.seq_len,
-                   fits_rank=c.fits_rank, tight_rank=c.tight_rank, status=c.status, at_least=c.at_least,
-                   method=c.method, measured=tuple(c.measured)).label()
+    return [c.seq_len, c.fits_rank, c.tight_rank, c.status, c.at_least, c.method, label, list(c.measured)]
 
 
 def data_script(m: FitModel) -> str:
