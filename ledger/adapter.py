@@ -10,6 +10,8 @@ models for Llama, Qwen2 and Gemma 3 configs (``tests/test_optimizers.py``).
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import replace
 from typing import Iterable
 
 from .model_configs import Arch
@@ -52,6 +54,13 @@ def trainable_shapes(arch: Arch, rank: int, targets: Iterable[str] = ALL_LINEAR,
         fan_in, fan_out = shapes[name]
         layer += [(rank, fan_in), (fan_out, rank)] + ([(fan_out,)] if dora else [])
     return layer * arch.layers
+
+
+def trainable_shape_counts(arch: Arch, rank: int, targets: Iterable[str] = ALL_LINEAR, dora: bool = False
+                           ) -> Counter:
+    """``trainable_shapes`` as shape -> how many tensors have it (what a sum over them needs)."""
+    layer = Counter(trainable_shapes(replace(arch, layers=1), rank, targets, dora))
+    return Counter({shape: k * arch.layers for shape, k in layer.items()})
 
 
 def trainable_params(arch: Arch, rank: int, targets: Iterable[str] = ALL_LINEAR, dora: bool = False) -> int:

@@ -155,6 +155,17 @@ class Overestimate:
     #: The longest response span (kept positions) a pair's probe covered: logits are subtracted up to it.
     keep_max: Optional[int] = None
 
+    @property
+    def fixes(self) -> frozenset[str]:
+        """The memory fixes (as ``fixes_key`` spells them) of the recipes its pairs measured: the
+        over-estimate is a remainder of those recipes' real runs and is applied to them only."""
+        return frozenset(p.key[6] for p in self.pairs)
+
+    @property
+    def max_rank(self) -> Optional[int]:
+        """The largest LoRA rank a pair measured: its runs' optimizer state is inside the over-estimate."""
+        return max((p.key[3] for p in self.pairs if p.key[3]), default=None)
+
     def logits_off_mib(self, model: Optional[str], keep: Optional[int]) -> float:
         """MiB of a probe's kept logits that the real-run prediction leaves out (0 when unknown)."""
         if not keep or not self.keep_max:

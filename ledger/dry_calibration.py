@@ -56,6 +56,8 @@ class DryCalibration:
         """(measured ok probe, its peak, the dry run of the same recipe) for every probe that has one."""
         index: dict[tuple, float] = {}
         for d in self.fit.dry:
+            if d.gradient_checkpointing is False:  # the probes all have it on
+                continue
             index[(model_name(d.model), d.quant, d.lora.rank, bool(d.lora.dropout), bool(d.lora.dora), d.seq_len,
                    d.response_len, fixes_key(d.memory_fixes))] = d.outcome.peak_allocated_mib
         out = []

@@ -25,10 +25,10 @@ class DryTable:
         self._slopes: dict = {}
 
     def table(self, name: Optional[str], quant: str, fixes: str, dropout: bool, dora: bool,
-                   response_len: Optional[int]) -> dict[int, dict[int, tuple[float, str]]]:
-        """Dry-run peaks by length and rank for one model, quant, fixes, dropout and DoRA (the
-        highest where several response lengths match)."""
-        key = (name, quant, fixes, dropout, dora, response_len)
+              response_len: Optional[int], checkpointing: bool = True) -> dict[int, dict[int, tuple[float, str]]]:
+        """Dry-run peaks by length and rank for one model, quant, fixes, dropout and DoRA, with
+        gradient checkpointing on or off (the highest where several response lengths match)."""
+        key = (name, quant, fixes, dropout, dora, response_len, checkpointing)
         if key not in self._tables:
             if self._by_model is None:
                 self._by_model = defaultdict(list)
@@ -37,6 +37,7 @@ class DryTable:
             table: dict[int, dict[int, tuple[float, str]]] = defaultdict(dict)
             for d in self._by_model.get(name, []):
                 if (d.quant == quant and bool(d.lora.dropout) == dropout and bool(d.lora.dora) == dora
+                        and (d.gradient_checkpointing is not False) == checkpointing
                         and fixes_key(d.memory_fixes) == fixes and (response_len is None or d.response_len == response_len)):
                     cell = table[d.seq_len]
                     if d.lora.rank not in cell or d.outcome.peak_allocated_mib > cell[d.lora.rank][0]:
@@ -85,8 +86,8 @@ class DryTable:
             return none
         name, seq = model_name(recipe.model), recipe.seq_len
         args = (name, recipe.quant, recipe.fixes)
-        own = self.table(*args, recipe.dropout, recipe.dora, recipe.span())
-        plain = self.table(*args, False, False, recipe.span())
+        own = self.table(*args, recipe.dropout, recipe.dora, recipe.span(), recipe.checkpointing)
+        plain = self.table(*args, False, False, recipe.span(), recipe.checkpointing)
         if seq in own:
             return self._cell_figure(own, seq, plain)
         lower = [s for s in own if s < seq]
@@ -142,7 +143,7 @@ class DryTable:
     def exact_ranks(self, recipe: Recipe) -> set:
         """The ranks a committed dry-run row has of this very recipe at its length."""
         table = self.table(model_name(recipe.model), recipe.quant, recipe.fixes, recipe.dropout, recipe.dora,
-                           recipe.span())
+                           recipe.span(), recipe.checkpointing)
         return set(table.get(recipe.seq_len, {}))
 
     def exact(self, recipe: Recipe) -> bool:

@@ -16,6 +16,7 @@ from typing import Iterable, Optional
 from .models import Gpu
 from .cards import card_table
 from .model_configs import model_name
+from .optimizers import optimizer_for
 from .predictor import Predictor
 from .recipe import Recipe, recipe_of, row_keys_cached
 from .response_span import BATCH_AS_LENGTH_ERR, answerable
@@ -58,6 +59,10 @@ class FitCell:
     #: The ledger's probes of this card, model, quant, fixes and setting whose length is in
     #: (the previous column's length, this one's]: the measured rows nearest the cell.
     measured: tuple[str, ...]
+    #: What is judged: a training run ("real": its steady state with ``optimizer``'s state; the
+    #: program's preset with its measured runs' own), or a one-step probe ("probe").
+    run: str = "real"
+    optimizer: Optional[str] = None
 
     def label(self) -> str:
         if self.status == "unknown":
@@ -125,25 +130,30 @@ def page_cards(p: Predictor) -> list[str]:
     return [k for k in cards(p) if k in p.ledger.gpus or (k in table and table[k].fit_page)]
 
 
-def _dry_ceiling(p: Predictor, recipe: Recipe, gpu: str, entry: Gpu,
-                 budget_mib: Optional[float] = None) -> tuple[Optional[int], Optional[int], str, bool]:
+def _dry_ceiling(p: Predictor, recipe: Recipe, gpu: str, entry: Gpu, budget_mib: Optional[float] = None,
+                 run: str = "real", optimizer: Optional[str] = None) -> tuple[Optional[int], Optional[int], str, bool]:
     """(fits, tight, status, at least) from the calibrated dry run alone, by bisection over ranks.
     A micro-batch is answered as ``predict`` answers it: the single sequence of batch x length
     tokens (``response_span.answerable``), its interval widened by that derivation's error."""
-    one, _ = answerable(recipe)
+    one, _ = answerable(recipe)  # the recipe names no optimizer: ``optimizer``'s state is added by the judge
     if one is None:
         return None, None, "unknown", False
     widened = BATCH_AS_LENGTH_ERR if recipe.batch != 1 else 0.0
     # B sequences of L tokens and B' of L' with B x L = B' x L' are one question: asked once per fit.
     memo = p.dry_ceilings
     key = (one, gpu, None if entry is None else (entry.name, entry.vendor, entry.total_mib, entry.usable_gib_torch),
-           budget_mib, widened)
+           budget_mib, widened, run, optimizer)
     if key not in memo:
-        memo[key] = _bisect(p.dry_judge(one, gpu, entry, budget_mib, widened))
+        memo[key] = _bisect(p.dry_judge(one, gpu, entry, budget_mib, widened, run, optimizer))
     return memo[key]
 
 
 def _bisect(judge) -> tuple[Optional[int], Optional[int], str, bool]:
+    """What ``vram ceiling``'s scan from the smallest rank finds (the largest rank with every rank
+    up to it "fits"; the last before the first "won't fit"), in a handful of verdicts: a derived
+    rank's verdict only worsens with the rank (bisection), while a rank dry-run exactly
+    (``judge.exact``) has a narrower interval than the derived ranks around it, so its verdict can
+    be better or worse than theirs: each of those few is asked on its own."""
     cache: dict[int, str] = {}
 
     def verdict(rank: int) -> str:
@@ -154,28 +164,29 @@ def _bisect(judge) -> tuple[Optional[int], Optional[int], str, bool]:
     if verdict(STEP) == "unknown":
         return None, None, "unknown", False
     ranks = list(range(STEP, MAX_RANK + 1, STEP))
+    exact = {r for r in getattr(judge, "exact", ()) if r % STEP == 0 and STEP <= r <= MAX_RANK}
+    derived = [r for r in ranks if r not in exact]
 
-    def largest(ok) -> Optional[int]:
-        lo, hi = -1, len(ranks)
+    def first(bad) -> Optional[int]:
+        """The smallest rank whose verdict is ``bad``: bisection over the derived ranks, then the exact ones."""
+        lo, hi = -1, len(derived)
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if ok(verdict(ranks[mid])):
-                lo = mid
-            else:
+            if bad(verdict(derived[mid])):
                 hi = mid
-        return ranks[lo] if lo >= 0 else None
+            else:
+                lo = mid
+        found = [derived[hi]] if hi < len(derived) else []
+        found += [r for r in exact if (not found or r < found[0]) and bad(verdict(r))]
+        return min(found, default=None)
 
-    fits = largest(lambda v: v == "fits")
-    tight = largest(lambda v: v in ("fits", "tight"))
-    # A rank dry-run exactly has a narrower interval than the derived ranks around it, so its
-    # verdict can be stricter: a "won't fit" there ends the ranks that fit, as a scan from the
-    # smallest rank (``vram ceiling``) would find.
-    stop = min((r for r in getattr(judge, "exact", ()) if r % STEP == 0 and r <= (tight or 0)
-                and verdict(r) == "won't fit"), default=None)
-    if stop is not None:
-        ranks = [r for r in ranks if r < stop]
-        fits = largest(lambda v: v == "fits")
-        tight = largest(lambda v: v in ("fits", "tight"))
+    def before(rank: Optional[int]) -> Optional[int]:
+        return ranks[-1] if rank is None else (rank - STEP if rank > STEP else None)
+
+    tight = before(first(lambda v: v in ("won't fit", "unknown")))
+    fits = before(first(lambda v: v != "fits"))
+    if fits is not None and tight is not None:
+        fits = min(fits, tight)
     top = tight or fits
     # Past the last rank known to fit only unknowns (no slope to extrapolate with): "at least".
     at_least = top is not None and top + STEP <= MAX_RANK and verdict(top + STEP) == "unknown"
@@ -186,12 +197,16 @@ def _bisect(judge) -> tuple[Optional[int], Optional[int], str, bool]:
 def fit_table(p: Predictor, *, models: Optional[Iterable[str]] = None, gpus: Optional[Iterable[str]] = None,
               lengths: Iterable[int] = LENGTHS, ladder: bool = True,
               extra_cards: Optional[dict[str, Gpu]] = None, budget_mib: Optional[float] = None,
-              batch: int = 1, fixes_settings: tuple[str, ...] = ("none", "all")) -> list[FitCell]:
+              batch: int = 1, fixes_settings: tuple[str, ...] = ("none", "all"), run: str = "real",
+              optimizer: Optional[str] = None) -> list[FitCell]:
     """Every cell of the fit table (see the module docstring). ``ladder=False``: the calibrated
     dry run answers every cell (a site built from a very large ledger). ``extra_cards``: cards by
     key beside the ledger's and the card table's (a card given by its total, ``--gpu-mib``).
     ``budget_mib``: every cell judged against it instead of its card's limit. ``batch``: a
-    micro-batch of that many sequences of each length (the fixes ``fixes_settings`` names)."""
+    micro-batch of that many sequences of each length (the fixes ``fixes_settings`` names).
+    ``run``: "real" judges a training run, its optimizer ``optimizer_for(fixes, optimizer)``
+    (stock: AdamW unless ``optimizer`` names another; the program's preset: its runs' own);
+    "probe" a one-step probe (no optimizer step)."""
     lengths = sorted(lengths)
     all_cards = {**cards(p), **{k: v for k, v in (extra_cards or {}).items() if v is not None}}
     models = list(models) if models is not None else dry_models(p)
@@ -204,20 +219,22 @@ def fit_table(p: Predictor, *, models: Optional[Iterable[str]] = None, gpus: Opt
             use_ladder = ladder and (gpu, model) in measured_models
             for quant in ("4bit", "bf16"):
                 for fixes in fixes_settings:
+                    optim = optimizer_for(fixes, optimizer) if run == "real" else None
                     for setting, dropout, dora in SETTINGS:
                         for seq in lengths:
                             recipe = Recipe(model=model, quant=quant, dropout=dropout, dora=dora, seq_len=seq,
                                             fixes=fixes_key(fixes), batch=batch)
                             if use_ladder:
                                 known = {m.model for m in p.ms if model_name(m.model) == model}
-                                asked = replace(recipe, model=sorted(known)[0])
+                                asked = replace(recipe, model=sorted(known)[0], optimizer=optim)
                                 # A micro-batch is asked as its one sequence of B x L tokens: the same
                                 # total from another batch and length is one question (asked once).
-                                one = answerable(asked)[0]
+                                one = answerable(recipe)[0]
+                                one = one and replace(one, model=asked.model, optimizer=optim)
                                 key = ("ladder", one if recipe.batch != 1 else asked, recipe.batch != 1, gpu,
-                                       budget_mib)
+                                       budget_mib, run)
                                 if key not in p.dry_ceilings:
-                                    c = p.ceiling(asked, gpu, entry=entry, budget_mib=budget_mib)
+                                    c = p.ceiling(asked, gpu, entry=entry, budget_mib=budget_mib, run=run)
                                     p.dry_ceilings[key] = (c.fits_rank, c.tight_rank, c.status, c.at_least)
                                 fits, tight, status, more = p.dry_ceilings[key]
                                 lower = max([s for s in lengths if s < seq], default=0)
@@ -228,12 +245,13 @@ def fit_table(p: Predictor, *, models: Optional[Iterable[str]] = None, gpus: Opt
                                                      and bool(m.lora.dropout) == dropout
                                                      and bool(m.lora.dora) == dora}))
                             else:
-                                fits, tight, status, more = _dry_ceiling(p, recipe, gpu, entry, budget_mib)
+                                fits, tight, status, more = _dry_ceiling(p, recipe, gpu, entry, budget_mib, run, optim)
                                 rows = ()
                             out.append(FitCell(model=model, gpu=gpu, quant=quant, fixes=fixes, setting=setting,
                                                seq_len=seq, fits_rank=fits, tight_rank=tight, status=status,
                                                at_least=more or (fits is not None and fits + STEP > MAX_RANK),
-                                               method="ledger" if use_ladder else "dry run", measured=rows))
+                                               method="ledger" if use_ladder else "dry run", measured=rows,
+                                               run=run, optimizer=optim))
     return monotone(out)
 
 
@@ -267,7 +285,7 @@ def monotone(cells: list[FitCell]) -> list[FitCell]:
 
 
 CSV_FIELDS = ("model", "gpu", "quant", "fixes", "setting", "seq_len", "fits_rank", "tight_rank", "status", "at_least",
-              "method", "measured")
+              "method", "measured", "run", "optimizer")
 
 
 def fits_document(p: Predictor, cells: Optional[list[FitCell]] = None, ladder: bool = True) -> dict:
@@ -276,8 +294,9 @@ def fits_document(p: Predictor, cells: Optional[list[FitCell]] = None, ladder: b
     all_cards = cards(p)
     used = list(dict.fromkeys(c.gpu for c in cells))
     card_rows = []
+    run = cells[0].run if cells else "real"
     for key in used:
-        low, high, source = p.card_limit(key, all_cards[key], "probe")
+        low, high, source = p.card_limit(key, all_cards[key], run)
         from .recipe import capacity_mib
 
         card_rows.append({"key": key, "name": all_cards[key].name, "usable_mib": capacity_mib(all_cards[key]),
@@ -292,7 +311,7 @@ def fits_document(p: Predictor, cells: Optional[list[FitCell]] = None, ladder: b
             "dry_run_n": acc["n"], "dry_run_fitted_on": p.dry_fitted_on,
             "derivation_max_abs_err_pct": p.dry_derivation["max_abs_err_pct"],
             "derivation_n": len(p.dry_derivation["errors_pct"]),
-            "stale": stale_rows(p.dry)}
+            "stale": stale_rows(p.dry), "derive": p.limits.derive_rule()}
 
 
 def stale_rows(rows) -> list[str]:

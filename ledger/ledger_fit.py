@@ -11,7 +11,7 @@ from functools import cached_property
 from typing import Iterable, Optional
 
 from .calibration import LimitRows, Overestimate, key_pairs, overestimate, pair_rows, sorted_pairs
-from .peaks import PeakModel, probes, before, modelled, ok_peak
+from .peaks import PeakModel, before, dry_readable, ok_peak, probes
 from .model_configs import model_name
 from .models import Ledger, Measurement
 from .recipe import GroupKey, Recipe, group_key, recipe_key, recipe_of, seq_len_of
@@ -37,7 +37,7 @@ class LedgerFit:
         # so only the measured rows their remainder is fitted on are limited to ``as_of``.
         self.dry = [m for m in dry_runs if m.id not in self.exclude
                     and m.kind == "dry_run" and m.lora is not None and m.outcome.status == "ok"
-                    and m.outcome.peak_allocated_mib is not None and m.seq_len and modelled(m)]
+                    and m.outcome.peak_allocated_mib is not None and m.seq_len and dry_readable(m)]
         # ``base``: the same ledger's fit with fewer rows excluded (leave-one-out): its peak model is
         # shared less the extra rows (the same figures as a fresh one, at the cost of their groups).
         self.base = base if base is not None and base.shares(ledger, as_of, self.exclude) else None

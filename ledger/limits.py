@@ -83,6 +83,19 @@ class CardLimits:
             cards.append(lim.gpu)
         return {"context": ctx, "ratio": ratios, "cards": cards}
 
+    def derive_rule(self) -> Optional[dict]:
+        """What derives the limit of a card known by its nvidia-smi total alone (``_card_limit``), as
+        figures a page can apply to a total it is given: usable = total x usable_low..usable_high;
+        limit = (usable - the context) / reserved over allocated, low end from the largest context
+        and ratio. None when no measured card pins them."""
+        fit = self.overheads
+        if not fit["context"]:
+            return None
+        rule = usable_ratio()
+        return {"usable_low": rule.low, "usable_high": rule.high, "context_low_mib": min(fit["context"]),
+                "context_high_mib": max(fit["context"]), "ratio_low": min(fit["ratio"]),
+                "ratio_high": max(fit["ratio"])}
+
     def reserved_ratio(self, gpu: str) -> Optional[tuple[float, float, float]]:
         """(median, min, max) of peak reserved / peak allocated over the card's ok probes, else
         every card's; None when no probe has both."""

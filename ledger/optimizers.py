@@ -23,9 +23,10 @@ and checked against the state the optimizer really allocates after its first ste
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from math import prod
-from typing import Iterable
+from typing import Iterable, Mapping, Optional, Union
 
 BLOCK = 512  # the CUDA caching allocator rounds every block up to a multiple of 512 bytes
 BNB_MIN_8BIT = 4096  # bitsandbytes' min_8bit_size: smaller tensors keep 32-bit state
@@ -36,6 +37,13 @@ BNB_PAGED_MIN = 100_000  # bitsandbytes pages a state buffer only from this many
 STOCK_OPTIMIZER = "adamw_torch"
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit",
               "adafactor", "sgd")
+
+
+def optimizer_for(fixes: str, asked: Optional[str] = None) -> Optional[str]:
+    """The optimizer a training run of a recipe steps: the one asked; unset, a stock recipe (any
+    fixes but the program's full set, ``all``) steps ``STOCK_OPTIMIZER``, whose state the run adds,
+    and the program's preset counts none beyond what its measured runs hold."""
+    return asked or (None if fixes == "all" else STOCK_OPTIMIZER)
 
 
 def _block(nbytes: int) -> int:
@@ -69,35 +77,38 @@ class OptimizerState:
         return text
 
 
-def state_bytes(name: str, shapes: Iterable[tuple[int, ...]], param_bytes: int = 4) -> OptimizerState:
-    """The state ``name`` keeps for trainable tensors of these shapes (``param_bytes`` each element:
+def state_bytes(name: str, shapes: Union[Iterable[tuple[int, ...]], Mapping[tuple[int, ...], int]],
+                param_bytes: int = 4) -> OptimizerState:
+    """The state ``name`` keeps for trainable tensors of these shapes, or of a mapping shape -> how
+    many tensors have it (``param_bytes`` each element:
     4 for the fp32 adapter peft makes). Raises ValueError for an optimizer this module does not know."""
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r} (known: {', '.join(OPTIMIZERS)})")
     device = paged = 0
-    shapes = list(shapes)
+    # peft's adapter repeats a few shapes per layer: a mapping shape -> count is taken as it is
+    counts = shapes if isinstance(shapes, Mapping) else Counter(tuple(s) for s in shapes)
     eight_bit = False
-    for shape in shapes:
+    for shape, k in counts.items():
         n = prod(shape)
         if name in ("adamw_torch", "adamw_torch_fused"):
-            device += 2 * _block(n * param_bytes) + (_block(4) if name == "adamw_torch_fused" else 0)
+            device += k * (2 * _block(n * param_bytes) + (_block(4) if name == "adamw_torch_fused" else 0))
         elif name in ("adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit"):
             if name != "paged_adamw_32bit" and n >= BNB_MIN_8BIT:
                 eight_bit = True
                 states, blocks = 2 * _block(n), (n + BNB_BLOCK - 1) // BNB_BLOCK
-                device += 2 * _block(blocks * 4)
+                device += k * 2 * _block(blocks * 4)
             else:
                 states = 2 * _block(n * 4)
             if name.startswith("paged") and n >= BNB_PAGED_MIN:
-                paged += states
+                paged += k * states
             else:
-                device += states
+                device += k * states
         elif name == "adafactor":
-            device += _block(4)  # its RMS, a one-element tensor on the card
+            device += k * _block(4)  # its RMS, a one-element tensor on the card
             if len(shape) >= 2:
-                device += _block(prod(shape[:-1]) * param_bytes) + _block(prod(shape[:-2] + shape[-1:]) * param_bytes)
+                device += k * (_block(prod(shape[:-1]) * param_bytes) + _block(prod(shape[:-2] + shape[-1:]) * param_bytes))
             else:
-                device += _block(n * param_bytes)
+                device += k * _block(n * param_bytes)
     if eight_bit:
         device += 2 * _block(256 * 4)  # the two quantile maps, shared by every tensor
-    return OptimizerState(name, device, paged, len(shapes))
+    return OptimizerState(name, device, paged, sum(counts.values()))

@@ -40,6 +40,12 @@ def modelled(m: Measurement) -> bool:
             and (m.optimizer is None or m.kind == "real"))
 
 
+def dry_readable(m: Measurement) -> bool:
+    """Whether the dry-run table can read a dry-run row: micro-batch 1 and no optimizer step, with
+    gradient checkpointing on or off (the table keeps the two apart: ``DryTable.table``)."""
+    return (m.batch_size or 1) == 1 and m.optimizer is None
+
+
 def before(ms: list[Measurement], as_of: Optional[dt.date], exclude: Iterable[str] = ()) -> list[Measurement]:
     """The ledger as it stood on a date, less some rows (prospective or held-out fits), and less
     the rows the fits cannot read (``modelled``)."""

@@ -48,7 +48,7 @@ from functools import cached_property
 from typing import Callable, Iterable, Optional
 
 from . import ceilings
-from .answers import Answer, CeilingAnswer, Interval, Run, around, decide, scale, verdict_for, widen
+from .answers import Answer, CeilingAnswer, Interval, Run, around, decide, scale, shift, verdict_for, widen
 from .dominance import Dominance
 from .dry_calibration import DryCalibration
 from .dry_table import DryTable
@@ -57,9 +57,9 @@ from .limits import CardLimits
 from .model_configs import model_name
 from .models import Gpu, Ledger, Measurement
 from .recipe import Recipe
-from .response_span import (BATCH_AS_LENGTH_ERR, ProbeToReal, answerable, fewer_targets, upper_bound,
-                            with_optimizer_state)
-from .rungs import MeasuredRealRun, probe_ladder
+from .response_span import (BATCH_AS_LENGTH_ERR, ProbeToReal, answerable, fewer_targets, growth_mib, state_growth, state_mib,
+                            steady_state_text, upper_bound, with_optimizer_state)
+from .rungs import CalibratedDryRun, MeasuredRealRun, probe_ladder
 
 
 class Predictor:
@@ -83,6 +83,7 @@ class Predictor:
         self.span = ProbeToReal(self.fit)
         self.dominance = Dominance(self.fit, base.dominance if base else None)
         self.ladder = probe_ladder(self.fit, self.dry_cal)
+        self.dry_rung = next(r for r in self.ladder if isinstance(r, CalibratedDryRun))
         self.real_rung = MeasuredRealRun(self.fit)
         self.subceilings: dict = {}
         #: The fit table's dry-run ceilings by judged recipe, card, budget and widening (a micro-batch
@@ -107,7 +108,14 @@ class Predictor:
 
     def probe_figure(self, recipe: Recipe, gpu: str, vendor: Optional[str]) -> tuple[Optional[Interval], str, str, list[str]]:
         """(interval, method, method text, evidence ids) for a one-step probe's peak allocated: the
-        first rung of the ladder that answers."""
+        first rung of the ladder that answers. Without gradient checkpointing only the dry run's:
+        every measured row has it on, and keeps less."""
+        if not recipe.checkpointing:
+            found = self.dry_rung.evidence(recipe, gpu, vendor)
+            if found is not None:
+                return found.interval, found.method, found.text, list(found.ids)
+            return None, "", ("gradient checkpointing off: no dry run of it near this recipe (every measured row has it "
+                              "on); without --no-compute the answer dry-runs it"), []
         for rung in self.ladder:
             found = rung.evidence(recipe, gpu, vendor)
             if found is not None:
@@ -167,16 +175,23 @@ class Predictor:
         if method != "dry run":
             probe, span_text = self.span.longer_span(recipe, probe, evidence)
             text = f"{text}; {span_text}" if span_text else text
-        probe, dom_ids, dom_text = self.dominance.clamp(recipe, gpu, "probe", probe)
+        # Measured rows all have checkpointing on: none bounds a recipe without it.
+        probe, dom_ids, dom_text = (self.dominance.clamp(recipe, gpu, "probe", probe) if recipe.checkpointing
+                                    else (probe, [], ""))
         if dom_text:
             text = f"{text}; {dom_text}" if text else dom_text
             evidence += [i for i in dom_ids if i not in evidence]
             method = method or "bounded by measured rows"
         real = None
         if run == "real":
-            real, method, text, evidence = self._real(recipe, gpu, probe, method, text, evidence)
+            real, method, text, evidence, from_runs = self._real(recipe, gpu, probe, method, text, evidence)
             if optimizer:
-                real, text = with_optimizer_state(real, replace(recipe, targets=asked.targets), optimizer, text)
+                real, text = with_optimizer_state(real, replace(recipe, targets=asked.targets), optimizer, text,
+                                                  from_runs)
+            elif real is not None and from_runs and method != "measured real run":
+                grown, how = state_growth(replace(recipe, targets=asked.targets), self.over.max_rank)
+                if grown:
+                    real, text = shift(real, grown), f"{text}; {how}"
         if batch_text:
             probe, real = widen(probe, BATCH_AS_LENGTH_ERR), widen(real, BATCH_AS_LENGTH_ERR)
             text = f"{batch_text}; {text}"
@@ -201,7 +216,8 @@ class Predictor:
                                        "only a dry run of it can say (python -m probe_kit.dry_run --target-modules ...)")
         # A measured failure on the card is one under any budget below the card's limit too.
         # (not for fewer targets than the rows trained: their failure says nothing of an easier recipe)
-        failed = self.dominance.measured_failure(recipe, gpu, run) if not targets_text and (budget_mib is None or (
+        failed = self.dominance.measured_failure(recipe, gpu, run) if not targets_text and recipe.checkpointing and (
+            budget_mib is None or (
             budget_mib <= (self.card_limit(gpu, entry, run)[0] or float("inf")))) else None
         if failed is not None and verdict != "won't fit":
             fid, fstatus = failed
@@ -217,20 +233,27 @@ class Predictor:
     def _real(self, recipe: Recipe, gpu: str, probe: Optional[Interval], method: str, text: str, evidence: list[str]):
         """A real run's figure: measured real runs of the recipe, else the probe's through the
         probe-to-real step, bounded by the card's real runs."""
-        found = self.real_rung.evidence(recipe, gpu)
+        found = self.real_rung.evidence(recipe, gpu) if recipe.checkpointing else None
         if found is not None:
-            return found.interval, found.method, found.text, list(found.ids)
+            return found.interval, found.method, found.text, list(found.ids), True
         real = None
-        if probe is not None and self.over.pct is not None:
+        from_runs = self.calibrated_real(recipe)
+        if probe is not None and from_runs:
             real, how = self.probe_to_real(probe, recipe, evidence)
             text = f"{text}; {how}"
         elif probe is not None:
-            text += "; no probe/real pairs to calibrate a real run against"
-        real, ids, dom = self.dominance.clamp(recipe, gpu, "real", real)
+            real = probe
+            text += "; " + steady_state_text(recipe.fixes, self.over.fixes)
+        real, ids, dom = self.dominance.clamp(recipe, gpu, "real", real) if recipe.checkpointing else (real, [], "")
         if dom:
             text = f"{text}; {dom}" if text else dom
             evidence = evidence + [i for i in ids if i not in evidence]
-        return real, method, text, evidence
+        return real, method, text, evidence, from_runs
+
+    def calibrated_real(self, recipe: Recipe) -> bool:
+        """Whether a real run of this recipe is its probe through the over-estimate the probe/real
+        pairs measured (their memory fixes), rather than the steady state (probe + the state)."""
+        return self.over.pct is not None and recipe.fixes in self.over.fixes
 
     def judge_dry(self, recipe: Recipe, raw_mib: float, gpu: Optional[str] = None, *, entry: Optional[Gpu] = None,
                   margin_mib: float = 0.0, budget_mib: Optional[float] = None, derived: bool = False) -> Answer:
@@ -260,18 +283,29 @@ class Predictor:
                       margin_mib=margin_mib, verdict=verdict, why=why)
 
     def dry_judge(self, recipe: Recipe, gpu: str, entry: Optional[Gpu] = None,
-                  budget_mib: Optional[float] = None, widened: float = 0.0) -> Callable[[int], str]:
-        """``judge_dry(...).verdict`` for the committed rows' figure of this recipe, as a function of
-        the rank ("unknown" where the dry-run table does not reach it), computed from the figures
-        alone: the fit table asks it some hundred thousand times. ``budget_mib``: judged against it
-        instead of the card's limit. ``widened``: each end of the interval then moved out by this
-        fraction, as ``predict`` widens a derived answer (a micro-batch answered as one sequence)."""
+                  budget_mib: Optional[float] = None, widened: float = 0.0, run: Run = "probe",
+                  optimizer: Optional[str] = None) -> Callable[[int], str]:
+        """``predict(...).verdict`` for the committed dry-run rows' figure of this recipe on a card
+        the ledger did not measure it on, as a function of the rank ("unknown" where the dry-run
+        table does not reach it), computed from the figures alone: the fit table asks it some
+        hundred thousand times. ``budget_mib``: judged against it instead of the card's limit.
+        ``widened``: each end of the interval then moved out by this fraction, as ``predict`` widens
+        a derived answer (a micro-batch answered as one sequence). ``run="real"``: a training run's
+        figure as ``predict`` makes it (the calibrated over-estimate where the probe/real pairs
+        measured the recipe's fixes, else the steady state), plus ``optimizer``'s state."""
         figure = self.table.rank_figure(recipe)
         exact = self.table.exact_ranks(recipe)
         entry = entry or self.ledger.gpus.get(gpu)
         rem = self.remainder(gpu or "", entry.vendor if entry else None)[0] or 0.0
         narrow, wide = self.dry_cal.width_fraction(False), self.dry_cal.width_fraction(True)
-        low, high, _ = self.card_limit(gpu, entry, "probe") if budget_mib is None else (budget_mib, budget_mib, "")
+        low, high, _ = self.card_limit(gpu, entry, run) if budget_mib is None else (budget_mib, budget_mib, "")
+        over = off = None
+        if run == "real" and self.calibrated_real(recipe):
+            o = self.over
+            off = o.logits_off_mib(recipe.model, self.span.figure_keep(recipe, []))
+            over = (1 - o.high_pct / 100, 1 - o.low_pct / 100)
+        state = optimizer if run == "real" and recipe.model else None
+        measured_rank = self.over.max_rank
 
         def verdict(rank: int) -> str:
             raw, _ = figure(rank)
@@ -280,6 +314,16 @@ class Predictor:
             mib = raw + rem
             width = narrow if rank in exact else wide
             bottom, top = round(mib * (1 - width), 1), round(mib * (1 + width), 1)
+            if over is not None:  # as ProbeToReal.probe_to_real: the core, then the over-estimate
+                bottom, top = round(round(bottom - off, 1) * over[0], 1), round(round(top - off, 1) * over[1], 1)
+            if state is not None:
+                s = state_mib(recipe.model, rank, recipe.targets, recipe.dora, state)
+                if s is not None:
+                    bottom, top = round(bottom + s, 1), round(top + s, 1)
+            elif over is not None and measured_rank and rank > measured_rank:
+                grown = growth_mib(recipe.model, rank, recipe.targets, recipe.dora, measured_rank)
+                if grown:
+                    bottom, top = round(bottom + grown, 1), round(top + grown, 1)
             if widened:
                 bottom, top = round(bottom * (1 - widened), 1), round(top * (1 + widened), 1)
             return verdict_for(bottom, top, low, high, 0.0)

@@ -9,15 +9,16 @@ more, at most the whole logits chain."""
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import lru_cache
 from math import prod
 from typing import Optional
 
-from .adapter import ALL_LINEAR, trainable_shapes
+from .adapter import ALL_LINEAR, trainable_shape_counts
 from .answers import Interval, interval, scale, shift
 from .calibration import LOGIT_BYTES, kept_positions, kept_positions_of, logits_mib
 from .ledger_fit import LedgerFit
 from .model_configs import load_arch
-from .optimizers import state_bytes
+from .optimizers import STOCK_OPTIMIZER, state_bytes
 from .recipe import Recipe
 
 #: Bytes per vocabulary entry of one response position along the whole logits chain (bf16 logits,
@@ -88,21 +89,76 @@ class ProbeToReal:
                       f"({o.low_pct}–{o.high_pct}%)")
 
 
-def with_optimizer_state(real: Optional[Interval], recipe: Recipe, optimizer: str, text: str
-                         ) -> tuple[Optional[Interval], str]:
+#: A training run's steady-state step against the one-step probe of its recipe, less the state
+#: ``ledger.optimizers`` computes: the largest |difference| measured (``python
+#: benchmarks/steady_state.py``: dry runs of qwen2.5-0.5b and llama-3.2-1b at ranks 8-512 with and
+#: without ``--optim adamw_torch`` / ``adamw_8bit``; ``tests/test_recipe_axes.py`` pins it on the
+#: real step of tiny configs). The optimizer's own step (its temporaries) never set the peak there.
+STEADY_STATE_ERR_PCT = 0.01
+
+
+def steady_state_text(fixes: str, calibrated: frozenset) -> str:
+    """How a training run's figure is made for a recipe whose memory fixes no probe/real pair measured."""
+    pairs = (f"the probe/real pairs measured memory fixes {', '.join(sorted(calibrated))} only, so their "
+             "over-estimate is not applied" if calibrated else "no probe/real pairs to calibrate against")
+    return (f"a training run's step = the one-step probe + the optimizer's state it keeps across steps (dry runs "
+            f"of the steady state matched that within {STEADY_STATE_ERR_PCT}%); {pairs} to memory fixes {fixes}")
+
+
+#: A model's architecture read once per process (the fit table asks it per rank and recipe).
+_arch = lru_cache(maxsize=256)(load_arch)
+
+
+@lru_cache(maxsize=65536)
+def state_mib(model: str, rank: int, targets: tuple[str, ...], dora: bool, optimizer: str) -> Optional[float]:
+    """MiB of the state ``optimizer`` keeps on the card for the adapter (None: no config for the model)."""
+    arch = _arch(model)
+    if arch is None:
+        return None
+    return state_bytes(optimizer, trainable_shape_counts(arch, rank, targets, dora)).device_mib
+
+
+def state_growth(recipe: Recipe, measured_rank: Optional[int]) -> tuple[float, str]:
+    """For a recipe whose real run is its probe through the pairs' over-estimate with no optimizer
+    named: the state ``STOCK_OPTIMIZER`` (the most any listed optimizer keeps on the card) adds past
+    the largest rank the pairs measured, whose runs' own state is inside the over-estimate. (MiB, text);
+    0 at or below that rank. Leans high when those runs kept less state (an 8-bit optimizer)."""
+    grown = growth_mib(recipe.model, recipe.rank, recipe.targets, recipe.dora, measured_rank)
+    if not grown:
+        return 0.0, ""
+    return grown, (f"plus {grown:.1f} MiB: {STOCK_OPTIMIZER}'s state at rank {recipe.rank} over rank {measured_rank}, "
+                   f"the largest the probe/real pairs measured (their runs' own optimizer state is inside the "
+                   f"over-estimate; this leans high if they kept less)")
+
+
+def growth_mib(model: Optional[str], rank: Optional[int], targets: tuple[str, ...], dora: bool,
+               measured_rank: Optional[int]) -> float:
+    """``state_growth``'s figure alone (the fit table asks it per rank)."""
+    if not measured_rank or not model or not rank or rank <= measured_rank:
+        return 0.0
+    top = state_mib(model, rank, targets, dora, STOCK_OPTIMIZER)
+    base = state_mib(model, measured_rank, targets, dora, STOCK_OPTIMIZER)
+    return 0.0 if top is None or base is None else top - base
+
+
+def with_optimizer_state(real: Optional[Interval], recipe: Recipe, optimizer: str, text: str,
+                         from_real_runs: bool = True) -> tuple[Optional[Interval], str]:
     """A real run's figure plus the state ``optimizer`` keeps across steps for the adapter's
     trainable tensors (``ledger.optimizers``; exact from the model's config and the recipe's target
     modules). The rows record no optimizer: whatever state their runs held on the card
-    is inside the figures they give, so adding the whole state leans high by at most that. Paged
-    state is named, not added (the allocator does not count it)."""
-    arch = load_arch(recipe.model) if recipe.model else None
+    is inside the figures they give, so adding the whole state to a figure made from real runs
+    (``from_real_runs``) leans high by at most that; added to a one-step probe's figure it is the
+    steady state (``STEADY_STATE_ERR_PCT``). Paged state is named, not added (the allocator does
+    not count it)."""
+    arch = _arch(recipe.model) if recipe.model else None
     if arch is None:
         return real, f"{text}; the {optimizer} state is not counted: no config for {recipe.model or 'the model'}"
-    shapes = trainable_shapes(arch, recipe.rank, recipe.targets, recipe.dora)
+    shapes = trainable_shape_counts(arch, recipe.rank, recipe.targets, recipe.dora)
     state = state_bytes(optimizer, shapes)
-    n = sum(prod(s) for s in shapes)
-    note = (f"plus the optimizer's state, {state.describe()} for the adapter's {n:,} trainable parameters "
-            "(the rows record no optimizer: their runs' own state, if any, is inside the figure, so this leans high)")
+    n = sum(prod(s) * k for s, k in shapes.items())
+    note = f"plus the optimizer's state, {state.describe()} for the adapter's {n:,} trainable parameters" + (
+        " (the real runs record no optimizer: their own state, if any, is inside the figure, so this leans high)"
+        if from_real_runs else "")
     if real is None:
         return None, f"{text}; {note}"
     return shift(real, state.device_mib), f"{text}; {note}"
@@ -116,17 +172,17 @@ BATCH_AS_LENGTH_ERR = 0.0021
 
 
 def answerable(recipe: Recipe) -> tuple[Optional[Recipe], str]:
-    """The recipe as the fits answer it, or why they cannot. Gradient checkpointing off: not at all
-    (every row and dry run has it on). A micro-batch of B sequences of L tokens: as the one sequence
+    """The recipe as the fits answer it, or why they cannot. Gradient checkpointing off: at
+    micro-batch 1 only, and only by dry runs of it (``Predictor.predict``: every probe and real run
+    has it on; the dry-run table keeps such rows apart). A micro-batch of B sequences of L tokens: as the one sequence
     of B x L tokens whose step holds the same memory (with checkpointing the activations, logits and
     loss are linear in batch x length; the weights, adapter and optimizer state are there once),
     measured on dry runs (``BATCH_AS_LENGTH_ERR``); with any of the program's memory fixes that does
     not hold (the chunked MLP and the kept logits work per sequence: up to 52% apart on Gemma 3), so
     it is not derived. Returns (the recipe at batch 1, what was done) or (None, why not)."""
-    if not recipe.checkpointing:
-        return None, ("gradient checkpointing off: every row and dry run the predictor reads has it on, and without "
-                      "it every layer's activations are kept; dry-run this recipe with `python -m probe_kit.dry_run "
-                      "... --no-gradient-checkpointing` (minutes on a CPU)")
+    if not recipe.checkpointing and recipe.batch != 1:
+        return None, (f"micro-batch {recipe.batch} with gradient checkpointing off: a batch is answered as one longer "
+                      "sequence only with checkpointing on (measured so); micro-batch 1 without it is answered")
     if recipe.batch == 1:
         return recipe, ""
     if recipe.fixes != "none":

@@ -320,6 +320,11 @@ class FitCellResult(_Result):
     measured: list[str] = Field(description="Ids of the ledger's probes of this card, model, quant, fixes and setting "
                                             "with a length in (the previous column's, this column's].")
     label: str = Field(description="The cell as the pages show it.")
+    run: str = Field("real", description="What is judged: 'real' (a training run's step, with the optimizer's state) "
+                                         "or 'probe' (a one-step probe, no optimizer step).")
+    optimizer: Optional[str] = Field(None, description="The optimizer whose state a training run holds, by its "
+                                                       "TrainingArguments name; none: the program's preset, whose "
+                                                       "measured runs hold their own.")
 
 
 class FitCard(_Result):
@@ -350,6 +355,11 @@ class Fits(_Result):
     derivation_n: int = Field(0, description="Dry runs that error is measured on.")
     stale: list[str] = Field(default_factory=list, description="Dry-run rows computed with other library versions "
                                                                "than the build's (none when the build has no torch).")
+    derive: Optional[dict[str, float]] = Field(
+        None, description="How a card known by its nvidia-smi total alone gets its limit (vram fit --gpu-mib): usable = "
+                          "total x usable_low (low end) .. usable_high, rounded to 0.1 MiB; limit low end = (usable low "
+                          "- context_high_mib) / ratio_high, high end = min((usable high - context_low_mib) / "
+                          "ratio_low, usable high), each rounded to 0.1 MiB.")
 
     def by_row(self) -> dict[tuple[str, str, str, str, str], list[FitCellResult]]:
         """The cells of each table row, (model, quant, fixes, setting, card) -> cells by length:

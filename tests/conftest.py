@@ -18,6 +18,23 @@ LEGACY = DATA / "legacy" / "program-vram.json"
 SMALL = DATA / "small-ledger.json"
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _own_dry_run_cache(tmp_path_factory):
+    """The user's cache of computed dry runs is never read or written by the tests: every command
+    that computes or reads cached dry runs gets a folder of the session's own (``--cache`` still
+    names another)."""
+    import os
+
+    folder = tmp_path_factory.mktemp("vram-ledger-cache")
+    before = os.environ.get("VRAM_LEDGER_CACHE")
+    os.environ["VRAM_LEDGER_CACHE"] = str(folder)
+    yield folder
+    if before is None:
+        os.environ.pop("VRAM_LEDGER_CACHE", None)
+    else:
+        os.environ["VRAM_LEDGER_CACHE"] = before
+
+
 @pytest.fixture
 def small_ledger(tmp_path: Path) -> Path:
     """A writable copy of the small fixture ledger."""

@@ -160,3 +160,46 @@ def test_fit_runs_an_unlisted_models_grid_once_and_takes_a_budget(tmp_path, caps
     assert all(c["method"] == "dry run" for c in doc["cells"]) and any(c["fits_rank"] for c in doc["cells"])
     assert cli.main(argv) == 0
     assert "computing" not in capsys.readouterr().err
+
+
+def test_checkpointing_off_is_answered_by_its_own_dry_runs_never_by_rows_that_have_it_on(tmp_path, capsys):
+    config = json.loads((CONFIG_DIR / "tiny-llama.json").read_text())
+    mine = tmp_path / "ckpt-tiny.json"
+    mine.write_text(json.dumps(config))
+    cache = tmp_path / "cache"
+    base = ["estimate", "--ledger", str(BUNDLED), "--model", str(mine), "--rank", "16", "--seq-len", "256",
+            "--gpu", "RTX 4060 Ti 16GB", "--cache", str(cache), "--real", "--json"]
+    assert cli.main(base) == 0
+    on = json.loads(capsys.readouterr().out)["answer"]
+    assert cli.main([*base, "--no-gradient-checkpointing"]) == 0
+    out, err = capsys.readouterr()
+    assert "computing 2 dry runs" in err  # its own rows: the checkpointed ones do not answer it
+    off = json.loads(out)["answer"]
+    assert off["method"] == "dry run" and off["recipe"]["checkpointing"] is False
+    assert off["real_allocated"]["mib"] > on["real_allocated"]["mib"]  # every layer's activations kept
+    rows = json.loads((cache / "dry-runs.json").read_text())["measurements"]
+    assert [r.get("gradient_checkpointing") is False for r in rows] == [False, False, True, True]
+    # Asked again at another rank: the same rows answer, nothing computed.
+    assert cli.main([*base[:6], "32", *base[7:], "--no-gradient-checkpointing", "--no-compute"]) == 0
+    assert json.loads(capsys.readouterr().out)["answer"]["verdict"] != "unknown"
+
+
+def test_a_measured_probe_never_answers_the_same_recipe_without_checkpointing():
+    """The bundled ledger measured gemma-3-4b-it on the RTX 3070 Ti (checkpointing on): without
+    checkpointing no measured row, real run or failure answers; only a dry run of it could."""
+    from dataclasses import replace
+
+    from ledger import store
+    from ledger.dry_runs import load_dry_runs
+    from ledger.predictor import Predictor
+    from ledger.recipe import recipe_of
+
+    ledger = store.load(BUNDLED)
+    p = Predictor(ledger, load_dry_runs())
+    probe = next(m for m in ledger.measurements if m.kind == "probe" and m.gpu == "rtx-3070-ti"
+                 and m.outcome.status == "ok" and m.lora)
+    recipe = recipe_of(probe)
+    assert p.predict(recipe, probe.gpu).method == "measured probe"
+    for run in ("probe", "real"):
+        a = p.predict(replace(recipe, checkpointing=False), probe.gpu, run=run)
+        assert a.verdict == "unknown" and a.evidence == [] and "checkpointing off" in a.method_text

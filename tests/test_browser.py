@@ -189,11 +189,12 @@ def test_the_nu_validator_has_nothing_to_say(site):
 # -- the picker: your model and your card in two choices --------------------------------------
 
 
-def _fit_label(model: str, gpu: str, seq: int, batch: int, capsys) -> str:
+def _fit_label(model: str, gpu: str, seq: int, batch: int, capsys, optim: str = "") -> str:
     import json
 
     assert cli.main(["fit", "--ledger", str(BUNDLED), "--model", model, "--gpu", gpu, "--quant", "4bit", "--fixes",
-                     "none", "--batch-size", str(batch), "--no-compute", "--json"]) == 0
+                     "none", "--batch-size", str(batch), "--no-compute", "--json"]
+                    + (["--optim", optim] if optim else [])) == 0
     doc = json.loads(capsys.readouterr().out)
     return next(c["label"] for c in doc["cells"] if c["seq_len"] == seq and c["setting"] == "plain")
 
@@ -204,10 +205,14 @@ CELL = "(() => {{ const c = document.querySelector('#fit-answer-table tr[data-le
 
 @pytest.mark.parametrize("width", [NARROW, WIDE])
 def test_the_picker_answers_what_vram_fit_prints_in_two_choices(site, tmp_path, width, capsys):
+    """Two choices (model, card) answer the stock default (AdamW, batch 1); the micro-batch and
+    the optimizer each change the answer as ``vram fit --batch-size 4`` and ``--optim adamw_8bit`` do."""
     from cdp import Browser
 
     expected = _fit_label("qwen2.5-7b", "RTX 4090", 4096, 1, capsys)
     expected_4 = _fit_label("qwen2.5-7b", "RTX 4090", 4096, 4, capsys)
+    expected_8bit = _fit_label("qwen2.5-7b", "RTX 4090", 4096, 1, capsys, optim="adamw_8bit")
+    assert expected_8bit != expected  # 8-bit AdamW keeps about a quarter of the state: a larger rank fits
     artifacts = REPO / "test-artifacts"
     artifacts.mkdir(exist_ok=True)
     browser = Browser(CHROMIUM, tmp_path / "cdp-profile")
@@ -222,6 +227,10 @@ def test_the_picker_answers_what_vram_fit_prints_in_two_choices(site, tmp_path, 
         assert browser.wait_for(f"document.getElementById('fit-answer-title').textContent.endsWith('batch 4') && "
                                 f"{CELL.format(seq=4096)}") == expected_4
         assert browser.eval("document.documentElement.scrollWidth <= document.documentElement.clientWidth")
+        browser.choose("batch", "1")
+        browser.choose("optim", "adamw_8bit")
+        assert browser.wait_for(f"document.getElementById('fit-answer-title').textContent.includes('adamw_8bit') && "
+                                f"{CELL.format(seq=4096)}") == expected_8bit
     finally:
         browser.close()
     assert (artifacts / f"picker-{width}.png").stat().st_size > 20_000
@@ -236,3 +245,40 @@ def test_without_javascript_the_default_recipe_is_a_plain_table(site, capsys):
     # The first rtx-4090 row is the stock 4-bit plain table's; its 4096-token cell is the third.
     cells = rows[0].findall("td")
     assert "".join(cells[2].itertext()).startswith(expected)
+
+
+def _fit_cell(model: str, card_args: list, seq: int, capsys) -> dict:
+    import json
+
+    assert cli.main(["fit", "--ledger", str(BUNDLED), "--model", model, *card_args, "--quant", "4bit", "--fixes",
+                     "none", "--no-compute", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    return next(c for c in doc["cells"] if c["seq_len"] == seq and c["setting"] == "plain")
+
+
+@pytest.mark.parametrize("width", [NARROW, WIDE])
+def test_a_card_typed_by_its_memory_is_answered_as_vram_fit_gpu_mib_or_safely_below(site, tmp_path, width, capsys):
+    """A total equal to a listed card's (16,384 MiB, the RTX 4060 Ti 16GB's) derives the same
+    limit, so the same ranks as `vram fit --gpu-mib 16384`; another total (20,000 MiB) is answered
+    as at least the listed card just below it, never above what `vram fit --gpu-mib 20000` says."""
+    from cdp import Browser
+
+    same = _fit_cell("qwen2.5-7b", ["--gpu-mib", "16384"], 512, capsys)
+    exact = _fit_cell("qwen2.5-7b", ["--gpu-mib", "20000"], 512, capsys)
+    typed = ("(() => {{ const f = document.querySelector('input[name=gpu_mib]'); f.value = '{total}'; "
+             "f.dispatchEvent(new Event('input', {{bubbles: true}})); return true; }})()")
+    browser = Browser(CHROMIUM, tmp_path / "cdp-profile")
+    try:
+        browser.open((site / "index.html").as_uri(), width)
+        browser.choose("model", "qwen2.5-7b")
+        assert browser.eval(typed.format(total=16384))  # two interactions: the model and the memory
+        assert browser.wait_for(f"document.getElementById('fit-answer-title')?.textContent.includes('16384 MiB') && "
+                                f"{CELL.format(seq=512)}") == same["label"]
+        assert browser.eval(typed.format(total=20000))
+        got = browser.wait_for(f"document.getElementById('fit-answer-title')?.textContent.includes('20000 MiB') && "
+                               f"{CELL.format(seq=512)}")
+        assert got.startswith("≥ ") and int(got[2:]) <= exact["fits_rank"]
+        assert "gpu-mib 20000" in browser.eval("document.getElementById('fit-answer').textContent")
+        assert browser.eval("document.documentElement.scrollWidth <= document.documentElement.clientWidth")
+    finally:
+        browser.close()

@@ -126,13 +126,18 @@ def _estimate(capsys, *flags) -> dict:
 def test_a_stock_llama_8b_r512_real_run_does_not_fit_a_4090_because_of_adamw_state(capsys):
     """The recipes issue's case: 1.34 B trainable parameters keep 10 GiB of AdamW state on the card.
     A stock recipe (--fixes none) steps AdamW unless told otherwise; without any state (SGD, which
-    the Trainer builds without momentum) the same run would be judged to fit: the state is why."""
+    the Trainer builds without momentum) the same run would not be judged "won't fit" (it is tight
+    since a stock run is the probe plus the state, without the program's calibrated discount): the
+    state is why."""
     stock = _estimate(capsys, "--fixes", "none")
     assert stock["recipe"]["optimizer"] == "adamw_torch" and stock["answer"]["verdict"] == "won't fit"
     assert "adamw_torch: 10,240.0 MiB of state on the card" in stock["answer"]["method_text"]
     plain = _estimate(capsys, "--fixes", "none", "--optim", "sgd")
-    assert plain["answer"]["verdict"] == "fits"
+    assert plain["answer"]["verdict"] in ("fits", "tight")
     gap = stock["answer"]["real_allocated"]["mib"] - plain["answer"]["real_allocated"]["mib"]
     assert gap == pytest.approx(10240.0, abs=0.2)
-    # The program's preset (--fixes all) counts no state beyond what its measured runs hold.
-    assert _estimate(capsys, "--fixes", "all")["recipe"]["optimizer"] is None
+    # The program's preset (--fixes all) names no optimizer: its measured runs hold their own state,
+    # and AdamW's state grows past the largest rank they measured (leaning high).
+    preset = _estimate(capsys, "--fixes", "all")
+    assert preset["recipe"]["optimizer"] is None
+    assert "adamw_torch's state at rank 512 over rank 112" in preset["answer"]["method_text"]

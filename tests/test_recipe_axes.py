@@ -22,8 +22,8 @@ FAMILIES = ("tiny-llama", "tiny-qwen2", "tiny-gemma3")
 CASES = list(itertools.product(FAMILIES, (1, 2, 4), (True, False), (None, "adamw_torch", "adamw_8bit")))
 
 
-def recipe(model: str, batch: int = 1, checkpointing: bool = True, optimizer=None, **kw) -> ProbeConfig:
-    return ProbeConfig(model=model, rank=8, quant="bf16", seq_len=384, response_len=16, fixes=[], random_weights=True,
+def recipe(model: str, batch: int = 1, checkpointing: bool = True, optimizer=None, rank: int = 8, **kw) -> ProbeConfig:
+    return ProbeConfig(model=model, rank=rank, quant="bf16", seq_len=384, response_len=16, fixes=[], random_weights=True,
                        batch_size=batch, gradient_checkpointing=checkpointing, optimizer=optimizer, **kw)
 
 
@@ -116,3 +116,20 @@ def test_the_estimators_answer_the_one_recipe():
     one = estimators.UnslothStudio().estimate(arch, Recipe("tiny-llama", rank=8, seq_len=256, batch=1))
     four = estimators.UnslothStudio().estimate(arch, Recipe("tiny-llama", rank=8, seq_len=256, batch=4))
     assert four.breakdown["activations"] == pytest.approx(4 * one.breakdown["activations"])
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("model,optimizer", list(itertools.product(FAMILIES, ("adamw_torch", "adamw_8bit"))))
+def test_a_training_run_is_the_one_step_probe_plus_the_optimizer_state(model, optimizer):
+    """What the predictor assumes of a stock training run (``ledger.response_span.steady_state_text``):
+    the steady-state step (an optimizer step first, then forward, backward and a step) peaks at
+    the one-step probe's peak plus the state ``ledger.optimizers`` computes, on the real step with
+    CPU tensors, at a rank where the state is a large share of the peak."""
+    from ledger.response_span import STEADY_STATE_ERR_PCT
+
+    one = run_probe(recipe(model, rank=64), device="cpu")[0].outcome.peak_allocated_mib
+    steady = run_probe(recipe(model, optimizer=optimizer, rank=64), device="cpu")[0].outcome.peak_allocated_mib
+    state = state_bytes(optimizer, trainable_shapes(load_arch(model), 64)).device_mib
+    assert state > (0.05 * one if optimizer == "adamw_torch" else 0)
+    # The real step is recorded to 0.1 MiB: the tolerance is that or the figure's own, the larger.
+    assert abs(steady - (one + state)) <= max(0.15, STEADY_STATE_ERR_PCT / 100 * steady)

@@ -88,8 +88,8 @@ def _in_cache(model: Optional[str], cache: Optional[str]) -> bool:
 
 def needed_points(predictor, recipe: Recipe, model_rows: str) -> list[dict]:
     """The dry runs an answer for ``recipe`` lacks: none when the dry-run table already has a
-    figure for it; else ranks 8 and 64 at its length (for its quant, fixes, dropout, DoRA and
-    response length), from which every rank there is derived."""
+    figure for it; else ranks 8 and 64 at its length (for its quant, fixes, dropout, DoRA,
+    response length and gradient checkpointing), from which every rank there is derived."""
     if recipe.seq_len is None or recipe.model is None or predictor.table.raw(replace(recipe, rank=RANKS[0]))[0]:
         return []
     if recipe.response_len is not None and not 0 < recipe.response_len < recipe.seq_len:
@@ -97,6 +97,7 @@ def needed_points(predictor, recipe: Recipe, model_rows: str) -> list[dict]:
     base = {"model": model_rows, "quant": recipe.quant, "fixes": recipe.fixes, "seq_len": recipe.seq_len,
             "response_len": recipe.response_len or min(GRID_RESPONSE_LEN, recipe.seq_len - 1),
             **({"dropout": 0.1} if recipe.dropout else {}), **({"dora": True} if recipe.dora else {}),
+            **({} if recipe.checkpointing else {"no_gradient_checkpointing": True}),
             **target_option(recipe.model)}
     return [{**base, "rank": r} for r in RANKS]
 

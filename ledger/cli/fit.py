@@ -10,10 +10,11 @@ from ..errors import Issue, UserError
 from ..fits import LENGTHS, SETTINGS, fit_table, grid_points, stale_rows
 from ..model_configs import config_path, model_name
 from ..dry_runs import cache_file
+from ..optimizers import optimizer_for
 from ..recipe import fixes_key
 from .question import add_card_option, add_dry_runs_option, card_from, dry_rows, predictor_for, require_model
 from .compute import add_compute_option, compute_points, model_for_rows
-from .options import Command, add_json_option, add_ledger_option, dump_json
+from .options import Command, add_json_option, add_ledger_option, add_optimizer_option, dump_json
 
 
 def add_fit_options(p: argparse.ArgumentParser) -> None:
@@ -29,6 +30,7 @@ def add_fit_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=1, metavar="N",
                    help="micro-batch: N sequences, each padded to the length (default 1); with the program's memory "
                         "fixes a batch is unknown")
+    add_optimizer_option(p, table=True)
     add_compute_option(p)
     add_ledger_option(p)
     add_dry_runs_option(p)
@@ -58,27 +60,28 @@ def cmd_fit(args: argparse.Namespace) -> int:
     if args.batch_size <= 0:
         raise UserError(Issue("--batch-size", "", f"must be > 0, got {args.batch_size}"))
     cells = [c for c in fit_table(p, models=[name], gpus=[gpu], extra_cards={gpu: entry}, budget_mib=args.budget_mib,
-                                  batch=args.batch_size, fixes_settings=tuple(fixes))
+                                  batch=args.batch_size, fixes_settings=tuple(fixes), optimizer=args.optim)
              if c.quant in quants]
     stale = [i for i in stale_rows(p.dry) if name in i]
     if args.budget_mib is not None:
         low, high, source = args.budget_mib, args.budget_mib, (
             f"--budget-mib {args.budget_mib:g}: peak allocated, no CUDA context or allocator overhead taken off")
     else:
-        low, high, source = p.card_limit(gpu, entry, "probe")
+        low, high, source = p.card_limit(gpu, entry, "real")
     if args.json:
-        dump_json({"model": name, "gpu": gpu, "batch": args.batch_size, "limit_low_mib": low, "limit_high_mib": high, "limit_source": source,
+        dump_json({"model": name, "gpu": gpu, "batch": args.batch_size, "run": "real",
+                   "optimizers": {f: optimizer_for(f, args.optim) for f in fixes}, "limit_low_mib": low, "limit_high_mib": high, "limit_source": source,
                    "dry_run_median_abs_err_pct": p.dry_loo["median_abs_err_pct"],
                    "dry_run_max_abs_err_pct": p.dry_loo["max_abs_err_pct"], "stale": stale,
                    "cells": [{**c.__dict__, "measured": list(c.measured), "label": c.label()} for c in cells]})
         return 0
     print(f"{name} on {gpu}" + (f", micro-batch {args.batch_size} (sequences each padded to the length; with memory "
                                 "fixes a batch is unknown)" if args.batch_size != 1 else "")
-          + f": the largest LoRA rank that fits (tight: the interval reaches past the limit); limit "
-          f"{low}–{high} MiB allocated ({source})")
+          + f": the largest LoRA rank whose training run fits (tight: the interval reaches past the limit); "
+          f"limit {low}–{high} MiB allocated ({source})")
     for q in quants:
         for f in fixes:
-            print(f"\n{q}, memory fixes {f}")
+            print(f"\n{q}, {run_words(f, optimizer_for(f, args.optim))}")
             print(f"  {'tokens':>7}  " + "  ".join(f"{s:<22}" for s, _, _ in SETTINGS))
             for seq in LENGTHS:
                 row = {c.setting: c for c in cells if c.quant == q and c.fixes == f and c.seq_len == seq}
@@ -100,6 +103,14 @@ def cmd_fit(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_words(fixes: str, optimizer) -> str:
+    """The recipe a table of the fit answers for, in words (the CLI's and the pages' headings)."""
+    if fixes == "all":
+        return ("memory fixes all (the program's preset), a training run as the program's measured runs"
+                + (f", plus {optimizer}'s state" if optimizer else ""))
+    return f"memory fixes {fixes} (stock), a training run with {optimizer}'s state"
+
+
 def _compute(args: argparse.Namespace, quants: list[str], fixes: list[str]) -> None:
     """Run the model's grid points (of the asked quants and fixes) that neither --dry-runs nor the
     cache holds, as a dry-run sweep sharded over the cores, appending to the cache's file (never to
@@ -116,11 +127,12 @@ def _compute(args: argparse.Namespace, quants: list[str], fixes: list[str]) -> N
 
 def _point_key(p) -> tuple:
     """A grid point's recipe, from a point dict or a dry-run row, to tell which are computed."""
-    if isinstance(p, dict):
+    if isinstance(p, dict):  # a grid point: micro-batch 1, checkpointing on, no optimizer step
         return (model_name(p["model"]), p["quant"], p["fixes"], p["rank"], p["seq_len"], bool(p.get("dropout")),
-                bool(p.get("dora")))
+                bool(p.get("dora")), True)
     return (model_name(p.model), p.quant, fixes_key(p.memory_fixes), p.lora.rank if p.lora else None, p.seq_len,
-            bool(p.lora and p.lora.dropout), bool(p.lora and p.lora.dora))
+            bool(p.lora and p.lora.dropout), bool(p.lora and p.lora.dora),
+            (p.batch_size or 1) == 1 and p.gradient_checkpointing is not False and p.optimizer is None)
 
 
 COMMANDS = [Command("fit", "one model's fit table on one card: the largest rank that fits at each length",

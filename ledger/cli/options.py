@@ -69,13 +69,14 @@ def add_recipe_options(p: argparse.ArgumentParser, *, required: tuple[str, ...] 
         p.add_argument(f"--{name}", **kw)
 
 
-def add_optimizer_option(p: argparse.ArgumentParser) -> None:
+def add_optimizer_option(p: argparse.ArgumentParser, table: bool = False) -> None:
     from ..optimizers import OPTIMIZERS
 
     p.add_argument("--optim", choices=OPTIMIZERS, metavar="NAME",
-                   help="the optimizer a real run steps, by its TrainingArguments name (" + ", ".join(OPTIMIZERS)
-                        + "): its state for the adapter's trainable parameters is added to the real-run figure "
-                          "(default: adamw_torch for a stock recipe; none beyond what the measured runs hold for "
+                   help="the optimizer a " + ("" if table else "real ") + "run steps, by its TrainingArguments name ("
+                        + ", ".join(OPTIMIZERS) + "): its state for the adapter's trainable parameters is added to the "
+                        + ("training run each cell judges" if table else "real-run figure")
+                        + " (default: adamw_torch for a stock recipe; none beyond what the measured runs hold for "
                           "the program's preset, --fixes all)")
 
 

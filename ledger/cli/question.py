@@ -143,8 +143,8 @@ def optimizer_of(args: argparse.Namespace, fixes: str):
     """--optim; unset: a stock recipe (any fixes but the program's full set) steps STOCK_OPTIMIZER,
     whose state a real run adds, and the program's preset (--fixes all) counts none beyond what its
     measured runs hold."""
-    from ..optimizers import STOCK_OPTIMIZER
+    from ..optimizers import optimizer_for
 
     if not hasattr(args, "optim"):
         return None
-    return args.optim or (None if fixes == "all" else STOCK_OPTIMIZER)
+    return optimizer_for(fixes, args.optim)

@@ -21,20 +21,38 @@ LOO_LIMIT = 1000
 #: Micro-batches the picker answers beside 1: stock recipes only (with the program's memory fixes
 #: a batch is unknown), each as ``vram fit --batch-size N`` answers it.
 PICKER_BATCHES = (2, 4, 8)
+#: Optimizers the picker answers a stock training run with beside the default (AdamW with fp32
+#: moments, ``STOCK_OPTIMIZER``), each as ``vram fit --optim NAME`` answers it.
+PICKER_OPTIMIZERS = ("adamw_8bit",)
 
 
-def fit_table_doc(ledger: Ledger) -> tuple[Optional[Fits], list, dict]:
-    """The fit table (site/fits.html) from the committed dry-run rows (None without any), the
-    first section's grids of the ledger's own cards (none above LOO_LIMIT rows), and the picker's
-    cells for micro-batches above 1, by batch."""
+def fit_table_doc(ledger: Ledger) -> tuple[Optional[Fits], list]:
+    """The fit table (site/fits.html) from the committed dry-run rows (None without any) and the
+    first section's grids of the ledger's own cards (none above LOO_LIMIT rows)."""
     p = shared_predictor(ledger, load_dry_runs())
     small = len(ledger.measurements) <= LOO_LIMIT
     grids = ledger_grids(p) if small else []
     if not p.dry:
-        return None, grids, {}
+        return None, grids
     # Above LOO_LIMIT rows the whole ladder per cell is too slow for a build: the dry run answers.
-    batches = {b: fit_table(p, ladder=small, batch=b, fixes_settings=("none",)) for b in PICKER_BATCHES}
-    return Fits.model_validate(fits_document(p, ladder=small)), grids, batches
+    return Fits.model_validate(fits_document(p, ladder=small)), grids
+
+
+#: The picker's stock cells beside the fit table's own (micro-batch 1, the default optimizer), as
+#: (micro-batch, optimizer or None for the default), in two shares of about equal cost (a build
+#: computes each in a worker of its own).
+PICKER_SHARES = (tuple((b, None) for b in PICKER_BATCHES), tuple((b, o) for o in PICKER_OPTIMIZERS
+                                                                  for b in (1, *PICKER_BATCHES)))
+
+
+def picker_tables(ledger: Ledger, which: tuple[tuple[int, Optional[str]], ...]) -> dict:
+    """The picker's other stock cells: (micro-batch, optimizer) -> fit cells, for each of ``which``
+    (``PICKER_SHARES``), as ``vram fit --batch-size N --optim NAME`` answers them."""
+    p = shared_predictor(ledger, load_dry_runs())
+    if not p.dry:
+        return {}
+    small = len(ledger.measurements) <= LOO_LIMIT
+    return {(b, o): fit_table(p, ladder=small, batch=b, fixes_settings=("none",), optimizer=o) for b, o in which}
 
 
 # -- the fit pages: an index of models and a page per model, with the picker's data ------------
@@ -79,7 +97,7 @@ def model_slug(model: str) -> str:
 
 def fit_models(fits: Fits, batches: Optional[dict] = None) -> list[FitModel]:
     """Every model of the fit table, smallest first within its family, with its page's data (the
-    cells of ``batches``, micro-batch -> fit cells, keyed with their batch)."""
+    cells of ``batches``, (micro-batch, optimizer) -> fit cells, keyed with them: ``picker_key``)."""
     from ..model_configs import load_arch, max_length
 
     by_row = fits.by_row()
@@ -95,10 +113,11 @@ def fit_models(fits: Fits, batches: Optional[dict] = None) -> list[FitModel]:
             cell = next((c for c in cells if c.seq_len == HEADLINE_LEN), None)
             headline.append((size, key, cell.label if cell else "unknown"))
         rows = {"|".join(k[1:]): [_cell(c, c.label) for c in cells] for k, cells in by_row.items() if k[0] == model}
-        for batch, cells in (batches or {}).items():
+        for (batch, optim), cells in (batches or {}).items():
             for c in cells:
                 if c.model == model:
-                    rows.setdefault(f"{c.quant}|{c.fixes}|{c.setting}|{c.gpu}|{batch}", []).append(_cell(c, c.label()))
+                    rows.setdefault(picker_key(c.quant, c.fixes, c.setting, c.gpu, batch, optim), []).append(
+                        _cell(c, c.label()))
         data = {"model": model, "lengths": fits.lengths, "ranks": list(VIEW_RANKS),
                 "cards": [{"key": c.key, "name": c.name, "limit_low_mib": c.limit_low_mib,
                            "limit_high_mib": c.limit_high_mib} for c in fits.cards],
@@ -109,6 +128,13 @@ def fit_models(fits: Fits, batches: Optional[dict] = None) -> list[FitModel]:
                             data_json=json.dumps(data, separators=(",", ":"), ensure_ascii=False)))
     order = {f: i for i, f in enumerate(dict.fromkeys(family_of(m) for m in fits.models))}
     return sorted(out, key=lambda m: (order[m.family], m.params_b or 0, m.name))
+
+
+def picker_key(quant: str, fixes: str, setting: str, gpu: str, batch: int = 1, optimizer: Optional[str] = None) -> str:
+    """A row of a model's picker data, as picker.js spells it: the default micro-batch (1) and
+    optimizer (None: the recipe's default) leave their part out."""
+    return "|".join([quant, fixes, setting, gpu] + ([str(batch)] if batch != 1 or optimizer else [])
+                    + ([optimizer] if optimizer else []))
 
 
 def _cell(c, label: str) -> list:

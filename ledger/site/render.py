@@ -34,7 +34,7 @@ from ..store import gc_paused
 from . import filters
 from .context import all_tables, build_context, fitted
 from .estimators_page import estimator_plot, estimator_scoreboard
-from .fits_page import data_script, fit_table_doc, fit_models
+from .fits_page import PICKER_SHARES, data_script, fit_models, fit_table_doc, picker_tables
 from .index_page import canonical_json, ledger_hash, training_gpu_key
 from .plot_data import make_plots
 from .views import SiteContext
@@ -262,6 +262,10 @@ def _fits():
     return fit_table_doc(_WORKER_LEDGER)
 
 
+def _picker(which):
+    return picker_tables(_WORKER_LEDGER, which)
+
+
 class _Inline:
     """Runs the work in this process when forking is not available (same results)."""
 
@@ -301,8 +305,11 @@ def compute_site(ledger: Ledger, out: Path, *, build_date: Optional[str], base_u
     else:
         pool = _Inline(ledger)
     try:
-        jobs = {"fitted": pool.submit(_timed, "calibration, scoreboard and plots", _fitted_scoreboard_plots, plot_list),
-                "fits": pool.submit(_timed, "fit table", _fits)}
+        # Longest first, so the two workers end about together.
+        jobs = {"fits": pool.submit(_timed, "fit table", _fits),
+                **{f"picker {i}": pool.submit(_timed, f"picker share {i}", _picker, share)
+                   for i, share in reversed(list(enumerate(PICKER_SHARES)))},
+                "fitted": pool.submit(_timed, "calibration, scoreboard and plots", _fitted_scoreboard_plots, plot_list)}
         t0 = time.process_time()
         ledger_json = canonical_json(ledger)
         sha = ledger_hash(ledger, ledger_json)
@@ -316,8 +323,9 @@ def compute_site(ledger: Ledger, out: Path, *, build_date: Optional[str], base_u
         ctx = build_context(ledger, build_date=build_date, ledger_sha256=sha, plots=plot_list,
                             fitted_doc=fitted_doc, scoreboard_doc=scoreboard_doc)
         images = dict(zip([p.file for p in ctx.plots] + ([board_plot.file] if board_plot else []), svgs))
-        fits, grids, batches = done["fits"]
-        ctx = replace(ctx, fits=fits, fit_grids=grids, fit_models=fit_models(fits, batches) if fits else [])
+        fits, grids = done["fits"]
+        others = {k: v for i in range(len(PICKER_SHARES)) for k, v in done[f"picker {i}"].items()}
+        ctx = replace(ctx, fits=fits, fit_grids=grids, fit_models=fit_models(fits, others) if fits else [])
     finally:
         pool.shutdown(cancel_futures=True)
     stages["page tables"] = time.process_time() - t0

@@ -1,5 +1,5 @@
 // The fit picker: reads the chosen model's committed fit cells (fits/<model>.js registers them
-// under window.VRAM_FITS) and shows, for the chosen card, weights, recipe, LoRA and micro-batch,
+// under window.VRAM_FITS) and shows, for the chosen card, weights, recipe, LoRA, micro-batch and optimizer,
 // the largest rank at each length and the longest listed length at each rank, with the words and
 // colours `vram fit` uses and the commands that reproduce the answer.
 (function () {
@@ -9,6 +9,9 @@
   if (!form || !out) { return; }
   form.hidden = false;
   var root = form.getAttribute("data-root") || "";
+  // How a card known by its total alone gets its limit (derived.fits.derive in vram.json; the
+  // same rule as `vram fit --gpu-mib`).
+  var derive = JSON.parse(form.getAttribute("data-derive") || "null");
   window.VRAM_FITS = window.VRAM_FITS || {};
 
   function el(tag, attrs, text) {
@@ -18,6 +21,31 @@
     return e;
   }
   function value(name) { return form.elements[name].value; }
+  function r1(x) { return Math.round(x * 10) / 10; }
+
+  // A card typed by its total (MiB, as nvidia-smi shows it): its limit for peak allocated, as
+  // `vram fit --gpu-mib TOTAL` derives it. Null when nothing (or nothing sensible) is typed.
+  function typedCard() {
+    var field = form.elements.gpu_mib;
+    var total = field ? Number(field.value) : NaN;
+    if (!derive || !field.value || !(total >= 1024 && total <= 2000000)) { return null; }
+    var low = r1(total * derive.usable_low), high = r1(total * derive.usable_high);
+    return {key: "gpu-" + total + "-mib", name: "a card of " + total + " MiB", total: total,
+      limit_low_mib: r1((low - derive.context_high_mib) / derive.ratio_high),
+      limit_high_mib: r1(Math.min((high - derive.context_low_mib) / derive.ratio_low, high))};
+  }
+  // The listed card whose limit lies at or below the typed card's at both ends, the largest such:
+  // what fits it fits the typed card (and what is tight there is at least tight here).
+  function below(cards, typed) {
+    var best = null;
+    cards.forEach(function (c) {
+      if (c.limit_low_mib !== null && c.limit_high_mib !== null && c.limit_low_mib <= typed.limit_low_mib + 0.05 &&
+          c.limit_high_mib <= typed.limit_high_mib + 0.05 && (!best || c.limit_low_mib > best.limit_low_mib)) {
+        best = c;
+      }
+    });
+    return best;
+  }
   function quote(card) { return /^[a-z0-9.-]+$/.test(card) ? card : '"' + card + '"'; }
 
   function load(model, slug, then) {
@@ -31,13 +59,20 @@
 
   function show(data) {
     var gpu = value("gpu"), quant = value("quant"), fixes = value("fixes"), setting = value("setting");
-    var batch = value("batch");
-    var card = data.cards.filter(function (c) { return c.key === gpu; })[0];
-    var key = [quant, fixes, setting, gpu].join("|") + (batch === "1" ? "" : "|" + batch);
+    var batch = value("batch"), optim = fixes === "none" ? value("optim") : "";
+    var typed = typedCard(), proxy = typed ? below(data.cards, typed) : null;
+    var same = proxy && Math.abs(proxy.limit_low_mib - typed.limit_low_mib) <= 0.05 &&
+      Math.abs(proxy.limit_high_mib - typed.limit_high_mib) <= 0.05;
+    if (typed) { gpu = proxy ? proxy.key : ""; }
+    var card = typed || data.cards.filter(function (c) { return c.key === gpu; })[0];
+    // As ledger.site.fits_page.picker_key spells a row: the defaults leave their part out.
+    var key = [quant, fixes, setting, gpu].join("|") + (batch === "1" && !optim ? "" : "|" + batch) +
+      (optim ? "|" + optim : "");
     var cells = data.rows[key] || [];
     out.textContent = "";
     var what = data.model + " on " + (card ? card.name : gpu) + ", " + (quant === "4bit" ? "4-bit nf4" : "bf16") +
-      ", " + (fixes === "none" ? "stock" : "the program's memory fixes") + ", LoRA " + setting +
+      ", " + (fixes === "none" ? "stock, a training run with " + (optim || "adamw_torch") + "'s state" :
+        "the program's memory fixes, a training run as its measured runs") + ", LoRA " + setting +
       ", micro-batch " + batch;
     out.appendChild(el("h3", {id: "fit-answer-title"}, what));
     if (batch !== "1" && fixes !== "none") {
@@ -47,7 +82,17 @@
     }
     if (card) {
       out.appendChild(el("p", {"class": "meta"}, "Limit for peak allocated: " + card.limit_low_mib + "–" +
-        card.limit_high_mib + " MiB."));
+        card.limit_high_mib + " MiB" + (typed ? ", derived from the total as for the listed cards." : ".")));
+    }
+    if (typed && !proxy) {
+      out.appendChild(el("p", {"class": "warn"}, "No listed card has a limit at or below this one's: run " +
+        "`vram fit --model " + data.model + " --gpu-mib " + typed.total + "` for its answer."));
+      return;
+    }
+    if (typed && !same) {
+      out.appendChild(el("p", {"class": "meta", id: "fit-answer-proxy"}, "Answered as at least what the " +
+        proxy.name + " fits (its limit, " + proxy.limit_low_mib + "–" + proxy.limit_high_mib + " MiB, lies at " +
+        "or below this card's): the exact ranks are what `vram fit --gpu-mib " + typed.total + "` prints."));
     }
     var wrap = el("div", {"class": "table-wrap"});
     var table = el("table", {"class": "fit", id: "fit-answer-table"});
@@ -58,12 +103,18 @@
     table.appendChild(el("thead")).appendChild(head);
     var body = el("tbody");
     cells.forEach(function (c) {
+      if (typed && !same) {  // at least the listed card's ranks; where none fits there, nothing is known
+        var words = c[1] !== null ? "≥ " + c[1] : c[3] === "unknown" ? "unknown" :
+          "unknown (" + (c[2] ? "tight ≤ " + c[2] : "none") + " on the " + proxy.name + ")";
+        c = [c[0], c[1], c[2], c[1] !== null ? "ok" : "unknown", true, c[5], words, c[7]];
+      }
       var tr = el("tr", {"data-len": String(c[0])});
       tr.appendChild(el("th", {scope: "row"}, String(c[0])));
       // Only a tight rank (none that fits for sure): its own colour, never the colour of "fits".
       var status = c[1] === null && c[2] ? "tight" : c[3];
       var td = el("td", {"class": "num fit-" + status, "data-label": c[6],
-        title: data.model + " " + quant + " fixes " + fixes + " " + setting + " batch " + batch + " " + c[0] +
+        title: data.model + " " + quant + " fixes " + fixes + " " + setting + " batch " + batch +
+          (optim ? " " + optim : "") + " " + c[0] +
           " tokens on " + gpu + ": " + c[5] + (c[7].length ? "; measured nearby: " + c[7].join(", ") : "")}, c[6]);
       tr.appendChild(td);
       tr.appendChild(el("td", {}, c[5]));
@@ -82,12 +133,13 @@
     out.appendChild(longest);
     var flags = (quant === "bf16" ? " --quant bf16" : "") + (fixes === "all" ? " --fixes all" : "") +
       (setting === "dropout" ? " --dropout 0.1" : setting === "DoRA" ? " --dora" : "");
-    var cmd = el("pre");
-    cmd.appendChild(el("code", {}, "vram fit --model " + data.model + " --gpu " + quote(gpu) +
+    var cmd = el("pre"), where = typed ? "--gpu-mib " + typed.total : "--gpu " + quote(gpu);
+    cmd.appendChild(el("code", {}, "vram fit --model " + data.model + " " + where +
       (quant === "bf16" ? " --quant bf16" : " --quant 4bit") + " --fixes " + fixes +
-      (batch === "1" ? "" : " --batch-size " + batch) + "\n" +
-      "vram ceiling --model " + data.model + " --gpu " + quote(gpu) + " --rank 16" + flags +
-      (batch === "1" ? "" : " --batch-size " + batch) + "   # the exact longest length at rank 16"));
+      (batch === "1" ? "" : " --batch-size " + batch) + (optim ? " --optim " + optim : "") + "\n" +
+      "vram ceiling --model " + data.model + " " + where + " --rank 16" + flags +
+      (batch === "1" ? "" : " --batch-size " + batch) + (optim ? " --optim " + optim : "") + " --real" +
+      "   # the exact longest length at rank 16"));
     out.appendChild(el("p", {"class": "meta"}, "The same on the command line:"));
     out.appendChild(cmd);
   }
@@ -95,18 +147,22 @@
   function update() {
     var sel = form.elements.model;
     var model = sel.value, opt = sel.options[sel.selectedIndex];
-    if (!model || !value("gpu")) { say("Choose a model and a card: the answer appears here."); return; }
+    if (!model || (!value("gpu") && !typedCard())) { say("Choose a model and a card: the answer appears here."); return; }
     load(model, opt.getAttribute("data-slug"), show);
   }
   form.addEventListener("change", update);
+  if (form.elements.gpu_mib) { form.elements.gpu_mib.addEventListener("input", update); }
   // A link can carry a choice: ?model=qwen2.5-7b&gpu=rtx-4090&quant=bf16 (what the page shows is
   // then what a visitor who chose it sees).
   var params = new URLSearchParams(window.location.search);
-  ["model", "gpu", "quant", "fixes", "setting", "batch"].forEach(function (name) {
+  ["model", "gpu", "quant", "fixes", "setting", "batch", "optim"].forEach(function (name) {
     var v = params.get(name), field = form.elements[name];
     if (v !== null && field && Array.prototype.some.call(field.options, function (o) { return o.value === v; })) {
       field.value = v;
     }
   });
+  if (params.get("gpu_mib") && form.elements.gpu_mib && /^[0-9]+$/.test(params.get("gpu_mib"))) {
+    form.elements.gpu_mib.value = params.get("gpu_mib");
+  }
   update();
 })();
