@@ -11,7 +11,8 @@ the ledger's measured probes.
 3. Agreement: every measured ok / oom probe of gemma-3-4b-it on the RTX 3070 Ti and the RX 7900 XTX
    is judged by the calibrated dry run alone (the remainder fitted without the probe) against the
    card's limit: fits / tight / won't fit vs what happened; every disagreement is listed.
-4. Coverage: models x cards x quants x fixes x lengths with an answer.
+4. Coverage: models x cards x quants x fixes x lengths with an answer, with gradient checkpointing
+   and (stock) without.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def main() -> None:
     for point in held_out():
         recipe = Recipe(model=point["model"], rank=point["rank"], quant=point["quant"],
                         dropout=point.get("dropout", 0) > 0, dora=point.get("dora", False), seq_len=point["seq_len"],
-                        fixes=point["fixes"], response_len=point["response_len"])
+                        fixes=point["fixes"], response_len=point["response_len"],
+                        checkpointing=not point.get("no_gradient_checkpointing"))
         direct = [d for d in dry if recipe_of(d) == recipe]
         if not direct:
             print(f"  held-out {recipe.describe()}: not computed yet")
@@ -109,6 +111,11 @@ def main() -> None:
           f"{len({c.quant for c in answered})} quants x {len({c.fixes for c in answered})} fixes x "
           f"{len({c.seq_len for c in answered})} lengths; {len(answered)} of {len(cells)} cells answered; the table "
           f"computed in {time.perf_counter() - t:.1f} s (no torch)")
+    t = time.perf_counter()
+    cells = fit_table(Predictor(lg, dry), checkpointing=False)
+    answered = [c for c in cells if c.status != "unknown"]
+    print(f"without gradient checkpointing (stock): {len({c.model for c in answered})} models; {len(answered)} of "
+          f"{len(cells)} cells answered, in {time.perf_counter() - t:.1f} s")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from .cards import card_table
 from .model_configs import model_name
 from .optimizers import optimizer_for
 from .predictor import Predictor
+from .rank_judge import dry_judge
 from .recipe import Recipe, recipe_of, row_keys_cached
 from .response_span import BATCH_AS_LENGTH_ERR, answerable
 from .recipe import fixes_key
@@ -63,6 +64,7 @@ class FitCell:
     #: program's preset with its measured runs' own), or a one-step probe ("probe").
     run: str = "real"
     optimizer: Optional[str] = None
+    checkpointing: bool = True
 
     def label(self) -> str:
         if self.status == "unknown":
@@ -75,16 +77,17 @@ class FitCell:
         return text
 
 
-def grid_points(model: str, lengths: Iterable[int] = LENGTHS) -> list[dict]:
+def grid_points(model: str, lengths: Iterable[int] = LENGTHS, checkpointing: bool = True) -> list[dict]:
     """A model's dry-run points for the fit table (sweep options): rank 8 at every length; rank
     64, dropout and DoRA at the shortest and longest (see ``Predictor.dry_raw`` for how the rest
-    is derived)."""
+    is derived). ``checkpointing=False``: the same points of the stock recipe without gradient
+    checkpointing (the program's preset always has it on)."""
     lengths = sorted(lengths)
     out = []
     for quant in ("4bit", "bf16"):
-        for fixes in ("none", "all"):
+        for fixes in (("none", "all") if checkpointing else ("none",)):
             base = {"model": model, "quant": quant, "fixes": fixes, "response_len": GRID_RESPONSE_LEN,
-                    **target_option(model)}
+                    **({} if checkpointing else {"no_gradient_checkpointing": True}), **target_option(model)}
             out += [{**base, "seq_len": seq, "rank": 8} for seq in lengths]
             for seq in (lengths[0], lengths[-1]):
                 out += [{**base, "seq_len": seq, "rank": 64}, {**base, "seq_len": seq, "rank": 8, "dropout": 0.1},
@@ -144,7 +147,7 @@ def _dry_ceiling(p: Predictor, recipe: Recipe, gpu: str, entry: Gpu, budget_mib:
     key = (one, gpu, None if entry is None else (entry.name, entry.vendor, entry.total_mib, entry.usable_gib_torch),
            budget_mib, widened, run, optimizer)
     if key not in memo:
-        memo[key] = _bisect(p.dry_judge(one, gpu, entry, budget_mib, widened, run, optimizer))
+        memo[key] = _bisect(dry_judge(p, one, gpu, entry, budget_mib, widened, run, optimizer))
     return memo[key]
 
 
@@ -198,7 +201,7 @@ def fit_table(p: Predictor, *, models: Optional[Iterable[str]] = None, gpus: Opt
               lengths: Iterable[int] = LENGTHS, ladder: bool = True,
               extra_cards: Optional[dict[str, Gpu]] = None, budget_mib: Optional[float] = None,
               batch: int = 1, fixes_settings: tuple[str, ...] = ("none", "all"), run: str = "real",
-              optimizer: Optional[str] = None) -> list[FitCell]:
+              optimizer: Optional[str] = None, checkpointing: bool = True) -> list[FitCell]:
     """Every cell of the fit table (see the module docstring). ``ladder=False``: the calibrated
     dry run answers every cell (a site built from a very large ledger). ``extra_cards``: cards by
     key beside the ledger's and the card table's (a card given by its total, ``--gpu-mib``).
@@ -206,24 +209,29 @@ def fit_table(p: Predictor, *, models: Optional[Iterable[str]] = None, gpus: Opt
     micro-batch of that many sequences of each length (the fixes ``fixes_settings`` names).
     ``run``: "real" judges a training run, its optimizer ``optimizer_for(fixes, optimizer)``
     (stock: AdamW unless ``optimizer`` names another; the program's preset: its runs' own);
-    "probe" a one-step probe (no optimizer step)."""
+    "probe" a one-step probe (no optimizer step). ``checkpointing=False``: gradient checkpointing
+    off, answered by the dry runs of it alone (the program's preset has it on: its cells are not
+    made)."""
     lengths = sorted(lengths)
     all_cards = {**cards(p), **{k: v for k, v in (extra_cards or {}).items() if v is not None}}
     models = list(models) if models is not None else dry_models(p)
     gpus = list(gpus) if gpus is not None else page_cards(p)
     measured_models = {(m.gpu, model_name(m.model)) for m in p.ms if m.kind in ("probe", "real") and m.lora}
     out = []
+    if not checkpointing:
+        fixes_settings = tuple(f for f in fixes_settings if f != "all")
     for model in models:
         for gpu in gpus:
             entry = all_cards.get(gpu)
-            use_ladder = ladder and (gpu, model) in measured_models
+            # Every measured row has checkpointing on: without it the dry run alone answers.
+            use_ladder = ladder and checkpointing and (gpu, model) in measured_models
             for quant in ("4bit", "bf16"):
                 for fixes in fixes_settings:
                     optim = optimizer_for(fixes, optimizer) if run == "real" else None
                     for setting, dropout, dora in SETTINGS:
                         for seq in lengths:
                             recipe = Recipe(model=model, quant=quant, dropout=dropout, dora=dora, seq_len=seq,
-                                            fixes=fixes_key(fixes), batch=batch)
+                                            fixes=fixes_key(fixes), batch=batch, checkpointing=checkpointing)
                             if use_ladder:
                                 known = {m.model for m in p.ms if model_name(m.model) == model}
                                 asked = replace(recipe, model=sorted(known)[0], optimizer=optim)
@@ -251,7 +259,7 @@ def fit_table(p: Predictor, *, models: Optional[Iterable[str]] = None, gpus: Opt
                                                seq_len=seq, fits_rank=fits, tight_rank=tight, status=status,
                                                at_least=more or (fits is not None and fits + STEP > MAX_RANK),
                                                method="ledger" if use_ladder else "dry run", measured=rows,
-                                               run=run, optimizer=optim))
+                                               run=run, optimizer=optim, checkpointing=checkpointing))
     return monotone(out)
 
 
@@ -285,7 +293,7 @@ def monotone(cells: list[FitCell]) -> list[FitCell]:
 
 
 CSV_FIELDS = ("model", "gpu", "quant", "fixes", "setting", "seq_len", "fits_rank", "tight_rank", "status", "at_least",
-              "method", "measured", "run", "optimizer")
+              "method", "measured", "run", "optimizer", "checkpointing")
 
 
 def fits_document(p: Predictor, cells: Optional[list[FitCell]] = None, ladder: bool = True) -> dict:

@@ -45,10 +45,10 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import replace
 from functools import cached_property
-from typing import Callable, Iterable, Optional
+from typing import Iterable, Optional
 
 from . import ceilings
-from .answers import Answer, CeilingAnswer, Interval, Run, around, decide, scale, shift, verdict_for, widen
+from .answers import Answer, CeilingAnswer, Interval, Run, around, decide, scale, shift, widen
 from .dominance import Dominance
 from .dry_calibration import DryCalibration
 from .dry_table import DryTable
@@ -57,7 +57,7 @@ from .limits import CardLimits
 from .model_configs import model_name
 from .models import Gpu, Ledger, Measurement
 from .recipe import Recipe
-from .response_span import (BATCH_AS_LENGTH_ERR, ProbeToReal, answerable, fewer_targets, growth_mib, state_growth, state_mib,
+from .response_span import (BATCH_AS_LENGTH_ERR, ProbeToReal, answerable, fewer_targets, state_growth,
                             steady_state_text, upper_bound, with_optimizer_state)
 from .rungs import CalibratedDryRun, MeasuredRealRun, probe_ladder
 
@@ -281,54 +281,6 @@ class Predictor:
                       real_allocated=None, reserved=scale(iv, *ratio) if ratio else None, method="dry run",
                       method_text=text, evidence=[], limit_low_mib=low, limit_high_mib=high, limit_source=lsrc,
                       margin_mib=margin_mib, verdict=verdict, why=why)
-
-    def dry_judge(self, recipe: Recipe, gpu: str, entry: Optional[Gpu] = None,
-                  budget_mib: Optional[float] = None, widened: float = 0.0, run: Run = "probe",
-                  optimizer: Optional[str] = None) -> Callable[[int], str]:
-        """``predict(...).verdict`` for the committed dry-run rows' figure of this recipe on a card
-        the ledger did not measure it on, as a function of the rank ("unknown" where the dry-run
-        table does not reach it), computed from the figures alone: the fit table asks it some
-        hundred thousand times. ``budget_mib``: judged against it instead of the card's limit.
-        ``widened``: each end of the interval then moved out by this fraction, as ``predict`` widens
-        a derived answer (a micro-batch answered as one sequence). ``run="real"``: a training run's
-        figure as ``predict`` makes it (the calibrated over-estimate where the probe/real pairs
-        measured the recipe's fixes, else the steady state), plus ``optimizer``'s state."""
-        figure = self.table.rank_figure(recipe)
-        exact = self.table.exact_ranks(recipe)
-        entry = entry or self.ledger.gpus.get(gpu)
-        rem = self.remainder(gpu or "", entry.vendor if entry else None)[0] or 0.0
-        narrow, wide = self.dry_cal.width_fraction(False), self.dry_cal.width_fraction(True)
-        low, high, _ = self.card_limit(gpu, entry, run) if budget_mib is None else (budget_mib, budget_mib, "")
-        over = off = None
-        if run == "real" and self.calibrated_real(recipe):
-            o = self.over
-            off = o.logits_off_mib(recipe.model, self.span.figure_keep(recipe, []))
-            over = (1 - o.high_pct / 100, 1 - o.low_pct / 100)
-        state = optimizer if run == "real" and recipe.model else None
-        measured_rank = self.over.max_rank
-
-        def verdict(rank: int) -> str:
-            raw, _ = figure(rank)
-            if raw is None:
-                return "unknown"
-            mib = raw + rem
-            width = narrow if rank in exact else wide
-            bottom, top = round(mib * (1 - width), 1), round(mib * (1 + width), 1)
-            if over is not None:  # as ProbeToReal.probe_to_real: the core, then the over-estimate
-                bottom, top = round(round(bottom - off, 1) * over[0], 1), round(round(top - off, 1) * over[1], 1)
-            if state is not None:
-                s = state_mib(recipe.model, rank, recipe.targets, recipe.dora, state)
-                if s is not None:
-                    bottom, top = round(bottom + s, 1), round(top + s, 1)
-            elif over is not None and measured_rank and rank > measured_rank:
-                grown = growth_mib(recipe.model, rank, recipe.targets, recipe.dora, measured_rank)
-                if grown:
-                    bottom, top = round(bottom + grown, 1), round(top + grown, 1)
-            if widened:
-                bottom, top = round(bottom * (1 - widened), 1), round(top * (1 + widened), 1)
-            return verdict_for(bottom, top, low, high, 0.0)
-        verdict.exact = exact  # the ranks dry-run exactly (a narrower interval: the verdict can be stricter)
-        return verdict
 
     def ceiling(self, recipe: Recipe, gpu: str, **kw) -> CeilingAnswer:
         """The largest rank whose verdict is "fits", and the largest that is "tight" (``ledger.ceilings``)."""

@@ -325,6 +325,7 @@ class FitCellResult(_Result):
     optimizer: Optional[str] = Field(None, description="The optimizer whose state a training run holds, by its "
                                                        "TrainingArguments name; none: the program's preset, whose "
                                                        "measured runs hold their own.")
+    checkpointing: bool = Field(True, description="Gradient checkpointing on (off: every layer's activations kept).")
 
 
 class FitCard(_Result):

@@ -189,11 +189,11 @@ def test_the_nu_validator_has_nothing_to_say(site):
 # -- the picker: your model and your card in two choices --------------------------------------
 
 
-def _fit_label(model: str, gpu: str, seq: int, batch: int, capsys, optim: str = "") -> str:
+def _fit_label(model: str, gpu: str, seq: int, batch: int, capsys, optim: str = "", *more: str) -> str:
     import json
 
     assert cli.main(["fit", "--ledger", str(BUNDLED), "--model", model, "--gpu", gpu, "--quant", "4bit", "--fixes",
-                     "none", "--batch-size", str(batch), "--no-compute", "--json"]
+                     "none", "--batch-size", str(batch), "--no-compute", "--json", *more]
                     + (["--optim", optim] if optim else [])) == 0
     doc = json.loads(capsys.readouterr().out)
     return next(c["label"] for c in doc["cells"] if c["seq_len"] == seq and c["setting"] == "plain")
@@ -205,13 +205,15 @@ CELL = "(() => {{ const c = document.querySelector('#fit-answer-table tr[data-le
 
 @pytest.mark.parametrize("width", [NARROW, WIDE])
 def test_the_picker_answers_what_vram_fit_prints_in_two_choices(site, tmp_path, width, capsys):
-    """Two choices (model, card) answer the stock default (AdamW, batch 1); the micro-batch and
-    the optimizer each change the answer as ``vram fit --batch-size 4`` and ``--optim adamw_8bit`` do."""
+    """Two choices (model, card) answer the stock default (AdamW, batch 1); the micro-batch, the
+    optimizer and checkpointing each change the answer as ``vram fit --batch-size 4``, ``--optim
+    adamw_8bit`` and ``--no-gradient-checkpointing`` do."""
     from cdp import Browser
 
     expected = _fit_label("qwen2.5-7b", "RTX 4090", 4096, 1, capsys)
     expected_4 = _fit_label("qwen2.5-7b", "RTX 4090", 4096, 4, capsys)
     expected_8bit = _fit_label("qwen2.5-7b", "RTX 4090", 4096, 1, capsys, optim="adamw_8bit")
+    expected_off = _fit_label("qwen2.5-7b", "RTX 4090", 2048, 1, capsys, "adamw_8bit", "--no-gradient-checkpointing")
     assert expected_8bit != expected  # 8-bit AdamW keeps about a quarter of the state: a larger rank fits
     artifacts = REPO / "test-artifacts"
     artifacts.mkdir(exist_ok=True)
@@ -231,6 +233,9 @@ def test_the_picker_answers_what_vram_fit_prints_in_two_choices(site, tmp_path, 
         browser.choose("optim", "adamw_8bit")
         assert browser.wait_for(f"document.getElementById('fit-answer-title').textContent.includes('adamw_8bit') && "
                                 f"{CELL.format(seq=4096)}") == expected_8bit
+        browser.choose("ckpt", "off")
+        assert browser.wait_for(f"document.getElementById('fit-answer-title').textContent.includes('no gradient') && "
+                                f"{CELL.format(seq=2048)}") == expected_off
     finally:
         browser.close()
     assert (artifacts / f"picker-{width}.png").stat().st_size > 20_000

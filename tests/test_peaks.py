@@ -16,6 +16,7 @@ from synthetic import synthetic_ledger  # noqa: E402
 from ledger import store  # noqa: E402
 from ledger.paths import DEFAULT_LEDGER  # noqa: E402
 from ledger.peaks import PeakModel, rank_slope  # noqa: E402
+from ledger.rank_judge import dry_judge  # noqa: E402
 from ledger.recipe import group_key  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
@@ -95,7 +96,7 @@ def test_a_predictor_started_from_the_full_one_answers_as_a_fresh_one():
 
 
 def test_the_fit_tables_rank_figures_are_the_dry_tables():
-    """The fit table judges each cell through ``DryTable.rank_figure`` / ``Predictor.dry_judge``:
+    """The fit table judges each cell through ``DryTable.rank_figure`` / ``ledger.rank_judge.dry_judge``:
     at every rank the same figure and verdict as ``raw`` and ``judge_dry``."""
     from dataclasses import replace
 
@@ -113,7 +114,7 @@ def test_the_fit_tables_rank_figures_are_the_dry_tables():
                     for seq in (*LENGTHS, 3000, 12000, 40000):
                         recipe = Recipe(model=model, quant=quant, fixes=fixes, dropout=dropout, dora=dora, seq_len=seq)
                         figure = p.table.rank_figure(recipe)
-                        judges = {g: p.dry_judge(recipe, g, e) for g, e in list(all_cards.items())[::4]}
+                        judges = {g: dry_judge(p, recipe, g, e) for g, e in list(all_cards.items())[::4]}
                         for rank in (8, 16, 40, 64, 72, 200, 512):
                             raw, _ = p.table.raw(replace(recipe, rank=rank))
                             assert figure(rank)[0] == raw, (recipe, rank)

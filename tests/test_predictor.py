@@ -257,6 +257,27 @@ def test_checkpointing_off_needs_its_own_dry_runs_and_no_compute_refuses(capsys)
     assert "needs 2 dry runs" in capsys.readouterr().err
 
 
+def test_the_fit_table_without_checkpointing_never_fits_more_than_with_it(capsys):
+    """Its own committed dry runs answer it (stock only: the program's preset always has it on),
+    and every cell's rank is at most the checkpointed one's: keeping every layer's activations
+    never needs less."""
+    def cells(*flags):
+        assert cli.main(["fit", "--ledger", str(BUNDLED), "--model", "llama-3.2-1b", "--gpu", "RTX 4060 Ti 16GB",
+                         "--no-compute", "--json", *flags]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        return doc, {(c["quant"], c["fixes"], c["setting"], c["seq_len"]): c for c in doc["cells"]}
+
+    doc, off = cells("--no-gradient-checkpointing")
+    _, on = cells()
+    assert doc["checkpointing"] is False and {k[1] for k in off} == {"none"} and len(off) == 30
+    assert all(not c["checkpointing"] and c["method"] == "dry run" and c["status"] != "unknown" for c in off.values())
+    assert all((c["fits_rank"] or 0) <= (on[k]["fits_rank"] or 0) for k, c in off.items())
+    assert any((c["fits_rank"] or 0) < (on[k]["fits_rank"] or 0) for k, c in off.items())
+    assert cli.main(["fit", "--ledger", str(BUNDLED), "--model", "llama-3.2-1b", "--gpu", "RTX 4090", "--fixes", "all",
+                     "--no-gradient-checkpointing", "--no-compute"]) == 1
+    assert "always has gradient checkpointing on" in capsys.readouterr().err
+
+
 def test_fewer_target_modules_are_bounded_by_all_seven_and_never_wont_fit(capsys):
     """Attention-only LoRA from rows that train all 7 projections: an upper bound, so "fits" when it
     fits, "unknown" (never "won't fit", never a hedge that sounds close) when it does not; the
@@ -277,8 +298,9 @@ def test_fewer_target_modules_are_bounded_by_all_seven_and_never_wont_fit(capsys
     assert capsys.readouterr().err.startswith("--target-modules: unknown target module 'lm_head'")
 
 
-@pytest.mark.parametrize("run,fixes", [("probe", "none"), ("real", "none"), ("real", "all")])
-def test_the_fit_table_says_what_the_ceiling_scan_says(p, run, fixes):
+@pytest.mark.parametrize("run,fixes,checkpointing", [("probe", "none", True), ("real", "none", True),
+                                                     ("real", "all", True), ("real", "none", False)])
+def test_the_fit_table_says_what_the_ceiling_scan_says(p, run, fixes, checkpointing):
     """The fit table bisects over ranks; a rank dry-run exactly has a narrower interval than the
     ranks derived around it, so its verdict can be stricter or looser. The table's cells equal vram
     ceiling's scan from the smallest rank (which stops at the first "won't fit", and whose "fits"
@@ -289,15 +311,19 @@ def test_the_fit_table_says_what_the_ceiling_scan_says(p, run, fixes):
     from ledger.fits import fit_table
 
     table = card_table()
-    cells = fit_table(p, models=["qwen2.5-7b", "qwen2.5-14b"], gpus=["rtx-4090", "rtx-4060-ti-16gb"],
-                      fixes_settings=(fixes,), run=run)
+    # Without checkpointing (dry runs of it alone), also on a card the ledger measured the model on.
+    models, gpus = ((["qwen2.5-7b", "qwen2.5-14b"], ["rtx-4090", "rtx-4060-ti-16gb"]) if checkpointing else
+                    (["llama-3.2-1b", "gemma-3-4b-it"], ["rtx-4090", "rtx-3070-ti"]))
+    cells = fit_table(p, models=models, gpus=gpus, fixes_settings=(fixes,), run=run, checkpointing=checkpointing)
     checked = 0
     for c in cells:
         assert c.run == run and c.optimizer == (("adamw_torch" if fixes == "none" else None) if run == "real" else None)
+        assert c.checkpointing is checkpointing and (checkpointing or c.method == "dry run")
         if c.status == "unknown" or c.at_least:  # "at least": raised to a harder recipe's ceiling
             continue
         a = p.ceiling(Recipe(c.model, quant=c.quant, fixes=fixes, seq_len=c.seq_len, dropout=c.setting == "dropout",
-                             dora=c.setting == "DoRA", optimizer=c.optimizer), c.gpu, entry=table[c.gpu].gpu, run=run)
+                             dora=c.setting == "DoRA", optimizer=c.optimizer, checkpointing=checkpointing), c.gpu,
+                      entry=table[c.gpu].gpu if c.gpu in table else None, run=run)
         assert (c.fits_rank, c.tight_rank) == (a.fits_rank, a.tight_rank), c
         checked += 1
     assert checked >= 50

@@ -30,6 +30,9 @@ def add_fit_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=1, metavar="N",
                    help="micro-batch: N sequences, each padded to the length (default 1); with the program's memory "
                         "fixes a batch is unknown")
+    p.add_argument("--no-gradient-checkpointing", action="store_true",
+                   help="the stock recipe without gradient checkpointing (every layer's activations kept), from dry "
+                        "runs of it alone (micro-batch 1; the program's preset always has it on)")
     add_optimizer_option(p, table=True)
     add_compute_option(p)
     add_ledger_option(p)
@@ -49,7 +52,14 @@ def cmd_fit(args: argparse.Namespace) -> int:
     name = model_name(args.model)
     quants = args.quant or ["4bit", "bf16"]
     fixes = args.fixes or ["none", "all"]
-    has_rows = any(model_name(d.model) == name for d in dry_rows(args))
+    ckpt = not args.no_gradient_checkpointing
+    if not ckpt:
+        if args.fixes and "none" not in args.fixes:
+            raise UserError(Issue("--no-gradient-checkpointing", "", "the program's preset (--fixes all) always has "
+                                  "gradient checkpointing on: ask --fixes none"))
+        fixes = ["none"]
+    has_rows = any(model_name(d.model) == name and (d.gradient_checkpointing is not False) == ckpt
+                   for d in dry_rows(args))
     if args.compute or (not has_rows and not args.no_compute and config_path(args.model) is not None):
         _compute(args, quants, fixes)
     p = predictor_for(args, ledger)
@@ -60,7 +70,8 @@ def cmd_fit(args: argparse.Namespace) -> int:
     if args.batch_size <= 0:
         raise UserError(Issue("--batch-size", "", f"must be > 0, got {args.batch_size}"))
     cells = [c for c in fit_table(p, models=[name], gpus=[gpu], extra_cards={gpu: entry}, budget_mib=args.budget_mib,
-                                  batch=args.batch_size, fixes_settings=tuple(fixes), optimizer=args.optim)
+                                  batch=args.batch_size, fixes_settings=tuple(fixes), optimizer=args.optim,
+                                  checkpointing=not args.no_gradient_checkpointing)
              if c.quant in quants]
     stale = [i for i in stale_rows(p.dry) if name in i]
     if args.budget_mib is not None:
@@ -69,7 +80,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
     else:
         low, high, source = p.card_limit(gpu, entry, "real")
     if args.json:
-        dump_json({"model": name, "gpu": gpu, "batch": args.batch_size, "run": "real",
+        dump_json({"model": name, "gpu": gpu, "batch": args.batch_size, "checkpointing": ckpt, "run": "real",
                    "optimizers": {f: optimizer_for(f, args.optim) for f in fixes}, "limit_low_mib": low, "limit_high_mib": high, "limit_source": source,
                    "dry_run_median_abs_err_pct": p.dry_loo["median_abs_err_pct"],
                    "dry_run_max_abs_err_pct": p.dry_loo["max_abs_err_pct"], "stale": stale,
@@ -77,6 +88,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
         return 0
     print(f"{name} on {gpu}" + (f", micro-batch {args.batch_size} (sequences each padded to the length; with memory "
                                 "fixes a batch is unknown)" if args.batch_size != 1 else "")
+          + ("" if ckpt else ", gradient checkpointing off (every layer's activations kept)")
           + f": the largest LoRA rank whose training run fits (tight: the interval reaches past the limit); "
           f"limit {low}–{high} MiB allocated ({source})")
     for q in quants:
@@ -117,7 +129,7 @@ def _compute(args: argparse.Namespace, quants: list[str], fixes: list[str]) -> N
     the shipped rows)."""
     have = {_point_key(d) for d in dry_rows(args)}
     rows_model = model_for_rows(args.model, args.cache)
-    points = [{**p, "model": rows_model} for p in grid_points(args.model)
+    points = [{**p, "model": rows_model} for p in grid_points(args.model, checkpointing=not args.no_gradient_checkpointing)
               if _point_key(p) not in have and p["quant"] in quants and p["fixes"] in fixes]
     if not points:
         print(f"every grid point of {model_name(args.model)} is computed already", file=sys.stderr)
@@ -127,12 +139,12 @@ def _compute(args: argparse.Namespace, quants: list[str], fixes: list[str]) -> N
 
 def _point_key(p) -> tuple:
     """A grid point's recipe, from a point dict or a dry-run row, to tell which are computed."""
-    if isinstance(p, dict):  # a grid point: micro-batch 1, checkpointing on, no optimizer step
+    if isinstance(p, dict):  # a grid point: micro-batch 1, no optimizer step
         return (model_name(p["model"]), p["quant"], p["fixes"], p["rank"], p["seq_len"], bool(p.get("dropout")),
-                bool(p.get("dora")), True)
+                bool(p.get("dora")), True, not p.get("no_gradient_checkpointing"))
     return (model_name(p.model), p.quant, fixes_key(p.memory_fixes), p.lora.rank if p.lora else None, p.seq_len,
             bool(p.lora and p.lora.dropout), bool(p.lora and p.lora.dora),
-            (p.batch_size or 1) == 1 and p.gradient_checkpointing is not False and p.optimizer is None)
+            (p.batch_size or 1) == 1 and p.optimizer is None, p.gradient_checkpointing is not False)
 
 
 COMMANDS = [Command("fit", "one model's fit table on one card: the largest rank that fits at each length",

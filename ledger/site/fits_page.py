@@ -38,21 +38,25 @@ def fit_table_doc(ledger: Ledger) -> tuple[Optional[Fits], list]:
     return Fits.model_validate(fits_document(p, ladder=small)), grids
 
 
-#: The picker's stock cells beside the fit table's own (micro-batch 1, the default optimizer), as
-#: (micro-batch, optimizer or None for the default), in two shares of about equal cost (a build
-#: computes each in a worker of its own).
-PICKER_SHARES = (tuple((b, None) for b in PICKER_BATCHES), tuple((b, o) for o in PICKER_OPTIMIZERS
-                                                                  for b in (1, *PICKER_BATCHES)))
+#: The picker's stock cells beside the fit table's own (micro-batch 1, the default optimizer,
+#: checkpointing on), as (micro-batch, optimizer or None for the default, checkpointing), in two
+#: shares of about equal cost (a build computes each in a worker of its own). Without
+#: checkpointing only micro-batch 1 is answered (``response_span.answerable``).
+PICKER_SHARES = (tuple((b, None, True) for b in PICKER_BATCHES) + ((1, None, False),),
+                 tuple((b, o, True) for o in PICKER_OPTIMIZERS for b in (1, *PICKER_BATCHES))
+                 + tuple((1, o, False) for o in PICKER_OPTIMIZERS))
 
 
-def picker_tables(ledger: Ledger, which: tuple[tuple[int, Optional[str]], ...]) -> dict:
-    """The picker's other stock cells: (micro-batch, optimizer) -> fit cells, for each of ``which``
-    (``PICKER_SHARES``), as ``vram fit --batch-size N --optim NAME`` answers them."""
+def picker_tables(ledger: Ledger, which: tuple[tuple[int, Optional[str], bool], ...]) -> dict:
+    """The picker's other stock cells: (micro-batch, optimizer, checkpointing) -> fit cells, for each
+    of ``which`` (``PICKER_SHARES``), as ``vram fit --batch-size N --optim NAME
+    [--no-gradient-checkpointing]`` answers them."""
     p = shared_predictor(ledger, load_dry_runs())
     if not p.dry:
         return {}
     small = len(ledger.measurements) <= LOO_LIMIT
-    return {(b, o): fit_table(p, ladder=small, batch=b, fixes_settings=("none",), optimizer=o) for b, o in which}
+    return {(b, o, c): fit_table(p, ladder=small, batch=b, fixes_settings=("none",), optimizer=o, checkpointing=c)
+            for b, o, c in which}
 
 
 # -- the fit pages: an index of models and a page per model, with the picker's data ------------
@@ -97,7 +101,8 @@ def model_slug(model: str) -> str:
 
 def fit_models(fits: Fits, batches: Optional[dict] = None) -> list[FitModel]:
     """Every model of the fit table, smallest first within its family, with its page's data (the
-    cells of ``batches``, (micro-batch, optimizer) -> fit cells, keyed with them: ``picker_key``)."""
+    cells of ``batches``, (micro-batch, optimizer, checkpointing) -> fit cells, keyed with them:
+    ``picker_key``)."""
     from ..model_configs import load_arch, max_length
 
     by_row = fits.by_row()
@@ -113,10 +118,10 @@ def fit_models(fits: Fits, batches: Optional[dict] = None) -> list[FitModel]:
             cell = next((c for c in cells if c.seq_len == HEADLINE_LEN), None)
             headline.append((size, key, cell.label if cell else "unknown"))
         rows = {"|".join(k[1:]): [_cell(c, c.label) for c in cells] for k, cells in by_row.items() if k[0] == model}
-        for (batch, optim), cells in (batches or {}).items():
+        for (batch, optim, ckpt), cells in (batches or {}).items():
             for c in cells:
                 if c.model == model:
-                    rows.setdefault(picker_key(c.quant, c.fixes, c.setting, c.gpu, batch, optim), []).append(
+                    rows.setdefault(picker_key(c.quant, c.fixes, c.setting, c.gpu, batch, optim, ckpt), []).append(
                         _cell(c, c.label()))
         data = {"model": model, "lengths": fits.lengths, "ranks": list(VIEW_RANKS),
                 "cards": [{"key": c.key, "name": c.name, "limit_low_mib": c.limit_low_mib,
@@ -130,11 +135,12 @@ def fit_models(fits: Fits, batches: Optional[dict] = None) -> list[FitModel]:
     return sorted(out, key=lambda m: (order[m.family], m.params_b or 0, m.name))
 
 
-def picker_key(quant: str, fixes: str, setting: str, gpu: str, batch: int = 1, optimizer: Optional[str] = None) -> str:
-    """A row of a model's picker data, as picker.js spells it: the default micro-batch (1) and
-    optimizer (None: the recipe's default) leave their part out."""
+def picker_key(quant: str, fixes: str, setting: str, gpu: str, batch: int = 1, optimizer: Optional[str] = None,
+               checkpointing: bool = True) -> str:
+    """A row of a model's picker data, as picker.js spells it: the default micro-batch (1),
+    optimizer (None: the recipe's default) and checkpointing (on) leave their part out."""
     return "|".join([quant, fixes, setting, gpu] + ([str(batch)] if batch != 1 or optimizer else [])
-                    + ([optimizer] if optimizer else []))
+                    + ([optimizer] if optimizer else []) + ([] if checkpointing else ["nockpt"]))
 
 
 def _cell(c, label: str) -> list:

@@ -1,5 +1,5 @@
 // The fit picker: reads the chosen model's committed fit cells (fits/<model>.js registers them
-// under window.VRAM_FITS) and shows, for the chosen card, weights, recipe, LoRA, micro-batch and optimizer,
+// under window.VRAM_FITS) and shows, for the chosen card, weights, recipe, LoRA, micro-batch, checkpointing and optimizer,
 // the largest rank at each length and the longest listed length at each rank, with the words and
 // colours `vram fit` uses and the commands that reproduce the answer.
 (function () {
@@ -60,6 +60,7 @@
   function show(data) {
     var gpu = value("gpu"), quant = value("quant"), fixes = value("fixes"), setting = value("setting");
     var batch = value("batch"), optim = fixes === "none" ? value("optim") : "";
+    var ckpt = form.elements.ckpt ? value("ckpt") !== "off" : true;
     var typed = typedCard(), proxy = typed ? below(data.cards, typed) : null;
     var same = proxy && Math.abs(proxy.limit_low_mib - typed.limit_low_mib) <= 0.05 &&
       Math.abs(proxy.limit_high_mib - typed.limit_high_mib) <= 0.05;
@@ -67,17 +68,27 @@
     var card = typed || data.cards.filter(function (c) { return c.key === gpu; })[0];
     // As ledger.site.fits_page.picker_key spells a row: the defaults leave their part out.
     var key = [quant, fixes, setting, gpu].join("|") + (batch === "1" && !optim ? "" : "|" + batch) +
-      (optim ? "|" + optim : "");
+      (optim ? "|" + optim : "") + (ckpt ? "" : "|nockpt");
     var cells = data.rows[key] || [];
     out.textContent = "";
     var what = data.model + " on " + (card ? card.name : gpu) + ", " + (quant === "4bit" ? "4-bit nf4" : "bf16") +
       ", " + (fixes === "none" ? "stock, a training run with " + (optim || "adamw_torch") + "'s state" :
         "the program's memory fixes, a training run as its measured runs") + ", LoRA " + setting +
-      ", micro-batch " + batch;
+      ", micro-batch " + batch + (ckpt ? "" : ", no gradient checkpointing");
     out.appendChild(el("h3", {id: "fit-answer-title"}, what));
     if (batch !== "1" && fixes !== "none") {
       out.appendChild(el("p", {"class": "warn"}, "A micro-batch with the program's memory fixes is unknown: " +
         "the chunked MLP and the kept logits work per sequence, so a batch is not one longer sequence."));
+      return;
+    }
+    if (!ckpt && fixes !== "none") {
+      out.appendChild(el("p", {"class": "warn"}, "The program's memory fixes always run with gradient " +
+        "checkpointing on: choose the stock recipe to answer without it."));
+      return;
+    }
+    if (!ckpt && batch !== "1") {
+      out.appendChild(el("p", {"class": "warn"}, "A micro-batch above 1 without gradient checkpointing is unknown: " +
+        "a batch is answered as one longer sequence only with checkpointing on (measured so)."));
       return;
     }
     if (card) {
@@ -114,7 +125,7 @@
       var status = c[1] === null && c[2] ? "tight" : c[3];
       var td = el("td", {"class": "num fit-" + status, "data-label": c[6],
         title: data.model + " " + quant + " fixes " + fixes + " " + setting + " batch " + batch +
-          (optim ? " " + optim : "") + " " + c[0] +
+          (optim ? " " + optim : "") + (ckpt ? "" : " no checkpointing") + " " + c[0] +
           " tokens on " + gpu + ": " + c[5] + (c[7].length ? "; measured nearby: " + c[7].join(", ") : "")}, c[6]);
       tr.appendChild(td);
       tr.appendChild(el("td", {}, c[5]));
@@ -136,9 +147,11 @@
     var cmd = el("pre"), where = typed ? "--gpu-mib " + typed.total : "--gpu " + quote(gpu);
     cmd.appendChild(el("code", {}, "vram fit --model " + data.model + " " + where +
       (quant === "bf16" ? " --quant bf16" : " --quant 4bit") + " --fixes " + fixes +
-      (batch === "1" ? "" : " --batch-size " + batch) + (optim ? " --optim " + optim : "") + "\n" +
+      (batch === "1" ? "" : " --batch-size " + batch) + (optim ? " --optim " + optim : "") +
+      (ckpt ? "" : " --no-gradient-checkpointing") + "\n" +
       "vram ceiling --model " + data.model + " " + where + " --rank 16" + flags +
-      (batch === "1" ? "" : " --batch-size " + batch) + (optim ? " --optim " + optim : "") + " --real" +
+      (batch === "1" ? "" : " --batch-size " + batch) + (optim ? " --optim " + optim : "") +
+      (ckpt ? "" : " --no-gradient-checkpointing") + " --real" +
       "   # the exact longest length at rank 16"));
     out.appendChild(el("p", {"class": "meta"}, "The same on the command line:"));
     out.appendChild(cmd);
@@ -155,7 +168,7 @@
   // A link can carry a choice: ?model=qwen2.5-7b&gpu=rtx-4090&quant=bf16 (what the page shows is
   // then what a visitor who chose it sees).
   var params = new URLSearchParams(window.location.search);
-  ["model", "gpu", "quant", "fixes", "setting", "batch", "optim"].forEach(function (name) {
+  ["model", "gpu", "quant", "fixes", "setting", "batch", "optim", "ckpt"].forEach(function (name) {
     var v = params.get(name), field = form.elements[name];
     if (v !== null && field && Array.prototype.some.call(field.options, function (o) { return o.value === v; })) {
       field.value = v;
