@@ -89,12 +89,13 @@ class ProbeToReal:
                       f"({o.low_pct}–{o.high_pct}%)")
 
 
-#: A training run's steady-state step against the one-step probe of its recipe, less the state
-#: ``ledger.optimizers`` computes: the largest |difference| measured (``python
-#: benchmarks/steady_state.py``: dry runs of qwen2.5-0.5b and llama-3.2-1b at ranks 8-512 with and
-#: without ``--optim adamw_torch`` / ``adamw_8bit``; ``tests/test_recipe_axes.py`` pins it on the
-#: real step of tiny configs). The optimizer's own step (its temporaries) never set the peak there.
-STEADY_STATE_ERR_PCT = 0.01
+#: A training run's steady-state step against the one-step probe of its recipe plus the state
+#: ``ledger.optimizers`` computes: the largest |difference| measured, % of the steady state
+#: (``python benchmarks/steady_state.py``: dry runs of qwen2.5-0.5b and llama-3.2-1b, 4-bit and
+#: bf16, ranks 8 and 512, with and without ``--optim adamw_torch`` / ``adamw_8bit``: 16 cases, the
+#: largest +0.07% at bf16 rank 512, the steady state above; ``tests/test_recipe_axes.py`` checks it
+#: on the real step of tiny configs). Far inside every answer's interval (the dry run's own width).
+STEADY_STATE_ERR_PCT = 0.07
 
 
 def steady_state_text(fixes: str, calibrated: frozenset) -> str:

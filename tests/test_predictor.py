@@ -245,16 +245,22 @@ def test_the_batch_derivation_holds_on_a_real_config_dry_run():
     assert one >= batch and (one - batch) / batch <= BATCH_AS_LENGTH_ERR
 
 
-def test_checkpointing_off_needs_its_own_dry_runs_and_no_compute_refuses(capsys):
+def test_checkpointing_off_is_answered_by_its_own_dry_runs_and_no_compute_refuses_past_them(capsys):
     """Every measured row has checkpointing on: a run without it keeps every layer's activations, so
-    it is answered only by dry runs of it (computed on demand, ``tests/test_any_model.py``); with
-    --no-compute the answer refuses, naming what it would run."""
+    it is answered only by dry runs of it — the committed grid's within its lengths, and past them
+    computed on demand (``tests/test_any_model.py``); with --no-compute that refuses, naming what
+    it would run."""
     assert cli.main(["estimate", "--ledger", str(BUNDLED), "--model", "qwen2.5-7b", "--rank", "16", "--seq-len", "2048",
-                     "--gpu", "RTX 4090", "--no-gradient-checkpointing", "--no-compute", "--json"]) == 1
-    assert "needs 2 dry runs" in capsys.readouterr().err
-    assert cli.main(["ceiling", "--ledger", str(BUNDLED), "--model", "qwen2.5-7b", "--gpu", "RTX 4090",
-                     "--seq-len", "2048", "--no-gradient-checkpointing", "--no-compute"]) == 1
-    assert "needs 2 dry runs" in capsys.readouterr().err
+                     "--gpu", "RTX 4090", "--no-gradient-checkpointing", "--no-compute", "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)["answer"]
+    assert answer["method"] == "dry run" and all("nockpt" in i for i in answer["evidence"])
+    assert cli.main(["estimate", "--ledger", str(BUNDLED), "--model", "qwen2.5-7b", "--rank", "16", "--seq-len", "2048",
+                     "--gpu", "RTX 4090", "--no-compute", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["answer"]["probe_allocated"]["mib"] < answer["probe_allocated"]["mib"]
+    for cmd in (["estimate", "--rank", "16"], ["ceiling"]):
+        assert cli.main([*cmd, "--ledger", str(BUNDLED), "--model", "qwen2.5-7b", "--gpu", "RTX 4090",
+                         "--seq-len", "20000", "--no-gradient-checkpointing", "--no-compute"]) == 1
+        assert "needs 2 dry runs" in capsys.readouterr().err
 
 
 def test_the_fit_table_without_checkpointing_never_fits_more_than_with_it(capsys):
