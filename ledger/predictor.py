@@ -89,6 +89,8 @@ class Predictor:
         #: The fit table's dry-run ceilings by judged recipe, card, budget and widening (a micro-batch
         #: of B x L tokens and one of B' x L' with the same total are one question).
         self.dry_ceilings: dict = {}
+        #: The fit table's intervals by rank, per recipe and remainder (``rank_judge``).
+        self.rank_bounds: dict = {}
         # What other parts ask of a predictor, by the names they know.
         self.card_limit, self.reserved_ratio = self.limits.card_limit, self.limits.reserved_ratio
         self.remainder, self.dry_raw, self.dry_exact = self.dry_cal.remainder, self.table.raw, self.table.exact

@@ -24,12 +24,30 @@ def dry_judge(p, recipe: Recipe, gpu: str, entry: Optional[Gpu] = None,
     a derived answer (a micro-batch answered as one sequence). ``run="real"``: a training run's
     figure as ``predict`` makes it (the calibrated over-estimate where the probe/real pairs
     measured the recipe's fixes, else the steady state), plus ``optimizer``'s state."""
-    figure = p.table.rank_figure(recipe)
-    exact = p.table.exact_ranks(recipe)
     entry = entry or p.ledger.gpus.get(gpu)
     rem = p.remainder(gpu or "", entry.vendor if entry else None)[0] or 0.0
-    narrow, wide = p.dry_cal.width_fraction(False), p.dry_cal.width_fraction(True)
     low, high, _ = p.card_limit(gpu, entry, run) if budget_mib is None else (budget_mib, budget_mib, "")
+    # The interval at each rank depends on the card only through its remainder: made once per
+    # recipe and remainder, and shared by every card (most cards share a vendor's remainder).
+    key = (recipe, rem, widened, run, optimizer)
+    memo = p.rank_bounds
+    if key not in memo:
+        memo[key] = _bounds(p, recipe, rem, widened, run, optimizer)
+    bounds, exact = memo[key]
+
+    def verdict(rank: int) -> str:
+        found = bounds(rank)
+        return "unknown" if found is None else verdict_for(found[0], found[1], low, high, 0.0)
+    verdict.exact = exact  # the ranks dry-run exactly (a narrower interval: the verdict can be stricter)
+    return verdict
+
+
+def _bounds(p, recipe: Recipe, rem: float, widened: float, run: Run, optimizer: Optional[str]):
+    """(rank -> (bottom, top) of the judged interval, or None where the table does not reach; the
+    ranks dry-run exactly), each rank's computed once."""
+    figure = p.table.rank_figure(recipe)
+    exact = p.table.exact_ranks(recipe)
+    narrow, wide = p.dry_cal.width_fraction(False), p.dry_cal.width_fraction(True)
     over = off = None
     if run == "real" and p.calibrated_real(recipe):
         o = p.over
@@ -37,11 +55,15 @@ def dry_judge(p, recipe: Recipe, gpu: str, entry: Optional[Gpu] = None,
         over = (1 - o.high_pct / 100, 1 - o.low_pct / 100)
     state = optimizer if run == "real" and recipe.model else None
     measured_rank = p.over.max_rank
+    cache: dict[int, Optional[tuple[float, float]]] = {}
 
-    def verdict(rank: int) -> str:
+    def bounds(rank: int) -> Optional[tuple[float, float]]:
+        if rank in cache:
+            return cache[rank]
         raw, _ = figure(rank)
         if raw is None:
-            return "unknown"
+            cache[rank] = None
+            return None
         mib = raw + rem
         width = narrow if rank in exact else wide
         bottom, top = round(mib * (1 - width), 1), round(mib * (1 + width), 1)
@@ -57,6 +79,6 @@ def dry_judge(p, recipe: Recipe, gpu: str, entry: Optional[Gpu] = None,
                 bottom, top = round(bottom + grown, 1), round(top + grown, 1)
         if widened:
             bottom, top = round(bottom * (1 - widened), 1), round(top * (1 + widened), 1)
-        return verdict_for(bottom, top, low, high, 0.0)
-    verdict.exact = exact  # the ranks dry-run exactly (a narrower interval: the verdict can be stricter)
-    return verdict
+        cache[rank] = (bottom, top)
+        return cache[rank]
+    return bounds, exact

@@ -12,6 +12,14 @@ from ledger import cli
 from ledger.model_configs import CONFIG_DIR, config_path, load_arch, where_looked
 
 
+def tiny_config(folder, name: str, **changes):
+    """A user's config file: the shipped tiny Llama's, with ``changes``; (its path, the config)."""
+    config = json.loads((CONFIG_DIR / "tiny-llama.json").read_text())
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps({**config, **changes}))
+    return path, config
+
+
 def hub_cache(root, model_id: str, config: dict, revision: str = "0123abcd") -> None:
     """A Hugging Face hub cache laid out as huggingface_hub lays it out."""
     repo = root / "hub" / ("models--" + model_id.replace("/", "--"))
@@ -52,9 +60,7 @@ def test_a_config_folder_is_a_model(tmp_path):
 
 
 def test_a_mixture_of_experts_config_is_refused_with_its_reason(tmp_path, capsys):
-    config = json.loads((CONFIG_DIR / "tiny-llama.json").read_text())
-    moe = tmp_path / "tiny-moe.json"
-    moe.write_text(json.dumps({**config, "model_type": "mixtral", "num_local_experts": 8}))
+    moe, _ = tiny_config(tmp_path, "tiny-moe", model_type="mixtral", num_local_experts=8)
     assert cli.main(["ceiling", "--ledger", str(BUNDLED), "--model", str(moe), "--seq-len", "512",
                      "--gpu", "RTX 4090"]) == 1
     err = capsys.readouterr().err
@@ -69,9 +75,7 @@ def test_a_length_past_the_grid_needs_dry_runs_and_no_compute_refuses(tmp_path, 
 
 
 def test_an_unlisted_model_is_answered_from_dry_runs_computed_once(tmp_path, capsys):
-    config = json.loads((CONFIG_DIR / "tiny-llama.json").read_text())
-    mine = tmp_path / "my-tiny.json"
-    mine.write_text(json.dumps(config))
+    mine, config = tiny_config(tmp_path, "my-tiny")
     cache = tmp_path / "cache"
     argv = ["estimate", "--ledger", str(BUNDLED), "--model", str(mine), "--rank", "16", "--seq-len", "256",
             "--gpu", "RTX 4060 Ti 16GB", "--cache", str(cache), "--json"]
@@ -127,9 +131,7 @@ def test_the_longest_sequence_at_a_rank_agrees_with_the_rank_ceiling_at_that_len
 
 
 def test_a_length_ceiling_computes_the_lengths_no_row_reaches(tmp_path, capsys):
-    config = json.loads((CONFIG_DIR / "tiny-llama.json").read_text())
-    mine = tmp_path / "short-tiny.json"
-    mine.write_text(json.dumps({**config, "max_position_embeddings": 2048}))
+    mine, _ = tiny_config(tmp_path, "short-tiny", max_position_embeddings=2048)
     argv = ["ceiling", "--ledger", str(BUNDLED), "--model", str(mine), "--rank", "8", "--budget-mib", "200000",
             "--cache", str(tmp_path / "cache"), "--json"]
     assert cli.main([*argv, "--no-compute"]) == 0
@@ -145,9 +147,7 @@ def test_a_length_ceiling_computes_the_lengths_no_row_reaches(tmp_path, capsys):
 
 
 def test_fit_runs_an_unlisted_models_grid_once_and_takes_a_budget(tmp_path, capsys):
-    config = json.loads((CONFIG_DIR / "tiny-llama.json").read_text())
-    mine = tmp_path / "fit-tiny.json"
-    mine.write_text(json.dumps(config))
+    mine, _ = tiny_config(tmp_path, "fit-tiny")
     argv = ["fit", "--ledger", str(BUNDLED), "--model", str(mine), "--budget-mib", "300", "--quant", "4bit",
             "--fixes", "none", "--cache", str(tmp_path / "cache"), "--json"]
     assert cli.main([*argv, "--no-compute"]) == 1
@@ -163,9 +163,7 @@ def test_fit_runs_an_unlisted_models_grid_once_and_takes_a_budget(tmp_path, caps
 
 
 def test_checkpointing_off_is_answered_by_its_own_dry_runs_never_by_rows_that_have_it_on(tmp_path, capsys):
-    config = json.loads((CONFIG_DIR / "tiny-llama.json").read_text())
-    mine = tmp_path / "ckpt-tiny.json"
-    mine.write_text(json.dumps(config))
+    mine, _ = tiny_config(tmp_path, "ckpt-tiny")
     cache = tmp_path / "cache"
     base = ["estimate", "--ledger", str(BUNDLED), "--model", str(mine), "--rank", "16", "--seq-len", "256",
             "--gpu", "RTX 4060 Ti 16GB", "--cache", str(cache), "--real", "--json"]
