@@ -41,11 +41,13 @@ def add_fit_options(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_fit(args: argparse.Namespace) -> int:
-    """The largest LoRA rank that fits (and, in brackets, that is tight) for one model on one
-    card, at each sequence length, for each quant, memory-fixes setting, and without / with
-    dropout / with DoRA: the one predictor's answers from the committed dry-run rows (no torch),
-    or the whole evidence ladder where the ledger measured the model on the card. With --compute,
-    the dry runs the model lacks are run first (python -m probe_kit.run_sweep, device "dry")."""
+    """The largest LoRA rank whose training run fits (and, in brackets, that is tight) for one
+    model on one card, at each sequence length, for each quant, memory-fixes setting, and without /
+    with dropout / with DoRA: stock, the step with the optimizer's state (AdamW unless --optim);
+    the program's preset, as its measured runs. The one predictor's answers from the committed
+    dry-run rows (no torch), or the whole evidence ladder where the ledger measured the model on
+    the card. With --compute, the dry runs the model lacks are run first (python -m
+    probe_kit.run_sweep, device "dry")."""
     ledger = store.load(args.ledger)
     require_model(args.model, ledger)
     gpu, entry = card_from(args, ledger)
@@ -147,5 +149,5 @@ def _point_key(p) -> tuple:
             (p.batch_size or 1) == 1 and p.optimizer is None, p.gradient_checkpointing is not False)
 
 
-COMMANDS = [Command("fit", "one model's fit table on one card: the largest rank that fits at each length",
+COMMANDS = [Command("fit", "one model's fit table on one card: the largest rank whose training run fits at each length",
                     add_fit_options, cmd_fit)]
