@@ -41,7 +41,7 @@ from typing import Iterable, Optional
 from .model_configs import vocab_size
 from .models import Ledger, Measurement
 from .peaks import PeakModel, date_of, fit_slope, ok_peak
-from .recipe import capacity_mib, fixes_key, group_key, recipe_key, seq_len_of
+from .recipe import RecipeKey, capacity_mib, fixes_key, group_key, recipe_key, seq_len_of
 from .units import to_mib
 
 # -- probe -> real -----------------------------------------------------------------------------
@@ -159,12 +159,12 @@ class Overestimate:
     def fixes(self) -> frozenset[str]:
         """The memory fixes (as ``fixes_key`` spells them) of the recipes its pairs measured: the
         over-estimate is a remainder of those recipes' real runs and is applied to them only."""
-        return frozenset(p.key[6] for p in self.pairs)
+        return frozenset(RecipeKey(*p.key).fixes for p in self.pairs)
 
     @property
     def max_rank(self) -> Optional[int]:
         """The largest LoRA rank a pair measured: its runs' optimizer state is inside the over-estimate."""
-        return max((p.key[3] for p in self.pairs if p.key[3]), default=None)
+        return max((r for r in (RecipeKey(*p.key).rank for p in self.pairs) if r), default=None)
 
     def logits_off_mib(self, model: Optional[str], keep: Optional[int]) -> float:
         """MiB of a probe's kept logits that the real-run prediction leaves out (0 when unknown)."""

@@ -1,5 +1,6 @@
 """The fit table: for each model with dry-run rows, each card, quant, memory fixes, dropout / DoRA
-and sequence length, the largest LoRA rank that fits and the largest that is tight. Pure: no torch.
+and sequence length, the largest LoRA rank whose training run fits (by default; a one-step probe
+with ``run="probe"``) and the largest that is tight. Pure: no torch.
 
 Every cell is the one predictor's answer (``ledger.predictor``). Where the ledger measured the
 model on the card, the whole evidence ladder answers (``Predictor.ceiling``) and the cell names

@@ -45,8 +45,8 @@ class CardLimits:
         usable = capacity_mib(entry)
         if usable is None:
             return None, None, "no limit known for this card: give --budget-mib"
-        fit = self.overheads
-        if not fit["context"]:
+        d = self.derive_rule()
+        if d is None:
             return None, None, f"no measured card to derive {gpu}'s limit from: give --budget-mib"
         low_usable = high_usable = usable
         basis = f"{usable} MiB usable (card table)"
@@ -54,12 +54,12 @@ class CardLimits:
             rule = usable_ratio()
             low_usable, high_usable = rule.usable_mib(entry.total_mib)
             basis = f"{low_usable}–{high_usable} MiB usable ({entry.total_mib:g} MiB total; {rule.describe()})"
-        low = (low_usable - max(fit["context"])) / max(fit["ratio"])
-        high = (high_usable - min(fit["context"])) / min(fit["ratio"])
+        low = (low_usable - d["context_high_mib"]) / d["ratio_high"]
+        high = (high_usable - d["context_low_mib"]) / d["ratio_low"]
         return round(low, 1), round(min(high, high_usable), 1), (
-            f"{basis} less the CUDA context ({min(fit['context']):.0f}–"
-            f"{max(fit['context']):.0f} MiB), over reserved/allocated ({min(fit['ratio']):.3f}–{max(fit['ratio']):.3f}), "
-            f"as measured on {', '.join(fit['cards'])}")
+            f"{basis} less the CUDA context ({d['context_low_mib']:.0f}–{d['context_high_mib']:.0f} MiB), over "
+            f"reserved/allocated ({d['ratio_low']:.3f}–{d['ratio_high']:.3f}), as measured on "
+            f"{', '.join(self.overheads['cards'])}")
 
     @cached_property
     def overheads(self) -> dict:
@@ -83,11 +83,8 @@ class CardLimits:
             cards.append(lim.gpu)
         return {"context": ctx, "ratio": ratios, "cards": cards}
 
-    def derive_rule(self) -> Optional[dict]:
-        """What derives the limit of a card known by its nvidia-smi total alone (``_card_limit``), as
-        figures a page can apply to a total it is given: usable = total x usable_low..usable_high;
-        limit = (usable - the context) / reserved over allocated, low end from the largest context
-        and ratio. None when no measured card pins them."""
+    @cached_property
+    def _rule(self) -> Optional[dict]:
         fit = self.overheads
         if not fit["context"]:
             return None
@@ -95,6 +92,14 @@ class CardLimits:
         return {"usable_low": rule.low, "usable_high": rule.high, "context_low_mib": min(fit["context"]),
                 "context_high_mib": max(fit["context"]), "ratio_low": min(fit["ratio"]),
                 "ratio_high": max(fit["ratio"])}
+
+    def derive_rule(self) -> Optional[dict]:
+        """What derives a card's limit from its usable memory (``_card_limit``), and its usable
+        memory from its nvidia-smi total alone, as figures a page can apply to a total it is given:
+        usable = total x usable_low..usable_high; limit = (usable - the context) / reserved over
+        allocated, the low end from the largest context and ratio. None when no measured card pins
+        them."""
+        return self._rule
 
     def reserved_ratio(self, gpu: str) -> Optional[tuple[float, float, float]]:
         """(median, min, max) of peak reserved / peak allocated over the card's ok probes, else

@@ -186,11 +186,11 @@ class Predictor:
             method = method or "bounded by measured rows"
         real = None
         if run == "real":
-            real, method, text, evidence, from_runs = self._real(recipe, gpu, probe, method, text, evidence)
+            real, method, text, evidence, basis = self._real(recipe, gpu, probe, method, text, evidence)
             if optimizer:
                 real, text = with_optimizer_state(real, replace(recipe, targets=asked.targets), optimizer, text,
-                                                  from_runs)
-            elif real is not None and from_runs and method != "measured real run":
+                                                  from_real_runs=basis != "steady state")
+            elif real is not None and basis == "calibrated":
                 grown, how = state_growth(replace(recipe, targets=asked.targets), self.over.max_rank)
                 if grown:
                     real, text = shift(real, grown), f"{text}; {how}"
@@ -234,13 +234,15 @@ class Predictor:
 
     def _real(self, recipe: Recipe, gpu: str, probe: Optional[Interval], method: str, text: str, evidence: list[str]):
         """A real run's figure: measured real runs of the recipe, else the probe's through the
-        probe-to-real step, bounded by the card's real runs."""
+        probe-to-real step, bounded by the card's real runs; with its basis: "measured", "calibrated"
+        (the pairs' over-estimate, whose runs hold their own optimizer state) or "steady state" (the
+        probe, to which the optimizer's state is added)."""
         found = self.real_rung.evidence(recipe, gpu) if recipe.checkpointing else None
         if found is not None:
-            return found.interval, found.method, found.text, list(found.ids), True
+            return found.interval, found.method, found.text, list(found.ids), "measured"
         real = None
-        from_runs = self.calibrated_real(recipe)
-        if probe is not None and from_runs:
+        basis = "calibrated" if self.calibrated_real(recipe) else "steady state"
+        if probe is not None and basis == "calibrated":
             real, how = self.probe_to_real(probe, recipe, evidence)
             text = f"{text}; {how}"
         elif probe is not None:
@@ -250,7 +252,7 @@ class Predictor:
         if dom:
             text = f"{text}; {dom}" if text else dom
             evidence = evidence + [i for i in ids if i not in evidence]
-        return real, method, text, evidence, from_runs
+        return real, method, text, evidence, basis
 
     def calibrated_real(self, recipe: Recipe) -> bool:
         """Whether a real run of this recipe is its probe through the over-estimate the probe/real
