@@ -5,7 +5,6 @@ physics across recipes (never above an easier recipe's ceiling, never below a ha
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Optional
 
 from .answers import CeilingAnswer, LengthCeiling, Run
@@ -46,7 +45,7 @@ def _scan(p, recipe: Recipe, gpu: str, *, entry: Optional[Gpu], run: Run, margin
     known = False
     low = high = None
     for rank in range(step, max_rank + 1, step):
-        a = p.predict(replace(recipe, rank=rank), gpu, entry=entry, run=run, margin_mib=margin_mib,
+        a = p.predict(recipe.replace(rank=rank), gpu, entry=entry, run=run, margin_mib=margin_mib,
                          budget_mib=budget_mib)
         low, high = a.limit_low_mib, a.limit_high_mib
         fig = a.allocated
@@ -63,7 +62,7 @@ def _scan(p, recipe: Recipe, gpu: str, *, entry: Optional[Gpu], run: Run, margin
         tight_rank = rank
     first_known = next((r["rank"] for r in ranks if r["verdict"] != "unknown"), None)
     if not known:
-        status, note = "unknown", p.predict(replace(recipe, rank=step), gpu, entry=entry, run=run,
+        status, note = "unknown", p.predict(recipe.replace(rank=step), gpu, entry=entry, run=run,
                                                budget_mib=budget_mib).why
     elif fits_rank is None and tight_rank is None and first_known != step:
         status, note = "unknown", (f"nothing is known below rank {first_known}, and rank {first_known} "
@@ -89,7 +88,7 @@ def _consistent(p, recipe, gpu, entry, run, margin_mib, budget_mib, step, max_ra
     for s in seqs:
         for d in (False, True):
             for k in (False, True):
-                other = replace(recipe, seq_len=s, dropout=d, dora=k)
+                other = recipe.replace(seq_len=s, dropout=d, dora=k)
                 if other == recipe:
                     continue
                 easier = s <= recipe.seq_len and d <= recipe.dropout and k <= recipe.dora
@@ -147,7 +146,7 @@ def longest(p, recipe: Recipe, gpu: str, *, entry: Optional[Gpu] = None, run: Ru
     low = high = None
     last_known = None
     for seq in range(step, max_len + 1, step):
-        a = p.predict(replace(recipe, seq_len=seq), gpu, entry=entry, run=run, margin_mib=margin_mib,
+        a = p.predict(recipe.replace(seq_len=seq), gpu, entry=entry, run=run, margin_mib=margin_mib,
                       budget_mib=budget_mib)
         low, high = a.limit_low_mib, a.limit_high_mib
         fig = a.allocated
@@ -168,7 +167,7 @@ def longest(p, recipe: Recipe, gpu: str, *, entry: Optional[Gpu] = None, run: Ru
     stopped = bool(rows) and rows[-1]["verdict"] == "won't fit"
     unknown_from = None if stopped or last_known == max_len else (last_known or 0) + step
     if not rows:
-        status, note = "unknown", p.predict(replace(recipe, seq_len=step), gpu, entry=entry, run=run,
+        status, note = "unknown", p.predict(recipe.replace(seq_len=step), gpu, entry=entry, run=run,
                                                budget_mib=budget_mib).why
     elif fits_len is None and tight_len is None:
         status, note = "none-fits", f"rank {recipe.rank} does not fit at {rows[0]['seq_len']} tokens"

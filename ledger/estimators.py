@@ -17,6 +17,7 @@ The scoreboard (``ledger.scoreboard``) scores them, with this project's own held
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -132,7 +133,7 @@ class Canifinetune(Estimator):
     @staticmethod
     def available() -> bool:
         try:
-            import canifinetune.estimator.memory  # noqa: F401
+            importlib.import_module("canifinetune.estimator.memory")
         except Exception:  # not installed, or broken: the scoreboard says so
             return False
         return True

@@ -19,7 +19,7 @@ from .cards import card_table
 from .model_configs import model_name
 from .optimizers import optimizer_for
 from .predictor import Predictor
-from .rank_judge import dry_judge
+from .rank_judge import dry_ceiling
 from .recipe import Recipe, recipe_of, row_keys_cached
 from .response_span import BATCH_AS_LENGTH_ERR, answerable
 from .recipe import fixes_key
@@ -136,65 +136,34 @@ def page_cards(p: Predictor) -> list[str]:
 
 def _dry_ceiling(p: Predictor, recipe: Recipe, gpu: str, entry: Gpu, budget_mib: Optional[float] = None,
                  run: str = "real", optimizer: Optional[str] = None) -> tuple[Optional[int], Optional[int], str, bool]:
-    """(fits, tight, status, at least) from the calibrated dry run alone, by bisection over ranks.
-    A micro-batch is answered as ``predict`` answers it: the single sequence of batch x length
-    tokens (``response_span.answerable``), its interval widened by that derivation's error."""
-    one, _ = answerable(recipe)  # the recipe names no optimizer: ``optimizer``'s state is added by the judge
+    """(fits, tight, status, at least) from the calibrated dry run alone (``rank_judge.dry_ceiling``)."""
+    one, widened = _as_asked(recipe)
+    return _dry_cell(p, one, widened, gpu, entry, _entry_key(entry), budget_mib, run, optimizer)
+
+
+def _as_asked(recipe: Recipe) -> tuple[Optional[Recipe], float]:
+    """A micro-batch is answered as ``predict`` answers it: the single sequence of batch x length
+    tokens (``response_span.answerable``), its interval widened by that derivation's error. The
+    recipe names no optimizer: ``optimizer``'s state is added by the judge. (None: not answerable.)"""
+    one, _ = answerable(recipe)
+    return one, BATCH_AS_LENGTH_ERR if recipe.batch != 1 else 0.0
+
+
+def _entry_key(entry: Optional[Gpu]):
+    return None if entry is None else (entry.name, entry.vendor, entry.total_mib, entry.usable_gib_torch)
+
+
+def _dry_cell(p: Predictor, one: Optional[Recipe], widened: float, gpu: str, entry: Optional[Gpu], entry_key,
+              budget_mib: Optional[float], run: str, optimizer: Optional[str]):
     if one is None:
         return None, None, "unknown", False
-    widened = BATCH_AS_LENGTH_ERR if recipe.batch != 1 else 0.0
     # B sequences of L tokens and B' of L' with B x L = B' x L' are one question: asked once per fit.
     memo = p.dry_ceilings
-    key = (one, gpu, None if entry is None else (entry.name, entry.vendor, entry.total_mib, entry.usable_gib_torch),
-           budget_mib, widened, run, optimizer)
-    if key not in memo:
-        memo[key] = _bisect(dry_judge(p, one, gpu, entry, budget_mib, widened, run, optimizer))
-    return memo[key]
-
-
-def _bisect(judge) -> tuple[Optional[int], Optional[int], str, bool]:
-    """What ``vram ceiling``'s scan from the smallest rank finds (the largest rank with every rank
-    up to it "fits"; the last before the first "won't fit"), in a handful of verdicts: a derived
-    rank's verdict only worsens with the rank (bisection), while a rank dry-run exactly
-    (``judge.exact``) has a narrower interval than the derived ranks around it, so its verdict can
-    be better or worse than theirs: each of those few is asked on its own."""
-    cache: dict[int, str] = {}
-
-    def verdict(rank: int) -> str:
-        if rank not in cache:
-            cache[rank] = judge(rank)
-        return cache[rank]
-
-    if verdict(STEP) == "unknown":
-        return None, None, "unknown", False
-    ranks = list(range(STEP, MAX_RANK + 1, STEP))
-    exact = {r for r in getattr(judge, "exact", ()) if r % STEP == 0 and STEP <= r <= MAX_RANK}
-    derived = [r for r in ranks if r not in exact]
-
-    def first(bad) -> Optional[int]:
-        """The smallest rank whose verdict is ``bad``: bisection over the derived ranks, then the exact ones."""
-        lo, hi = -1, len(derived)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if bad(verdict(derived[mid])):
-                hi = mid
-            else:
-                lo = mid
-        found = [derived[hi]] if hi < len(derived) else []
-        found += [r for r in exact if (not found or r < found[0]) and bad(verdict(r))]
-        return min(found, default=None)
-
-    def before(rank: Optional[int]) -> Optional[int]:
-        return ranks[-1] if rank is None else (rank - STEP if rank > STEP else None)
-
-    tight = before(first(lambda v: v in ("won't fit", "unknown")))
-    fits = before(first(lambda v: v != "fits"))
-    if fits is not None and tight is not None:
-        fits = min(fits, tight)
-    top = tight or fits
-    # Past the last rank known to fit only unknowns (no slope to extrapolate with): "at least".
-    at_least = top is not None and top + STEP <= MAX_RANK and verdict(top + STEP) == "unknown"
-    return fits, tight, "ok" if (fits or tight) else "none-fits", at_least
+    key = (one, gpu, entry_key, budget_mib, widened, run, optimizer)
+    found = memo.get(key)
+    if found is None:
+        found = memo[key] = dry_ceiling(p, one, gpu, entry, budget_mib, widened, run, optimizer, STEP, MAX_RANK)
+    return found
 
 
 @row_keys_cached()
@@ -222,45 +191,50 @@ def fit_table(p: Predictor, *, models: Optional[Iterable[str]] = None, gpus: Opt
     if not checkpointing:
         fixes_settings = tuple(f for f in fixes_settings if f != "all")
     for model in models:
+        # The model's recipes in the table's order (quant, fixes, setting, length), made once for every card.
+        recipes = []
+        for quant in ("4bit", "bf16"):
+            for fixes in fixes_settings:
+                optim = optimizer_for(fixes, optimizer) if run == "real" else None
+                for setting, dropout, dora in SETTINGS:
+                    for seq in lengths:
+                        recipe = Recipe(model=model, quant=quant, dropout=dropout, dora=dora, seq_len=seq,
+                                        fixes=fixes_key(fixes), batch=batch, checkpointing=checkpointing)
+                        recipes.append((quant, fixes, optim, setting, dropout, dora, seq, recipe, *_as_asked(recipe)))
         for gpu in gpus:
             entry = all_cards.get(gpu)
+            entry_key = _entry_key(entry)
             # Every measured row has checkpointing on: without it the dry run alone answers.
             use_ladder = ladder and checkpointing and (gpu, model) in measured_models
-            for quant in ("4bit", "bf16"):
-                for fixes in fixes_settings:
-                    optim = optimizer_for(fixes, optimizer) if run == "real" else None
-                    for setting, dropout, dora in SETTINGS:
-                        for seq in lengths:
-                            recipe = Recipe(model=model, quant=quant, dropout=dropout, dora=dora, seq_len=seq,
-                                            fixes=fixes_key(fixes), batch=batch, checkpointing=checkpointing)
-                            if use_ladder:
-                                known = {m.model for m in p.ms if model_name(m.model) == model}
-                                asked = replace(recipe, model=sorted(known)[0], optimizer=optim)
-                                # A micro-batch is asked as its one sequence of B x L tokens: the same
-                                # total from another batch and length is one question (asked once).
-                                one = answerable(recipe)[0]
-                                one = one and replace(one, model=asked.model, optimizer=optim)
-                                key = ("ladder", one if recipe.batch != 1 else asked, recipe.batch != 1, gpu,
-                                       budget_mib, run)
-                                if key not in p.dry_ceilings:
-                                    c = p.ceiling(asked, gpu, entry=entry, budget_mib=budget_mib, run=run)
-                                    p.dry_ceilings[key] = (c.fits_rank, c.tight_rank, c.status, c.at_least)
-                                fits, tight, status, more = p.dry_ceilings[key]
-                                lower = max([s for s in lengths if s < seq], default=0)
-                                rows = tuple(sorted({m.id for m in p.ms if m.gpu == gpu and m.kind == "probe"
-                                                     and m.lora and model_name(m.model) == model and m.quant == quant
-                                                     and fixes_key(m.memory_fixes) == fixes and m.seq_len
-                                                     and lower < m.seq_len <= seq
-                                                     and bool(m.lora.dropout) == dropout
-                                                     and bool(m.lora.dora) == dora}))
-                            else:
-                                fits, tight, status, more = _dry_ceiling(p, recipe, gpu, entry, budget_mib, run, optim)
-                                rows = ()
-                            out.append(FitCell(model=model, gpu=gpu, quant=quant, fixes=fixes, setting=setting,
-                                               seq_len=seq, fits_rank=fits, tight_rank=tight, status=status,
-                                               at_least=more or (fits is not None and fits + STEP > MAX_RANK),
-                                               method="ledger" if use_ladder else "dry run", measured=rows,
-                                               run=run, optimizer=optim, checkpointing=checkpointing))
+            for quant, fixes, optim, setting, dropout, dora, seq, recipe, one, widened in recipes:
+                if use_ladder:
+                    known = {m.model for m in p.ms if model_name(m.model) == model}
+                    asked = replace(recipe, model=sorted(known)[0], optimizer=optim)
+                    # A micro-batch is asked as its one sequence of B x L tokens: the same
+                    # total from another batch and length is one question (asked once).
+                    one = one and replace(one, model=asked.model, optimizer=optim)
+                    key = ("ladder", one if recipe.batch != 1 else asked, recipe.batch != 1, gpu,
+                           budget_mib, run)
+                    if key not in p.dry_ceilings:
+                        c = p.ceiling(asked, gpu, entry=entry, budget_mib=budget_mib, run=run)
+                        p.dry_ceilings[key] = (c.fits_rank, c.tight_rank, c.status, c.at_least)
+                    fits, tight, status, more = p.dry_ceilings[key]
+                    lower = max([s for s in lengths if s < seq], default=0)
+                    rows = tuple(sorted({m.id for m in p.ms if m.gpu == gpu and m.kind == "probe"
+                                         and m.lora and model_name(m.model) == model and m.quant == quant
+                                         and fixes_key(m.memory_fixes) == fixes and m.seq_len
+                                         and lower < m.seq_len <= seq
+                                         and bool(m.lora.dropout) == dropout
+                                         and bool(m.lora.dora) == dora}))
+                else:
+                    fits, tight, status, more = _dry_cell(p, one, widened, gpu, entry, entry_key, budget_mib, run,
+                                                          optim)
+                    rows = ()
+                out.append(FitCell(model=model, gpu=gpu, quant=quant, fixes=fixes, setting=setting,
+                                   seq_len=seq, fits_rank=fits, tight_rank=tight, status=status,
+                                   at_least=more or (fits is not None and fits + STEP > MAX_RANK),
+                                   method="ledger" if use_ladder else "dry run", measured=rows,
+                                   run=run, optimizer=optim, checkpointing=checkpointing))
     return monotone(out)
 
 

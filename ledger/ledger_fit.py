@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import datetime as dt
 from collections import Counter
-from dataclasses import replace
 from functools import cached_property
 from typing import Iterable, Optional
 
@@ -179,7 +178,7 @@ class LedgerFit:
         """A row's recipe, a real run's longest example filled in from the probe it was paired with."""
         r = recipe_of(m)
         if r is not None and r.seq_len is None and m.kind == "real" and m.id in self.real_seq:
-            r = replace(r, seq_len=self.real_seq[m.id])
+            r = r.replace(seq_len=self.real_seq[m.id])
         return r
 
     @cached_property

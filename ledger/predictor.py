@@ -43,7 +43,6 @@ the margin; ``won't fit`` when its bottom is over the limit's high end; ``tight`
 from __future__ import annotations
 
 import datetime as dt
-from dataclasses import replace
 from functools import cached_property
 from typing import Iterable, Optional
 
@@ -130,7 +129,7 @@ class Predictor:
             probes = self.fit.peaks.probes
             models = sorted({m.model for m in probes if m.gpu == gpu and m.model} or {m.model for m in probes if m.model})
             if len(models) == 1:
-                recipe = replace(recipe, model=models[0])
+                recipe = recipe.replace(model=models[0])
         return recipe
 
     def unknown(self, recipe: Recipe, gpu: str, entry: Optional[Gpu], run: Run, why: str) -> Answer:
@@ -162,7 +161,7 @@ class Predictor:
         optimizer = recipe.optimizer  # the rows record none: its state is added to a real run below
         recipe, targets_text = fewer_targets(self.resolve_model(recipe, gpu))
         if optimizer is not None:
-            recipe = replace(recipe, optimizer=None)
+            recipe = recipe.replace(optimizer=None)
         one, batch_text = answerable(recipe)
         if one is None:
             return self.unknown(asked, gpu, entry, run, batch_text)
@@ -172,7 +171,7 @@ class Predictor:
         if recipe.model and gpu in self.ledger.gpus:
             known = self.fit.models_named.get(model_name(recipe.model))
             if known:
-                recipe = replace(recipe, model=known)
+                recipe = recipe.replace(model=known)
         probe, method, text, evidence = self.probe_figure(recipe, gpu, entry.vendor if entry else None)
         if method != "dry run":
             probe, span_text = self.span.longer_span(recipe, probe, evidence)
@@ -188,10 +187,10 @@ class Predictor:
         if run == "real":
             real, method, text, evidence, basis = self._real(recipe, gpu, probe, method, text, evidence)
             if optimizer:
-                real, text = with_optimizer_state(real, replace(recipe, targets=asked.targets), optimizer, text,
+                real, text = with_optimizer_state(real, recipe.replace(targets=asked.targets), optimizer, text,
                                                   from_real_runs=basis != "steady state")
             elif real is not None and basis == "calibrated":
-                grown, how = state_growth(replace(recipe, targets=asked.targets), self.over.max_rank)
+                grown, how = state_growth(recipe.replace(targets=asked.targets), self.over.max_rank)
                 if grown:
                     real, text = shift(real, grown), f"{text}; {how}"
         if batch_text:
@@ -201,9 +200,9 @@ class Predictor:
             probe, real = upper_bound(probe), upper_bound(real)
             text = f"{targets_text}; {text}"
         if batch_text or targets_text:
-            recipe = replace(asked, model=recipe.model)
+            recipe = asked.replace(model=recipe.model)
         elif optimizer is not None:
-            recipe = replace(recipe, optimizer=optimizer)
+            recipe = recipe.replace(optimizer=optimizer)
         judged = real if run == "real" else probe
         ratio = self.reserved_ratio(gpu)
         reserved = None if judged is None or ratio is None else scale(judged, ratio[0], ratio[1], ratio[2])

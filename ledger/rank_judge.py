@@ -24,6 +24,90 @@ def dry_judge(p, recipe: Recipe, gpu: str, entry: Optional[Gpu] = None,
     a derived answer (a micro-batch answered as one sequence). ``run="real"``: a training run's
     figure as ``predict`` makes it (the calibrated over-estimate where the probe/real pairs
     measured the recipe's fixes, else the steady state), plus ``optimizer``'s state."""
+    profile, low, high = _profile(p, recipe, gpu, entry, budget_mib, widened, run, optimizer)
+    bounds = profile.bounds
+
+    def verdict(rank: int) -> str:
+        found = bounds(rank)
+        return "unknown" if found is None else verdict_for(found[0], found[1], low, high, 0.0)
+    verdict.exact = profile.exact  # the ranks dry-run exactly (a narrower interval: the verdict can be stricter)
+    return verdict
+
+
+def dry_ceiling(p, recipe: Recipe, gpu: str, entry: Optional[Gpu], budget_mib: Optional[float], widened: float,
+                run: Run, optimizer: Optional[str], step: int, max_rank: int
+                ) -> tuple[Optional[int], Optional[int], str, bool]:
+    """(fits, tight, status, at least): what ``vram ceiling``'s scan from the smallest rank finds
+    with ``dry_judge``'s verdicts (the largest rank with every rank up to it "fits"; the last
+    before the first "won't fit"), in a handful of interval look-ups. A derived rank's verdict
+    only worsens with the rank (bisection), while a rank dry-run exactly has a narrower interval
+    than the derived ranks around it, so its verdict can be better or worse than theirs: each of
+    those few is asked on its own. The verdict rule is ``answers.verdict_for``'s, inlined (the
+    fit table asks this for every cell)."""
+    profile, low, high = _profile(p, recipe, gpu, entry, budget_mib, widened, run, optimizer)
+    bounds = profile.bounds
+    if low is None or bounds(step) is None:
+        return None, None, "unknown", False
+    over = high if high is not None else low
+
+    def not_fits(rank: int) -> bool:  # verdict != "fits"
+        b = bounds(rank)
+        return b is None or not b[1] <= low
+
+    def stops(rank: int) -> bool:  # verdict "won't fit" or "unknown"
+        b = bounds(rank)
+        return b is None or (not b[1] <= low and b[0] > over)
+
+    derived, exact = profile.ranks(step, max_rank)
+
+    def first(bad) -> Optional[int]:
+        lo, hi = -1, len(derived)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if bad(derived[mid]):
+                hi = mid
+            else:
+                lo = mid
+        found = derived[hi] if hi < len(derived) else None
+        for r in exact:
+            if (found is None or r < found) and bad(r):
+                found = r
+        return found
+
+    def before(rank: Optional[int]) -> Optional[int]:
+        return max_rank - max_rank % step if rank is None else (rank - step if rank > step else None)
+
+    tight = before(first(stops))
+    fits = before(first(not_fits))
+    if fits is not None and tight is not None:
+        fits = min(fits, tight)
+    top = tight or fits
+    # Past the last rank known to fit only unknowns (no slope to extrapolate with): "at least".
+    at_least = top is not None and top + step <= max_rank and bounds(top + step) is None
+    return fits, tight, "ok" if (fits or tight) else "none-fits", at_least
+
+
+class _Profile:
+    """One recipe's judged interval by rank, for every card with the same remainder."""
+
+    __slots__ = ("bounds", "exact", "_ranks")
+
+    def __init__(self, bounds, exact):
+        self.bounds, self.exact, self._ranks = bounds, exact, {}
+
+    def ranks(self, step: int, max_rank: int) -> tuple[list[int], list[int]]:
+        """(the derived ranks, the exact ones) of the scan's grid, in order."""
+        key = (step, max_rank)
+        if key not in self._ranks:
+            grid = range(step, max_rank + 1, step)
+            self._ranks[key] = ([r for r in grid if r not in self.exact],
+                                sorted(r for r in self.exact if r % step == 0 and step <= r <= max_rank))
+        return self._ranks[key]
+
+
+def _profile(p, recipe: Recipe, gpu: str, entry: Optional[Gpu], budget_mib: Optional[float], widened: float,
+             run: Run, optimizer: Optional[str]) -> tuple[_Profile, Optional[float], Optional[float]]:
+    """The recipe's profile on this card's remainder, and the card's limit (or the budget)."""
     entry = entry or p.ledger.gpus.get(gpu)
     rem = p.remainder(gpu or "", entry.vendor if entry else None)[0] or 0.0
     low, high, _ = p.card_limit(gpu, entry, run) if budget_mib is None else (budget_mib, budget_mib, "")
@@ -32,14 +116,8 @@ def dry_judge(p, recipe: Recipe, gpu: str, entry: Optional[Gpu] = None,
     key = (recipe, rem, widened, run, optimizer)
     memo = p.rank_bounds
     if key not in memo:
-        memo[key] = _bounds(p, recipe, rem, widened, run, optimizer)
-    bounds, exact = memo[key]
-
-    def verdict(rank: int) -> str:
-        found = bounds(rank)
-        return "unknown" if found is None else verdict_for(found[0], found[1], low, high, 0.0)
-    verdict.exact = exact  # the ranks dry-run exactly (a narrower interval: the verdict can be stricter)
-    return verdict
+        memo[key] = _Profile(*_bounds(p, recipe, rem, widened, run, optimizer))
+    return memo[key], low, high
 
 
 def _bounds(p, recipe: Recipe, rem: float, widened: float, run: Run, optimizer: Optional[str]):

@@ -8,7 +8,6 @@ more, at most the whole logits chain."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from functools import lru_cache
 from math import prod
 from typing import Optional
@@ -111,12 +110,20 @@ _arch = lru_cache(maxsize=256)(load_arch)
 
 
 @lru_cache(maxsize=65536)
-def state_mib(model: str, rank: int, targets: tuple[str, ...], dora: bool, optimizer: str) -> Optional[float]:
-    """MiB of the state ``optimizer`` keeps on the card for the adapter (None: no config for the model)."""
+def adapter_state(model: str, rank: int, targets: tuple[str, ...], dora: bool, optimizer: str):
+    """(the state ``optimizer`` keeps for the adapter, the adapter's trainable parameters), or None
+    without a config for the model (made once per recipe: ceilings ask it rank by rank)."""
     arch = _arch(model)
     if arch is None:
         return None
-    return state_bytes(optimizer, trainable_shape_counts(arch, rank, targets, dora)).device_mib
+    shapes = trainable_shape_counts(arch, rank, targets, dora)
+    return state_bytes(optimizer, shapes), sum(prod(s) * k for s, k in shapes.items())
+
+
+def state_mib(model: str, rank: int, targets: tuple[str, ...], dora: bool, optimizer: str) -> Optional[float]:
+    """MiB of the state ``optimizer`` keeps on the card for the adapter (None: no config for the model)."""
+    found = adapter_state(model, rank, targets, dora, optimizer)
+    return None if found is None else found[0].device_mib
 
 
 def state_growth(recipe: Recipe, measured_rank: Optional[int]) -> tuple[float, str]:
@@ -151,12 +158,10 @@ def with_optimizer_state(real: Optional[Interval], recipe: Recipe, optimizer: st
     (``from_real_runs``) leans high by at most that; added to a one-step probe's figure it is the
     steady state (``STEADY_STATE_ERR_PCT``). Paged state is named, not added (the allocator does
     not count it)."""
-    arch = _arch(recipe.model) if recipe.model else None
-    if arch is None:
+    found = adapter_state(recipe.model, recipe.rank, recipe.targets, recipe.dora, optimizer) if recipe.model else None
+    if found is None:
         return real, f"{text}; the {optimizer} state is not counted: no config for {recipe.model or 'the model'}"
-    shapes = trainable_shape_counts(arch, recipe.rank, recipe.targets, recipe.dora)
-    state = state_bytes(optimizer, shapes)
-    n = sum(prod(s) * k for s, k in shapes.items())
+    state, n = found
     note = f"plus the optimizer's state, {state.describe()} for the adapter's {n:,} trainable parameters" + (
         " (the real runs record no optimizer: their own state, if any, is inside the figure, so this leans high)"
         if from_real_runs else "")
@@ -192,7 +197,7 @@ def answerable(recipe: Recipe) -> tuple[Optional[Recipe], str]:
     if recipe.seq_len is None:
         return None, f"micro-batch {recipe.batch} needs the sequence length"
     tokens = recipe.batch * recipe.seq_len
-    one = replace(recipe, batch=1, seq_len=tokens,
+    one = recipe.replace(batch=1, seq_len=tokens,
                   response_len=None if recipe.response_len is None else recipe.batch * recipe.response_len)
     return one, (f"micro-batch {recipe.batch} x {recipe.seq_len} tokens (every sequence padded to the longest) answered "
                  f"as one sequence of {tokens} tokens (activations are linear in batch x length with checkpointing; "
@@ -205,7 +210,7 @@ def fewer_targets(recipe: Recipe) -> tuple[Recipe, str]:
     activations), so it can say "fits" but never "won't fit". Returns (the recipe on all 7, the note)."""
     if recipe.targets == ALL_LINEAR:
         return recipe, ""
-    return (replace(recipe, targets=ALL_LINEAR),
+    return (recipe.replace(targets=ALL_LINEAR),
             f"LoRA on {','.join(recipe.targets)} answered by the same recipe on all 7 projections, an upper bound "
             "(fewer adapters: less of their weights, gradients and activations; `python -m probe_kit.dry_run "
             "--target-modules ...` gives its own figure)")

@@ -13,7 +13,7 @@ field of ``ledger.recipe.Recipe`` and a term in the rungs whose rows can tell it
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
 from .answers import Interval, around, interval
@@ -46,8 +46,8 @@ class MeasuredRealRun:
         for m in self.fit.reals_on(gpu):
             if m.outcome.status in ("ok", "oom"):
                 r = self.fit.recipe_for(m)
-                if r is not None and r.seq_len == recipe.seq_len and replace(r, response_len=None, model=model_name(
-                        r.model)) == replace(recipe, response_len=None, model=model_name(recipe.model)):
+                if r is not None and r.seq_len == recipe.seq_len and r.replace(response_len=None, model=model_name(
+                        r.model)) == recipe.replace(response_len=None, model=model_name(recipe.model)):
                     same.append(m)
         fits = [m for m in same if ok_peak(m) is not None]
         if not fits:
@@ -105,8 +105,8 @@ class InterpolatedOnCard:
         if not lower or not upper:
             return None
         s1, s2 = lower[-1], upper[0]
-        y1, i1 = peaks.predict(gpu, replace(recipe, seq_len=s1).group(), recipe.rank)
-        y2, i2 = peaks.predict(gpu, replace(recipe, seq_len=s2).group(), recipe.rank)
+        y1, i1 = peaks.predict(gpu, recipe.replace(seq_len=s1).group(), recipe.rank)
+        y2, i2 = peaks.predict(gpu, recipe.replace(seq_len=s2).group(), recipe.rank)
         if y1 is None or y2 is None:
             return None
         y = y1 + (y2 - y1) * (recipe.seq_len - s1) / (s2 - s1)

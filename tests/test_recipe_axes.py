@@ -107,6 +107,22 @@ def test_recipes_differing_only_where_memory_does_not_are_one_question():
     assert targets_of_row(["v_proj", "lm_head"]) == ("v_proj", "lm_head")
 
 
+def test_a_recipes_own_replace_is_dataclasses_replace():
+    from dataclasses import asdict, replace
+
+    from ledger.recipe import Recipe
+
+    base = Recipe("tiny-llama", rank=16, dropout=True, dropout_rate=0.05, alpha=16, seq_len=512)
+    for changes in ({"rank": 64}, {"seq_len": 4096, "batch": 4}, {"dropout_rate": 0.1}, {"targets": ("q_proj",)},
+                    {"model": None, "optimizer": "sgd", "checkpointing": False}):
+        fast, slow = base.replace(**changes), replace(base, **changes)
+        assert asdict(fast) == asdict(slow) and fast == slow and hash(fast) == hash(slow), changes
+    assert asdict(base) == asdict(Recipe("tiny-llama", rank=16, dropout=True, dropout_rate=0.05, alpha=16,
+                                         seq_len=512))  # the original is untouched
+    with pytest.raises(TypeError, match="rnak"):
+        base.replace(rnak=8)
+
+
 def test_the_estimators_answer_the_one_recipe():
     import ledger.estimators as estimators
     from ledger.recipe import Recipe
