@@ -1,8 +1,8 @@
 """Where dry-run rows come from: the shipped file and the user's cache.
 
 ``ledger/dry-runs.json`` is shipped data (the fit table's grid, computed by the sweeps in
-``sweeps/``): the site is built from it alone, so the same ledger gives the same site on any
-install. Rows a user computes (``vram fit --model my.json --compute``) go to a cache of their own,
+``sweeps/``): the site is built from it alone (or from the file ``vram build --dry-runs`` names),
+so the same ledger gives the same site on any install. Rows a user computes (``vram fit --model my.json --compute``) go to a cache of their own,
 ``dry-runs.json`` under the user's cache folder (``--cache DIR``; ``VRAM_LEDGER_CACHE``; else the
 platform's, e.g. ``~/.cache/vram-ledger``), never into the shipped file; the commands that
 answer (``estimate``, ``ceiling``, ``predict``, ``fit``, ``cards``, ``calibrate``) read both.
@@ -11,8 +11,9 @@ answer (``estimate``, ``ceiling``, ``predict``, ``fit``, ``cards``, ``calibrate`
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 from .models import Measurement
 from .paths import DRY_RUNS
@@ -52,11 +53,29 @@ def _rows_of(source: Path) -> list[Measurement]:
     return list(_READ[key])
 
 
+#: The file ``load_dry_runs`` reads when given none (``rows_from``): the shipped rows, unless a
+#: build was told another file.
+_SOURCE: Optional[Path] = None
+
+
+@contextmanager
+def rows_from(path: Optional[os.PathLike | str]) -> Iterator[None]:
+    """Within the block, ``load_dry_runs()`` reads ``path`` instead of the shipped file (None: the
+    shipped file). A build reads its dry runs in several places and worker processes (forked:
+    they inherit this), all from the one file it was given (``vram build --dry-runs``)."""
+    global _SOURCE
+    before, _SOURCE = _SOURCE, (Path(path) if path is not None else None)
+    try:
+        yield
+    finally:
+        _SOURCE = before
+
+
 def load_dry_runs(path=None, cache: Optional[os.PathLike | str] = None) -> list[Measurement]:
-    """Dry-run rows: the shipped file's (or ``path``'s), then, given ``cache``, the rows computed
-    into that cache folder that the file lacks. A missing file holds no rows."""
+    """Dry-run rows: the shipped file's (or ``path``'s, or ``rows_from``'s), then, given ``cache``,
+    the rows computed into that cache folder that the file lacks. A missing file holds no rows."""
     rows: list[Measurement] = []
-    for source in [Path(path or DRY_RUNS)] + ([cache_file(cache)] if cache is not None else []):
+    for source in [Path(path or _SOURCE or DRY_RUNS)] + ([cache_file(cache)] if cache is not None else []):
         if not source.exists():
             continue
         rows += _rows_of(source)  # a damaged file is a located error, never skipped

@@ -19,16 +19,20 @@ from .cards import card_table
 from .model_configs import model_name
 from .optimizers import optimizer_for
 from .predictor import Predictor
-from .rank_judge import dry_ceiling
+from .rank_judge import dry_ceilings
 from .recipe import Recipe, recipe_of, row_keys_cached
 from .response_span import BATCH_AS_LENGTH_ERR, answerable
 from .recipe import fixes_key
 
-LENGTHS = (512, 2048, 4096, 8192, 16384)
+LENGTHS = (512, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+#: The program's memory-fixes preset is in the grid up to this length (its runs were at most 7,177 tokens).
+PRESET_MAX_LEN = 16384
 #: The fit grid's models (shipped configs, ledger/model_configs/), smallest first.
 GRID_MODELS = ("qwen2.5-0.5b", "gemma-3-1b-it", "llama-3.2-1b", "qwen2.5-1.5b", "qwen2.5-3b", "llama-3.2-3b",
-               "phi-3.5-mini", "gemma-3-4b-it", "qwen3-4b", "mistral-7b", "qwen2.5-7b", "llama-3.1-8b", "qwen3-8b",
-               "gemma-3-12b-it", "qwen2.5-14b")
+               "phi-3.5-mini", "gemma-3-4b-it", "qwen3-4b", "mistral-7b", "qwen2.5-7b", "deepseek-r1-distill-qwen-7b",
+               "llama-3.1-8b", "qwen3-8b", "gemma-3-12b-it", "mistral-nemo-12b", "qwen2.5-14b",
+               "deepseek-r1-distill-qwen-14b", "qwen3-14b", "phi-4", "mistral-small-24b", "gemma-3-27b-it",
+               "qwen2.5-32b", "qwen3-32b", "llama-3.3-70b", "qwen2.5-72b")
 GRID_RESPONSE_LEN = 256
 #: The projections LoRA targets in an architecture that fuses them (Phi-3 and Phi-4: qkv_proj and
 #: gate_up_proj), by model_type; the others have the default seven.
@@ -78,19 +82,35 @@ class FitCell:
         return text
 
 
-def grid_points(model: str, lengths: Iterable[int] = LENGTHS, checkpointing: bool = True) -> list[dict]:
-    """A model's dry-run points for the fit table (sweep options): rank 8 at every length; rank
-    64, dropout and DoRA at the shortest and longest (see ``Predictor.dry_raw`` for how the rest
-    is derived). ``checkpointing=False``: the same points of the stock recipe without gradient
-    checkpointing (the program's preset always has it on)."""
-    lengths = sorted(lengths)
+def model_lengths(model: str, lengths: Iterable[int] = LENGTHS) -> list[int]:
+    """The lengths of ``lengths`` the model's config allows (``max_position_embeddings``; all
+    without a config)."""
+    from .model_configs import max_length
+
+    top = max_length(model)
+    return sorted(s for s in lengths if top is None or s <= top)
+
+
+def grid_points(model: str, lengths: Optional[Iterable[int]] = None, checkpointing: bool = True,
+                fixes_settings: tuple[str, ...] = ("none", "all")) -> list[dict]:
+    """A model's dry-run points for the fit table (sweep options): rank 8 at every length the
+    model allows (``model_lengths``); rank 64, dropout and DoRA at the shortest, at 16,384 tokens
+    and at the longest (see ``Predictor.dry_raw`` for how the rest is derived). The program's
+    preset (fixes "all") up to ``PRESET_MAX_LEN``. ``checkpointing=False``: the same points of
+    the stock recipe without gradient checkpointing (the program's preset always has it on)."""
+    allowed = model_lengths(model, LENGTHS if lengths is None else lengths)
     out = []
     for quant in ("4bit", "bf16"):
-        for fixes in (("none", "all") if checkpointing else ("none",)):
+        for fixes in fixes_settings:
+            if fixes == "all" and not checkpointing:
+                continue
+            seqs = [s for s in allowed if fixes == "none" or s <= PRESET_MAX_LEN]
+            if not seqs:
+                continue
             base = {"model": model, "quant": quant, "fixes": fixes, "response_len": GRID_RESPONSE_LEN,
                     **({} if checkpointing else {"no_gradient_checkpointing": True}), **target_option(model)}
-            out += [{**base, "seq_len": seq, "rank": 8} for seq in lengths]
-            for seq in (lengths[0], lengths[-1]):
+            out += [{**base, "seq_len": seq, "rank": 8} for seq in seqs]
+            for seq in sorted({seqs[0], seqs[-1]} | ({PRESET_MAX_LEN} & set(seqs))):
                 out += [{**base, "seq_len": seq, "rank": 64}, {**base, "seq_len": seq, "rank": 8, "dropout": 0.1},
                         {**base, "seq_len": seq, "rank": 8, "dora": True}]
     return out
@@ -138,7 +158,7 @@ def _dry_ceiling(p: Predictor, recipe: Recipe, gpu: str, entry: Gpu, budget_mib:
                  run: str = "real", optimizer: Optional[str] = None) -> tuple[Optional[int], Optional[int], str, bool]:
     """(fits, tight, status, at least) from the calibrated dry run alone (``rank_judge.dry_ceiling``)."""
     one, widened = _as_asked(recipe)
-    return _dry_cell(p, one, widened, gpu, entry, _entry_key(entry), budget_mib, run, optimizer)
+    return _dry_cells(p, one, widened, ((gpu, entry),), budget_mib, run, optimizer)[0]
 
 
 def _as_asked(recipe: Recipe) -> tuple[Optional[Recipe], float]:
@@ -153,16 +173,17 @@ def _entry_key(entry: Optional[Gpu]):
     return None if entry is None else (entry.name, entry.vendor, entry.total_mib, entry.usable_gib_torch)
 
 
-def _dry_cell(p: Predictor, one: Optional[Recipe], widened: float, gpu: str, entry: Optional[Gpu], entry_key,
-              budget_mib: Optional[float], run: str, optimizer: Optional[str]):
+def _dry_cells(p: Predictor, one: Optional[Recipe], widened: float, cards_: tuple[tuple[str, Optional[Gpu]], ...],
+               budget_mib: Optional[float], run: str, optimizer: Optional[str]) -> list[tuple]:
+    """The dry run's ceilings of one recipe on each card of ``cards_``, in their order."""
     if one is None:
-        return None, None, "unknown", False
+        return [(None, None, "unknown", False)] * len(cards_)
     # B sequences of L tokens and B' of L' with B x L = B' x L' are one question: asked once per fit.
     memo = p.dry_ceilings
-    key = (one, gpu, entry_key, budget_mib, widened, run, optimizer)
+    key = (one, tuple((g, _entry_key(e)) for g, e in cards_), budget_mib, widened, run, optimizer)
     found = memo.get(key)
     if found is None:
-        found = memo[key] = dry_ceiling(p, one, gpu, entry, budget_mib, widened, run, optimizer, STEP, MAX_RANK)
+        found = memo[key] = dry_ceilings(p, one, list(cards_), budget_mib, widened, run, optimizer, STEP, MAX_RANK)
     return found
 
 
@@ -181,7 +202,8 @@ def fit_table(p: Predictor, *, models: Optional[Iterable[str]] = None, gpus: Opt
     (stock: AdamW unless ``optimizer`` names another; the program's preset: its runs' own);
     "probe" a one-step probe (no optimizer step). ``checkpointing=False``: gradient checkpointing
     off, answered by the dry runs of it alone (the program's preset has it on: its cells are not
-    made)."""
+    made). A model's cells stop at its context (``max_position_embeddings``), the program's preset's
+    at ``PRESET_MAX_LEN`` (the grid's reach for it)."""
     lengths = sorted(lengths)
     all_cards = {**cards(p), **{k: v for k, v in (extra_cards or {}).items() if v is not None}}
     models = list(models) if models is not None else dry_models(p)
@@ -193,26 +215,33 @@ def fit_table(p: Predictor, *, models: Optional[Iterable[str]] = None, gpus: Opt
     for model in models:
         # The model's recipes in the table's order (quant, fixes, setting, length), made once for every card.
         recipes = []
+        allowed = model_lengths(model, lengths)  # none past the model's context
         for quant in ("4bit", "bf16"):
             for fixes in fixes_settings:
                 optim = optimizer_for(fixes, optimizer) if run == "real" else None
                 for setting, dropout, dora in SETTINGS:
-                    for seq in lengths:
+                    for seq in allowed if fixes == "none" else [s for s in allowed if s <= PRESET_MAX_LEN]:
                         recipe = Recipe(model=model, quant=quant, dropout=dropout, dora=dora, seq_len=seq,
                                         fixes=fixes_key(fixes), batch=batch, checkpointing=checkpointing)
                         recipes.append((quant, fixes, optim, setting, dropout, dora, seq, recipe, *_as_asked(recipe)))
+        # The dry run answers every card the ledger did not measure the model on: each recipe's
+        # ceilings on all of them at once (one profile per remainder).
+        dry_cards = tuple((g, all_cards.get(g)) for g in gpus
+                          if not (ladder and checkpointing and (g, model) in measured_models))
+        dry = [_dry_cells(p, one, widened, dry_cards, budget_mib, run, optim)
+               for _, _, optim, _, _, _, _, _, one, widened in recipes]
+        column = {g: i for i, (g, _) in enumerate(dry_cards)}
+        known = sorted({m.model for m in p.ms if model_name(m.model) == model})
         for gpu in gpus:
             entry = all_cards.get(gpu)
-            entry_key = _entry_key(entry)
             # Every measured row has checkpointing on: without it the dry run alone answers.
-            use_ladder = ladder and checkpointing and (gpu, model) in measured_models
-            for quant, fixes, optim, setting, dropout, dora, seq, recipe, one, widened in recipes:
+            use_ladder = gpu not in column
+            for i, (quant, fixes, optim, setting, dropout, dora, seq, recipe, one, widened) in enumerate(recipes):
                 if use_ladder:
-                    known = {m.model for m in p.ms if model_name(m.model) == model}
-                    asked = replace(recipe, model=sorted(known)[0], optimizer=optim)
+                    asked = recipe.replace(model=known[0], optimizer=optim)
                     # A micro-batch is asked as its one sequence of B x L tokens: the same
                     # total from another batch and length is one question (asked once).
-                    one = one and replace(one, model=asked.model, optimizer=optim)
+                    one = one and one.replace(model=asked.model, optimizer=optim)
                     key = ("ladder", one if recipe.batch != 1 else asked, recipe.batch != 1, gpu,
                            budget_mib, run)
                     if key not in p.dry_ceilings:
@@ -227,8 +256,7 @@ def fit_table(p: Predictor, *, models: Optional[Iterable[str]] = None, gpus: Opt
                                          and bool(m.lora.dropout) == dropout
                                          and bool(m.lora.dora) == dora}))
                 else:
-                    fits, tight, status, more = _dry_cell(p, one, widened, gpu, entry, entry_key, budget_mib, run,
-                                                          optim)
+                    fits, tight, status, more = dry[i][column[gpu]]
                     rows = ()
                 out.append(FitCell(model=model, gpu=gpu, quant=quant, fixes=fixes, setting=setting,
                                    seq_len=seq, fits_rank=fits, tight_rank=tight, status=status,

@@ -39,12 +39,35 @@ def dry_ceiling(p, recipe: Recipe, gpu: str, entry: Optional[Gpu], budget_mib: O
                 ) -> tuple[Optional[int], Optional[int], str, bool]:
     """(fits, tight, status, at least): what ``vram ceiling``'s scan from the smallest rank finds
     with ``dry_judge``'s verdicts (the largest rank with every rank up to it "fits"; the last
-    before the first "won't fit"), in a handful of interval look-ups. A derived rank's verdict
-    only worsens with the rank (bisection), while a rank dry-run exactly has a narrower interval
-    than the derived ranks around it, so its verdict can be better or worse than theirs: each of
-    those few is asked on its own. The verdict rule is ``answers.verdict_for``'s, inlined (the
-    fit table asks this for every cell)."""
+    before the first "won't fit"), in a handful of interval look-ups (``ceiling_of``)."""
     profile, low, high = _profile(p, recipe, gpu, entry, budget_mib, widened, run, optimizer)
+    return ceiling_of(profile, low, high, step, max_rank)
+
+
+def dry_ceilings(p, recipe: Recipe, cards: list[tuple[str, Optional[Gpu]]], budget_mib: Optional[float],
+                 widened: float, run: Run, optimizer: Optional[str], step: int, max_rank: int) -> list[tuple]:
+    """``dry_ceiling`` for each of ``cards`` ((key, entry) pairs), in their order: the recipe's
+    profile looked up once per remainder (the fit table asks every card of a recipe together)."""
+    out = []
+    profiles: dict[float, _Profile] = {}
+    for gpu, entry in cards:
+        entry = entry or p.ledger.gpus.get(gpu)
+        rem = p.remainder(gpu or "", entry.vendor if entry else None)[0] or 0.0
+        low, high, _ = p.card_limit(gpu, entry, run) if budget_mib is None else (budget_mib, budget_mib, "")
+        profile = profiles.get(rem)
+        if profile is None:
+            profile = profiles[rem] = _profile_at(p, recipe, rem, widened, run, optimizer)
+        out.append(ceiling_of(profile, low, high, step, max_rank))
+    return out
+
+
+def ceiling_of(profile: "_Profile", low: Optional[float], high: Optional[float], step: int, max_rank: int
+               ) -> tuple[Optional[int], Optional[int], str, bool]:
+    """The scan's ceilings for one profile against one limit. A derived rank's verdict only
+    worsens with the rank (bisection), while a rank dry-run exactly has a narrower interval than
+    the derived ranks around it, so its verdict can be better or worse than theirs: each of those
+    few is asked on its own. The verdict rule is ``answers.verdict_for``'s, inlined (the fit table
+    asks this for every cell)."""
     bounds = profile.bounds
     if low is None or bounds(step) is None:
         return None, None, "unknown", False
@@ -113,11 +136,16 @@ def _profile(p, recipe: Recipe, gpu: str, entry: Optional[Gpu], budget_mib: Opti
     low, high, _ = p.card_limit(gpu, entry, run) if budget_mib is None else (budget_mib, budget_mib, "")
     # The interval at each rank depends on the card only through its remainder: made once per
     # recipe and remainder, and shared by every card (most cards share a vendor's remainder).
+    return _profile_at(p, recipe, rem, widened, run, optimizer), low, high
+
+
+def _profile_at(p, recipe: Recipe, rem: float, widened: float, run: Run, optimizer: Optional[str]) -> "_Profile":
     key = (recipe, rem, widened, run, optimizer)
     memo = p.rank_bounds
-    if key not in memo:
-        memo[key] = _Profile(*_bounds(p, recipe, rem, widened, run, optimizer))
-    return memo[key], low, high
+    found = memo.get(key)
+    if found is None:
+        found = memo[key] = _Profile(*_bounds(p, recipe, rem, widened, run, optimizer))
+    return found
 
 
 def _bounds(p, recipe: Recipe, rem: float, widened: float, run: Run, optimizer: Optional[str]):

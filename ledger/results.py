@@ -369,3 +369,11 @@ class Fits(_Result):
         for c in self.cells:
             rows.setdefault((c.model, c.quant, c.fixes, c.setting, c.gpu), []).append(c)
         return {k: sorted(v, key=lambda c: c.seq_len) for k, v in rows.items()}
+
+    def table_lengths(self) -> dict[tuple[str, str, str], list[int]]:
+        """The lengths each table has, (model, quant, fixes) -> lengths: a model's stop at its
+        context, the program's preset's at the grid's reach for it (the pages' column heads)."""
+        found: dict[tuple[str, str, str], set[int]] = {}
+        for c in self.cells:
+            found.setdefault((c.model, c.quant, c.fixes), set()).add(c.seq_len)
+        return {k: sorted(v) for k, v in found.items()}

@@ -10,7 +10,7 @@ import zipfile
 
 import pytest
 
-from conftest import GOLDEN, REPO, SMALL
+from conftest import GOLDEN, GOLDEN_BUILD, REPO, SMALL
 from ledger import cli
 
 
@@ -31,7 +31,8 @@ def test_the_wheel_carries_templates_static_files_and_model_configs(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     for name in ("vram_ledger_templates/index.html.j2", "vram_ledger_templates/vram.md.j2",
                  "vram_ledger_templates/static/style.css", "vram_ledger_templates/static/sort.js",
-                 "ledger/model_configs/gemma-3-4b-it.json", "ledger/cli/__init__.py"):
+                 "ledger/model_configs/gemma-3-4b-it.json", "ledger/cli/__init__.py", "ledger/dry-runs.json",
+                 "ledger/cards.json"):
         assert name in names, name
 
 
@@ -45,7 +46,7 @@ def test_the_site_builds_from_an_installed_wheel(wheel, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(target)}
     code = ("import sys, ledger; assert 'site-packages' in ledger.__file__, ledger.__file__; "
             "from ledger.cli import main; sys.exit(main(sys.argv[1:]))")
-    proc = subprocess.run([sys.executable, "-c", code, "build", "--ledger", str(SMALL), "--out", str(out), "-q"],
+    proc = subprocess.run([sys.executable, "-c", code, "build", *GOLDEN_BUILD, "--out", str(out), "-q"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert (out / "index.html").read_bytes() == (GOLDEN / "index.html").read_bytes()
@@ -56,7 +57,7 @@ def test_a_templates_folder_overrides_only_what_it_has(tmp_path):
     (mine / "static").mkdir(parents=True)
     (mine / "static" / "style.css").write_text("body { color: rebeccapurple; }\n")
     out = tmp_path / "site"
-    assert cli.main(["build", "--ledger", str(SMALL), "--out", str(out), "-q", "--templates", str(mine)]) == 0
+    assert cli.main(["build", *GOLDEN_BUILD, "--out", str(out), "-q", "--templates", str(mine)]) == 0
     html = (out / "index.html").read_text(encoding="utf-8")
     assert "rebeccapurple" in html and "Click a header to sort" in html  # shipped template and script kept
     assert (out / "vram.md").read_bytes() == (GOLDEN / "vram.md").read_bytes()

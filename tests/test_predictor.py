@@ -139,7 +139,7 @@ def test_the_fit_table_is_monotone_and_says_how_each_cell_is_answered(p):
     assert {c.method for c in cells if c.gpu == "rtx-4090"} == {"dry run"}
     by = {(c.gpu, c.quant, c.fixes, c.setting, c.seq_len): c for c in cells}
     for (gpu, quant, fixes, setting, seq), c in by.items():
-        longer = [by[(gpu, quant, fixes, setting, s)] for s in LENGTHS if s > seq]
+        longer = [by[(gpu, quant, fixes, setting, s)] for s in LENGTHS if s > seq and (gpu, quant, fixes, setting, s) in by]
         for o in longer:
             if o.fits_rank is not None:
                 assert c.fits_rank is not None and c.fits_rank >= o.fits_rank
@@ -162,9 +162,22 @@ def test_monotone_raises_to_a_harder_recipe_and_says_at_least():
 
 
 def test_the_grid_is_small_and_covers_the_table():
+    from ledger.fits import PRESET_MAX_LEN, model_lengths
+
+    allowed = model_lengths("qwen2.5-0.5b")  # its context: 32768 tokens
+    assert allowed == [s for s in LENGTHS if s <= 32768] and model_lengths("llama-3.1-8b") == list(LENGTHS)
     pts = grid_points("qwen2.5-0.5b")
-    assert len(pts) == 2 * 2 * (len(LENGTHS) + 6)  # quant x fixes x (rank 8 per length + 3 at each end)
-    assert {p["seq_len"] for p in pts} == set(LENGTHS)
+    stock = [p for p in pts if p["fixes"] == "none"]
+    preset = [p for p in pts if p["fixes"] == "all"]
+    # quant x (rank 8 per length + rank 64, dropout and DoRA at the shortest, at 16384 and at the longest)
+    assert len(stock) == 2 * (len(allowed) + 3 * 3)
+    assert {p["seq_len"] for p in stock} == set(allowed)
+    # the program's preset up to PRESET_MAX_LEN (16384 is its longest: two ends)
+    assert len(preset) == 2 * (len([s for s in allowed if s <= PRESET_MAX_LEN]) + 3 * 2)
+    assert max(p["seq_len"] for p in preset) == PRESET_MAX_LEN
+    cells = fit_table(Predictor(store.load(BUNDLED), load_dry_runs()), models=["qwen2.5-0.5b"], gpus=["rtx-4090"])
+    assert {c.seq_len for c in cells if c.fixes == "none"} == set(allowed)
+    assert {c.seq_len for c in cells if c.fixes == "all"} == {s for s in allowed if s <= PRESET_MAX_LEN}
 
 
 def test_fit_prints_a_cards_table_without_torch(capsys):
@@ -275,7 +288,10 @@ def test_the_fit_table_without_checkpointing_never_fits_more_than_with_it(capsys
 
     doc, off = cells("--no-gradient-checkpointing")
     _, on = cells()
-    assert doc["checkpointing"] is False and {k[1] for k in off} == {"none"} and len(off) == 30
+    from ledger.fits import model_lengths
+
+    assert doc["checkpointing"] is False and {k[1] for k in off} == {"none"}
+    assert len(off) == 2 * 3 * len(model_lengths("llama-3.2-1b"))  # quant x setting x its lengths, to 131072
     assert all(not c["checkpointing"] and c["method"] == "dry run" and c["status"] != "unknown" for c in off.values())
     assert all((c["fits_rank"] or 0) <= (on[k]["fits_rank"] or 0) for k, c in off.items())
     assert any((c["fits_rank"] or 0) < (on[k]["fits_rank"] or 0) for k, c in off.items())

@@ -14,7 +14,7 @@ import pytest
 from bs4 import BeautifulSoup
 from jsonschema import Draft202012Validator
 
-from conftest import BENCHMARKS, BUNDLED, GOLDEN, REGEN_GOLDEN, SMALL
+from conftest import BENCHMARKS, BUNDLED, GOLDEN, GOLDEN_BUILD, REGEN_GOLDEN, SMALL
 from ledger import cli, store
 from ledger.models import Detail, Figure, Finding, Gpu, Lora, Measurement, Outcome, Provenance
 from ledger.site import filters
@@ -48,7 +48,7 @@ def tree_files(root: Path) -> dict[str, bytes]:
 
 def test_golden_tree(tmp_path):
     out = tmp_path / "site"
-    assert cli.main(["build", "--ledger", str(SMALL), "--out", str(out), "-q"]) == 0
+    assert cli.main(["build", *GOLDEN_BUILD, "--out", str(out), "-q"]) == 0
     got, want = tree_files(out), tree_files(GOLDEN)
     assert sorted(got) == sorted(want), f"file list changed; regenerate with: {REGEN_GOLDEN}"
     changed = [name for name in got if got[name] != want[name]]

@@ -20,6 +20,8 @@ def add_build_options(p: argparse.ArgumentParser) -> None:
                    "(default: OUT/vram.json)")
     p.add_argument("--templates", metavar="DIR", help="a folder of templates (and static/style.css, static/sort.js) "
                    "that replace the shipped ones of the same name")
+    p.add_argument("--dry-runs", metavar="FILE", help="the dry-run rows the fit table is built from (default: the "
+                   "shipped ledger/dry-runs.json; never the user's cache, so a site is the same on any install)")
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
 
 
@@ -51,7 +53,8 @@ def build(args: argparse.Namespace) -> int:
     ledger = store.load(args.ledger)
     result = render_site(ledger, Path(args.out), build_date=build_date_from_env(args.build_date),
                          base_url=args.base_url or configured_base_url(), previous=args.previous,
-                         protect=[Path(args.ledger)], templates=Path(args.templates) if args.templates else None)
+                         protect=[Path(args.ledger)], templates=Path(args.templates) if args.templates else None,
+                         dry_runs=Path(args.dry_runs) if args.dry_runs else None)
     if not args.quiet:
         size = sum(result.files.values())
         print(

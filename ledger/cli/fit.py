@@ -7,7 +7,7 @@ import sys
 
 from .. import store
 from ..errors import Issue, UserError
-from ..fits import LENGTHS, SETTINGS, fit_table, grid_points, stale_rows
+from ..fits import SETTINGS, fit_table, grid_points, stale_rows
 from ..model_configs import config_path, model_name
 from ..dry_runs import cache_file
 from ..optimizers import optimizer_for
@@ -97,7 +97,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
         for f in fixes:
             print(f"\n{q}, {run_words(f, optimizer_for(f, args.optim))}")
             print(f"  {'tokens':>7}  " + "  ".join(f"{s:<22}" for s, _, _ in SETTINGS))
-            for seq in LENGTHS:
+            for seq in sorted({c.seq_len for c in cells if c.quant == q and c.fixes == f}):
                 row = {c.setting: c for c in cells if c.quant == q and c.fixes == f and c.seq_len == seq}
                 print(f"  {seq:>7}  " + "  ".join(f"{row[s].label() if s in row else '':<22}" for s, _, _ in SETTINGS))
     methods = sorted({c.method for c in cells})

@@ -106,6 +106,7 @@ def fit_models(fits: Fits, batches: Optional[dict] = None) -> list[FitModel]:
     from ..model_configs import load_arch, max_length
 
     by_row = fits.by_row()
+    heads = fits.table_lengths()
     cards = {c.key: c for c in fits.cards}
     out = []
     for model in fits.models:
@@ -123,7 +124,8 @@ def fit_models(fits: Fits, batches: Optional[dict] = None) -> list[FitModel]:
                 if c.model == model:
                     rows.setdefault(picker_key(c.quant, c.fixes, c.setting, c.gpu, batch, optim, ckpt), []).append(
                         _cell(c, c.label()))
-        data = {"model": model, "lengths": fits.lengths, "ranks": list(VIEW_RANKS),
+        lengths = sorted({s for (m, _, _), seqs in heads.items() if m == model for s in seqs})
+        data = {"model": model, "lengths": lengths, "ranks": list(VIEW_RANKS),
                 "cards": [{"key": c.key, "name": c.name, "limit_low_mib": c.limit_low_mib,
                            "limit_high_mib": c.limit_high_mib} for c in fits.cards],
                 "rows": rows}

@@ -27,7 +27,7 @@ from jinja2 import ChoiceLoader, Environment, FileSystemLoader, StrictUndefined,
 from ..errors import Issue, UserError
 from ..models import Ledger
 from ..atomic import atomic_write_text
-from ..dry_runs import load_dry_runs
+from ..dry_runs import load_dry_runs, rows_from
 from ..held_out import shared_held_out, shared_predictor
 from ..recipe import row_keys_cached
 from ..store import gc_paused
@@ -195,20 +195,23 @@ def check_output_folder(out: Path, protect: Sequence[Path] = ()) -> None:
 
 def render_site(ledger: Ledger, out: Path, *, build_date: Optional[str] = None, base_url: Optional[str] = None,
                 previous: Optional[str] = None, protect: Sequence[Path] = (),
-                templates: Optional[Path] = None) -> BuildResult:
+                templates: Optional[Path] = None, dry_runs: Optional[Path] = None) -> BuildResult:
     """Compute the context once (phase one), render every output from it (phase two), write the
     tree. ``base_url`` makes links and
     ``$id``s absolute; ``previous`` (a path or URL of the last published vram.json, default the
     one in the output folder) is what changes.json and feed.xml compare with; ``protect`` lists
     files the build must never overwrite (the ledger it reads); ``templates`` is a folder whose
-    templates and static files replace the shipped ones of the same name."""
+    templates and static files replace the shipped ones of the same name; ``dry_runs`` a dry-run
+    file to build the fit table from instead of the shipped rows."""
     if base_url is not None and not base_url.startswith(("http://", "https://")):
         raise UserError(Issue("--base-url", "", f"must be an http(s) URL, got {base_url!r}"))
     check_output_folder(Path(out), protect)
     dirs = template_dirs(templates)
     # The build makes many short-lived objects and no cycles worth collecting; rows do not change
     # while it runs, so their keys are computed once.
-    with gc_paused(), row_keys_cached(), shared_held_out():
+    if dry_runs is not None and not Path(dry_runs).is_file():
+        raise UserError(Issue(str(dry_runs), "", "no such file: --dry-runs needs a dry-run file (ledger/dry-runs.json's form)"))
+    with gc_paused(), row_keys_cached(), shared_held_out(), rows_from(dry_runs):
         stages: dict[str, float] = {}
         ctx = compute_site(ledger, Path(out), build_date=build_date,
                            base_url=base_url.rstrip("/") if base_url else None, previous=previous, dirs=dirs,
