@@ -47,7 +47,7 @@ def test_a_hub_id_is_read_from_the_local_cache(tmp_path, monkeypatch):
 def test_a_model_it_cannot_find_says_where_it_looked(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HF_HOME", str(tmp_path))
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-    assert cli.main(["estimate", "--model", "Nobody/Nothing-1B", "--rank", "8", "--seq-len", "512"]) == 1
+    assert cli.main(["estimate", "--probe", "--model", "Nobody/Nothing-1B", "--rank", "8", "--seq-len", "512"]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "models--Nobody--Nothing-1B/snapshots" in err
     assert "huggingface-cli download Nobody/Nothing-1B config.json" in err
@@ -61,14 +61,14 @@ def test_a_config_folder_is_a_model(tmp_path):
 
 def test_a_mixture_of_experts_config_is_refused_with_its_reason(tmp_path, capsys):
     moe, _ = tiny_config(tmp_path, "tiny-moe", model_type="mixtral", num_local_experts=8)
-    assert cli.main(["ceiling", "--ledger", str(BUNDLED), "--model", str(moe), "--seq-len", "512",
+    assert cli.main(["ceiling", "--probe", "--ledger", str(BUNDLED), "--model", str(moe), "--seq-len", "512",
                      "--gpu", "RTX 4090"]) == 1
     err = capsys.readouterr().err
     assert "mixture-of-experts" in err and "8 experts" in err and len(err.strip().splitlines()) == 1
 
 
 def test_a_length_past_the_grid_needs_dry_runs_and_no_compute_refuses(tmp_path, capsys):
-    assert cli.main(["estimate", "--ledger", str(BUNDLED), "--model", "llama-3.1-8b", "--rank", "16",
+    assert cli.main(["estimate", "--probe", "--ledger", str(BUNDLED), "--model", "llama-3.1-8b", "--rank", "16",
                      "--seq-len", "28454", "--gpu", "RTX 4090", "--cache", str(tmp_path), "--no-compute"]) == 1
     err = capsys.readouterr().err
     assert "needs 2 dry runs" in err and "without --no-compute" in err
@@ -78,7 +78,7 @@ def test_an_unlisted_model_is_answered_from_dry_runs_computed_once(tmp_path, cap
     mine, config = tiny_config(tmp_path, "my-tiny")
     cache = tmp_path / "cache"
     argv = ["estimate", "--ledger", str(BUNDLED), "--model", str(mine), "--rank", "16", "--seq-len", "256",
-            "--gpu", "RTX 4060 Ti 16GB", "--cache", str(cache), "--json"]
+            "--gpu", "RTX 4060 Ti 16GB", "--cache", str(cache), "--json", "--probe"]
     assert cli.main(argv) == 0
     out, err = capsys.readouterr()
     assert "computing 2 dry runs of my-tiny at 256 tokens" in err and "about" in err
@@ -107,32 +107,32 @@ def test_the_shipped_mixture_of_experts_config_is_refused_not_mis_modelled(capsy
     from probe_kit import recipe
 
     recipe.load_config("qwen3-30b-a3b")  # transformers accepts it
-    assert cli.main(["estimate", "--model", "qwen3-30b-a3b", "--rank", "16", "--seq-len", "2048"]) == 1
+    assert cli.main(["estimate", "--probe", "--model", "qwen3-30b-a3b", "--rank", "16", "--seq-len", "2048"]) == 1
     assert "128 experts per layer" in capsys.readouterr().err
 
 
 def test_the_longest_sequence_at_a_rank_agrees_with_the_rank_ceiling_at_that_length(capsys):
     base = ["--ledger", str(BUNDLED), "--model", "qwen2.5-7b", "--gpu", "RTX 4090", "--json"]
-    assert cli.main(["ceiling", *base, "--rank", "16", "--no-compute"]) == 0
+    assert cli.main(["ceiling", "--probe", *base, "--rank", "16", "--no-compute"]) == 0
     c = json.loads(capsys.readouterr().out)
     assert c["status"] == "ok" and c["fits_len"] and c["tight_len"] >= c["fits_len"] and not c["at_least"]
     assert c["lengths"][-1]["verdict"] == "won't fit"
 
     def verdict(seq: int) -> str:
-        assert cli.main(["estimate", *base, "--rank", "16", "--seq-len", str(seq), "--no-compute"]) == 0
+        assert cli.main(["estimate", "--probe", *base, "--rank", "16", "--seq-len", str(seq), "--no-compute"]) == 0
         return json.loads(capsys.readouterr().out)["answer"]["verdict"]
 
     assert verdict(c["fits_len"]) == "fits"
     assert verdict(c["fits_len"] + c["step"]) != "fits"
     assert verdict(c["tight_len"] + c["step"]) == "won't fit"
     # The rank ceiling at the longest length that fits is rank 16 or more.
-    assert cli.main(["ceiling", *base, "--seq-len", str(c["fits_len"]), "--no-compute"]) == 0
+    assert cli.main(["ceiling", "--probe", *base, "--seq-len", str(c["fits_len"]), "--no-compute"]) == 0
     assert json.loads(capsys.readouterr().out)["fits_rank"] >= 16
 
 
 def test_a_length_ceiling_computes_the_lengths_no_row_reaches(tmp_path, capsys):
     mine, _ = tiny_config(tmp_path, "short-tiny", max_position_embeddings=2048)
-    argv = ["ceiling", "--ledger", str(BUNDLED), "--model", str(mine), "--rank", "8", "--budget-mib", "200000",
+    argv = ["ceiling", "--probe", "--ledger", str(BUNDLED), "--model", str(mine), "--rank", "8", "--budget-mib", "200000",
             "--cache", str(tmp_path / "cache"), "--json"]
     assert cli.main([*argv, "--no-compute"]) == 0
     assert json.loads(capsys.readouterr().out)["status"] == "unknown"
@@ -154,7 +154,8 @@ def test_fit_runs_an_unlisted_models_grid_once_and_takes_a_budget(tmp_path, caps
     assert "without --no-compute" in capsys.readouterr().err
     assert cli.main(argv) == 0
     out, err = capsys.readouterr()
-    assert "computing 11 dry runs of fit-tiny's fit table" in err
+    # its context is 2048 tokens: rank 8 at 512 and 2048; rank 64, dropout and DoRA at both
+    assert "computing 8 dry runs of fit-tiny's fit table" in err
     doc = json.loads(out)
     assert doc["gpu"] == "budget" and doc["limit_low_mib"] == 300 and "--budget-mib 300" in doc["limit_source"]
     assert all(c["method"] == "dry run" for c in doc["cells"]) and any(c["fits_rank"] for c in doc["cells"])

@@ -63,7 +63,7 @@ def test_rank_ceiling_of_the_training_card(predictor, capsys):
     by_rank = {r["rank"]: r for r in c.ranks}
     assert by_rank[96]["method"] == "measured probe" and "sweep-r96-drop" in by_rank[96]["evidence"]
     assert by_rank[104]["verdict"] in ("tight", "won't fit")  # r104 ran out of memory
-    assert cli.main(["ceiling", "--fixes", "all", "--ledger", str(BUNDLED), "--gpu", "RTX 3070 Ti", "--seq-len", "7177",
+    assert cli.main(["ceiling", "--probe", "--fixes", "all", "--ledger", str(BUNDLED), "--gpu", "RTX 3070 Ti", "--seq-len", "7177",
                      "--dropout", "0.1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["fits_rank"] == 96
 
@@ -75,9 +75,9 @@ def test_an_observed_fit_is_never_capped_away(predictor):
 def test_unknown_rather_than_a_guess(predictor, capsys):
     c = ceiling(predictor, "rtx-3070-ti", 30000)
     assert c.fits_rank is None and c.status == "unknown"
-    assert cli.main(["ceiling", "--fixes", "all", "--ledger", str(BUNDLED), "--gpu", "rtx-3070-ti", "--seq-len", "30000", "--json"]) == 0
+    assert cli.main(["ceiling", "--probe", "--fixes", "all", "--ledger", str(BUNDLED), "--gpu", "rtx-3070-ti", "--seq-len", "30000", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["fits_rank"] is None
-    assert cli.main(["ceiling", "--fixes", "all", "--ledger", str(BUNDLED), "--gpu", "rtx-3070-ti", "--seq-len", "30000"]) == 0
+    assert cli.main(["ceiling", "--probe", "--fixes", "all", "--ledger", str(BUNDLED), "--gpu", "rtx-3070-ti", "--seq-len", "30000"]) == 0
     first, verdict = capsys.readouterr().out.splitlines()[:2]
     assert first.startswith("for a one-step probe of") and "fixes all" in first  # the whole recipe first
     assert verdict.startswith("unknown")
@@ -195,11 +195,11 @@ def test_predict_stores_a_prediction_and_a_real_run_scores_it(tmp_path, capsys):
 
 def test_a_budget_or_margin_applies_to_observed_probes_too(capsys):
     # sweep-r96-drop peaked at 7127.6 MiB and r88 at 7007.9: neither fits a 7000 MiB budget.
-    assert cli.main(["ceiling", "--fixes", "all", "--ledger", str(BUNDLED), "--gpu", "rtx-3070-ti", "--seq-len", "7177",
+    assert cli.main(["ceiling", "--probe", "--fixes", "all", "--ledger", str(BUNDLED), "--gpu", "rtx-3070-ti", "--seq-len", "7177",
                      "--dropout", "0.1", "--budget-mib", "7000", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["fits_rank"] is not None and doc["fits_rank"] < 88
-    assert cli.main(["ceiling", "--fixes", "all", "--ledger", str(BUNDLED), "--gpu", "rtx-3070-ti", "--seq-len", "7177",
+    assert cli.main(["ceiling", "--probe", "--fixes", "all", "--ledger", str(BUNDLED), "--gpu", "rtx-3070-ti", "--seq-len", "7177",
                      "--dropout", "0.1", "--margin-mib", "100", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["fits_rank"] == 88  # 7007.9 <= 7216.0 - 100 < 7127.6
 
@@ -260,7 +260,7 @@ def test_real_runs_that_trained_are_evidence_for_a_real_ceiling(capsys):
 
 def test_a_shorter_sequence_never_has_a_lower_ceiling(capsys):
     def rank(seq):
-        assert cli.main(["ceiling", "--fixes", "all", "--ledger", str(BUNDLED), "--gpu", "rtx-3070-ti", "--seq-len", str(seq),
+        assert cli.main(["ceiling", "--probe", "--fixes", "all", "--ledger", str(BUNDLED), "--gpu", "rtx-3070-ti", "--seq-len", str(seq),
                          "--dropout", "0.1", "--json"]) == 0
         return json.loads(capsys.readouterr().out)
 

@@ -68,7 +68,7 @@ def test_a_derived_card_is_judged_on_the_low_end_of_its_usable_memory(predictor)
 
 
 def test_gpu_mib_answers_a_card_the_table_does_not_list(capsys):
-    args = ["ceiling", "--ledger", str(BUNDLED), "--model", "qwen2.5-7b", "--seq-len", "2048", "--json"]
+    args = ["ceiling", "--probe", "--ledger", str(BUNDLED), "--model", "qwen2.5-7b", "--seq-len", "2048", "--json"]
     assert cli.main([*args, "--gpu-mib", "16380"]) == 0
     by_total = json.loads(capsys.readouterr().out)
     assert cli.main([*args, "--gpu", "RTX 4060 Ti 16GB"]) == 0
@@ -82,23 +82,23 @@ def test_gpu_mib_answers_a_card_the_table_does_not_list(capsys):
 
 def test_budget_mib_alone_is_peak_allocated_and_says_so(capsys):
     base = ["--ledger", str(BUNDLED), "--model", "qwen2.5-7b", "--seq-len", "2048"]
-    assert cli.main(["ceiling", *base, "--budget-mib", "14000"]) == 0
+    assert cli.main(["ceiling", "--probe", *base, "--budget-mib", "14000"]) == 0
     out = capsys.readouterr().out
     assert "--budget-mib 14000 MiB of peak allocated" in out and "limit 14000.0–14000.0 MiB allocated" in out
-    assert cli.main(["estimate", *base, "--rank", "16", "--budget-mib", "14000", "--json"]) == 0
+    assert cli.main(["estimate", "--probe", *base, "--rank", "16", "--budget-mib", "14000", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["gpu"] == BUDGET_CARD and doc["answer"]["limit_low_mib"] == 14000.0
     assert doc["answer"]["verdict"] in ("fits", "tight", "won't fit")
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["ceiling", "--model", "qwen2.5-7b", "--seq-len", "2048"], "--gpu: which card?"),
-    (["ceiling", "--model", "qwen2.5-7b", "--seq-len", "2048", "--gpu", "RTX 4090", "--gpu-mib", "24564"],
+    (["ceiling", "--probe", "--model", "qwen2.5-7b", "--seq-len", "2048"], "--gpu: which card?"),
+    (["ceiling", "--probe", "--model", "qwen2.5-7b", "--seq-len", "2048", "--gpu", "RTX 4090", "--gpu-mib", "24564"],
      "not both"),
-    (["ceiling", "--model", "qwen2.5-7b", "--seq-len", "2048", "--gpu-mib", "0"], "--gpu-mib: must be in"),
-    (["ceiling", "--model", "qwen2.5-7b", "--seq-len", "2048", "--budget-mib", "-1"], "--budget-mib: must be in"),
+    (["ceiling", "--probe", "--model", "qwen2.5-7b", "--seq-len", "2048", "--gpu-mib", "0"], "--gpu-mib: must be in"),
+    (["ceiling", "--probe", "--model", "qwen2.5-7b", "--seq-len", "2048", "--budget-mib", "-1"], "--budget-mib: must be in"),
     (["fit", "--model", "qwen2.5-7b"], "--gpu: which card?"),
-    (["ceiling", "--model", "qwen2.5-7b", "--seq-len", "2048", "--gpu", "RTX 9999"], "--gpu-mib"),
+    (["ceiling", "--probe", "--model", "qwen2.5-7b", "--seq-len", "2048", "--gpu", "RTX 9999"], "--gpu-mib"),
 ])
 def test_a_card_asked_wrongly_is_one_located_line(argv, message, capsys):
     assert cli.main([*argv, "--ledger", str(BUNDLED)]) == 1

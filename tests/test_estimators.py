@@ -98,13 +98,13 @@ def test_no_addressable_rows_gives_an_empty_scoreboard():
 
 
 def test_estimate_cli(capsys):
-    assert cli.main(["estimate", "--model", "unsloth/gemma-3-4b-it", "--rank", "16", "--seq-len", "7177",
+    assert cli.main(["estimate", "--probe", "--model", "unsloth/gemma-3-4b-it", "--rank", "16", "--seq-len", "7177",
                      "--gpu", "RX 7900 XTX", "--ledger", str(BUNDLED), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     names = [e["estimator"] for e in doc["estimates"]]
     assert names == ["canifinetune", "unsloth-studio", "ft01"]
     assert doc["nearest_measurement"]["id"] == "rx-7900-xtx-4bit-fixes-all-r16-seq7177"
-    assert cli.main(["estimate", "--model", "nope", "--rank", "16", "--seq-len", "7177"]) == 1
+    assert cli.main(["estimate", "--probe", "--model", "nope", "--rank", "16", "--seq-len", "7177"]) == 1
     assert "--model: no config for nope: looked in" in capsys.readouterr().err
 
 
@@ -134,7 +134,7 @@ def test_dry_run_rows_join_the_scoreboard():
 
 
 def test_estimate_json_keys_name_the_unit_they_hold(capsys):
-    assert cli.main(["estimate", "--model", "gemma-3-4b-it", "--rank", "16", "--seq-len", "7177", "--ledger",
+    assert cli.main(["estimate", "--probe", "--model", "gemma-3-4b-it", "--rank", "16", "--seq-len", "7177", "--ledger",
                      str(BUNDLED), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     for e in doc["estimates"]:
@@ -143,7 +143,7 @@ def test_estimate_json_keys_name_the_unit_they_hold(capsys):
 
 
 def test_the_nearest_measured_row_is_on_the_requested_card(capsys):
-    assert cli.main(["estimate", "--model", "gemma-3-4b-it", "--rank", "96", "--seq-len", "7177", "--dropout", "0.1",
+    assert cli.main(["estimate", "--probe", "--model", "gemma-3-4b-it", "--rank", "96", "--seq-len", "7177", "--dropout", "0.1",
                      "--gpu", "rtx-3070-ti", "--ledger", str(BUNDLED), "--json"]) == 0
     near = json.loads(capsys.readouterr().out)["nearest_measurement"]
     assert near["gpu"] == "rtx-3070-ti"

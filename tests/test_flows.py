@@ -63,7 +63,7 @@ def test_a_prediction_dated_in_the_future_is_refused(bundled_copy, capsys):
 def test_a_measured_oom_of_the_recipe_is_wont_fit(capsys):
     """sweep-r104-drop ran out of memory on the RTX 3070 Ti at 7177 tokens: r104 with dropout
     there is "won't fit", not "tight", and so is every harder recipe."""
-    assert run("ceiling", "--fixes", "all", "--ledger", FROZEN, "--gpu", "rtx-3070-ti", "--seq-len", "7177", "--dropout", "0.1",
+    assert run("ceiling", "--probe", "--fixes", "all", "--ledger", FROZEN, "--gpu", "rtx-3070-ti", "--seq-len", "7177", "--dropout", "0.1",
                "--json") == 0
     c = json.loads(capsys.readouterr().out)
     r104 = next(r for r in c["ranks"] if r["rank"] == 104)

@@ -87,16 +87,31 @@ def test_a_prediction_fitted_without_a_row_does_not_see_it(ledger):
 def test_ceilings_answer_fits_and_tight(p, capsys):
     c = p.ceiling(Recipe(None, seq_len=7177), "rtx-3070-ti", run="real")
     assert c.fits_rank >= 112 and c.tight_rank >= c.fits_rank
-    assert cli.main(["ceiling", "--ledger", str(BUNDLED), "--gpu", "RTX 4090", "--model", "gemma-3-4b-it",
+    assert cli.main(["ceiling", "--probe", "--ledger", str(BUNDLED), "--gpu", "RTX 4090", "--model", "gemma-3-4b-it",
                      "--seq-len", "4096"]) == 0
     out = capsys.readouterr().out
     first, answer = out.splitlines()[:2]
     assert first == "for a one-step probe of gemma-3-4b-it 4bit 4096 tokens fixes none (stock), no optimizer step"
     assert answer.startswith("rank ") and "rtx-4090" in out and "by dry run" in out
+    probe_rank = int(answer.split()[1])
+    # Without --probe (or with --real, the same): a training run, its optimizer's state on the card.
+    outs = []
+    for flags in ([], ["--real"]):
+        assert cli.main(["ceiling", *flags, "--ledger", str(BUNDLED), "--gpu", "RTX 4090", "--model", "gemma-3-4b-it",
+                         "--seq-len", "4096"]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1]
+    first, answer = outs[0].splitlines()[:2]
+    assert first == "for a training run of gemma-3-4b-it 4bit 4096 tokens fixes none adamw_torch (stock)"
+    assert "fits a training run" in answer and int(answer.split()[1]) < probe_rank
+    with pytest.raises(SystemExit) as exc:  # one or the other: a usage error
+        cli.main(["ceiling", "--probe", "--real", "--ledger", str(BUNDLED), "--gpu", "RTX 4090", "--model",
+                  "gemma-3-4b-it", "--seq-len", "4096"])
+    assert exc.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
 
 
 def test_estimate_answers_first_and_names_units(capsys):
-    assert cli.main(["estimate", "--fixes", "all", "--ledger", str(BUNDLED), "--model", "gemma-3-4b-it", "--rank", "16", "--seq-len",
+    assert cli.main(["estimate", "--probe", "--fixes", "all", "--ledger", str(BUNDLED), "--model", "gemma-3-4b-it", "--rank", "16", "--seq-len",
                      "7177", "--gpu", "rtx-3070-ti"]) == 0
     lines = capsys.readouterr().out.splitlines()
     ours = next(i for i, line in enumerate(lines) if "vram-ledger:" in line)
@@ -104,7 +119,7 @@ def test_estimate_answers_first_and_names_units(capsys):
     assert ours < theirs and "FITS" in lines[ours] and "MiB" in lines[ours]
     near = next(line for line in lines if "nearest measured" in line)
     assert "rtx-3070-ti" in near  # the nearest row is on the requested card
-    assert cli.main(["estimate", "--fixes", "all", "--ledger", str(BUNDLED), "--model", "gemma-3-4b-it", "--rank", "16", "--seq-len",
+    assert cli.main(["estimate", "--probe", "--fixes", "all", "--ledger", str(BUNDLED), "--model", "gemma-3-4b-it", "--rank", "16", "--seq-len",
                      "7177", "--gpu", "rtx-3070-ti", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["answer"]["verdict"] == "fits"
@@ -263,14 +278,14 @@ def test_checkpointing_off_is_answered_by_its_own_dry_runs_and_no_compute_refuse
     it is answered only by dry runs of it — the committed grid's within its lengths, and past them
     computed on demand (``tests/test_any_model.py``); with --no-compute that refuses, naming what
     it would run."""
-    assert cli.main(["estimate", "--ledger", str(BUNDLED), "--model", "qwen2.5-7b", "--rank", "16", "--seq-len", "2048",
+    assert cli.main(["estimate", "--probe", "--ledger", str(BUNDLED), "--model", "qwen2.5-7b", "--rank", "16", "--seq-len", "2048",
                      "--gpu", "RTX 4090", "--no-gradient-checkpointing", "--no-compute", "--json"]) == 0
     answer = json.loads(capsys.readouterr().out)["answer"]
     assert answer["method"] == "dry run" and all("nockpt" in i for i in answer["evidence"])
-    assert cli.main(["estimate", "--ledger", str(BUNDLED), "--model", "qwen2.5-7b", "--rank", "16", "--seq-len", "2048",
+    assert cli.main(["estimate", "--probe", "--ledger", str(BUNDLED), "--model", "qwen2.5-7b", "--rank", "16", "--seq-len", "2048",
                      "--gpu", "RTX 4090", "--no-compute", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["answer"]["probe_allocated"]["mib"] < answer["probe_allocated"]["mib"]
-    for cmd in (["estimate", "--rank", "16"], ["ceiling"]):
+    for cmd in (["estimate", "--probe", "--rank", "16"], ["ceiling", "--probe"]):
         assert cli.main([*cmd, "--ledger", str(BUNDLED), "--model", "qwen2.5-7b", "--gpu", "RTX 4090",
                          "--seq-len", "20000", "--no-gradient-checkpointing", "--no-compute"]) == 1
         assert "needs 2 dry runs" in capsys.readouterr().err
@@ -315,7 +330,7 @@ def test_fewer_target_modules_are_bounded_by_all_seven_and_never_wont_fit(capsys
     assert "an upper bound" in attn["method_text"]
     small = answer("--gpu", "rtx-3070-ti", "--target-modules", "q_proj,v_proj")
     assert small["verdict"] == "unknown" and "only a dry run of it can say" in small["why"]
-    assert cli.main(["estimate", "--model", "llama-3.1-8b", "--rank", "8", "--seq-len", "512",
+    assert cli.main(["estimate", "--probe", "--model", "llama-3.1-8b", "--rank", "8", "--seq-len", "512",
                      "--target-modules", "lm_head"]) == 1
     assert capsys.readouterr().err.startswith("--target-modules: unknown target module 'lm_head'")
 

@@ -9,7 +9,7 @@ from dataclasses import replace
 from .. import store
 from ..errors import Issue, UserError
 from .options import (Command, add_batch_option, add_json_option, add_ledger_option, add_optimizer_option,
-                      add_recipe_options, dump_json)
+                      add_recipe_options, add_run_option, dump_json)
 from .question import (BUDGET_CARD, add_card_option, add_dry_runs_option, card_from, predictor_for, recipe_from,
                        require_model)
 
@@ -27,7 +27,7 @@ def add_ceiling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-len", type=int, help="with --rank: the longest length searched (default: the model's "
                                                    f"max_position_embeddings, at most {MAX_SEARCHED_LEN})")
     p.add_argument("--seq-step", type=int, default=256, help="with --rank: the length step (default 256)")
-    p.add_argument("--real", action="store_true", help="for a real run (calibrated), not a probe")
+    add_run_option(p)
     add_optimizer_option(p)
     add_batch_option(p)
     p.add_argument("--step", type=int, default=8, help="rank step (default 8)")
@@ -72,7 +72,7 @@ def cmd_ceiling(args: argparse.Namespace) -> int:
     if args.json:
         dump_json(c.model_dump(mode="json"))
         return 0
-    what = "a real run" if args.real else "a one-step probe"
+    what = "a training run" if args.real else "a one-step probe"
     where = f"{'a budget' if gpu == BUDGET_CARD else gpu} at {args.seq_len} tokens" + _budget_text(args)
     print(_recipe_line(replace(recipe, rank=0), args).replace(" r0", ""))
     limit = _limit_text(c)
@@ -97,7 +97,7 @@ def cmd_ceiling(args: argparse.Namespace) -> int:
 
 def _recipe_line(recipe, args: argparse.Namespace) -> str:
     """The first line of a ceiling: the whole recipe the answer is for."""
-    what = "a real run" if args.real else "a one-step probe"
+    what = "a training run" if args.real else "a one-step probe"
     shown = replace(recipe, optimizer=recipe.optimizer if args.real else None)
     return (f"for {what} of {shown.describe()}"
             + (" (the program's preset)" if recipe.fixes == "all" else " (stock)" if recipe.fixes == "none" else "")
@@ -146,7 +146,7 @@ def _length_ceiling(args: argparse.Namespace, ledger, gpu: str, entry) -> int:
     if args.json:
         dump_json(c.model_dump(mode="json"))
         return 0
-    what = "a real run" if args.real else "a one-step probe"
+    what = "a training run" if args.real else "a one-step probe"
     print(_recipe_line(recipe, args))
     where = ("a budget" if gpu == BUDGET_CARD else gpu) + _budget_text(args)
     lim = _limit_text(c)

@@ -14,14 +14,14 @@ from .question import (BUDGET_CARD, add_card_option, add_dry_runs_option, card_f
                         require_model)
 from .compute import add_compute_option, ensure_dry_runs
 from .options import (Command, add_batch_option, add_json_option, add_ledger_option, add_optimizer_option,
-                      add_recipe_options, dump_json)
+                      add_recipe_options, add_run_option, dump_json)
 
 
 def add_estimate_options(p: argparse.ArgumentParser) -> None:
     add_recipe_options(p, required=("model", "rank", "seq-len"), skip=("alpha", "rslora"))
     add_batch_option(p)
     add_card_option(p, required=False, budget=True)
-    p.add_argument("--real", action="store_true", help="this project's answer for a real run, not a one-step probe")
+    add_run_option(p)
     add_optimizer_option(p)
     add_ledger_option(p)
     add_dry_runs_option(p)
@@ -76,7 +76,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
           + f", LoRA on {args.target_modules}" + f", memory fixes {fixes}"
           + (" (the program's preset)" if fixes == "all" else " (stock)" if fixes == "none" else "")
           + ((f", {optimizer}" if optimizer else ", optimizer state as in the program's measured runs") if args.real
-             else ", a one-step probe (no optimizer step; --real for a training run)")
+             else ", a one-step probe (no optimizer step; without --probe: a training run)")
           + (f", on {gpu}" if gpu and gpu != BUDGET_CARD else "")
           + (f", judged against --budget-mib {args.budget_mib:g} MiB of peak allocated (no CUDA context or allocator "
              "overhead taken off)" if args.budget_mib is not None else "")
@@ -84,7 +84,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
              if args.response_len is not None and not keeps_logits(fixes) else ""))
     if answer is not None and answer.allocated is not None:
         iv = answer.allocated
-        what = "a real run" if args.real else "a one-step probe"
+        what = "a training run" if args.real else "a one-step probe"
         span = f"{iv.low_mib}–{iv.high_mib} MiB" if iv.low_mib is not None else f"at most {iv.high_mib} MiB: an upper bound"
         print(f"  vram-ledger: {answer.verdict.upper() if gpu else 'no card given'}: {what} peaks at {iv.mib} MiB "
               f"allocated ({span})"

@@ -80,6 +80,17 @@ def add_optimizer_option(p: argparse.ArgumentParser, table: bool = False) -> Non
                           "the program's preset, --fixes all)")
 
 
+def add_run_option(p: argparse.ArgumentParser) -> None:
+    """What is judged: a training run (the default) or, with --probe, one probe step."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--real", dest="real", action="store_true", default=True,
+                   help="a training run: the step with the optimizer's state (stock: adamw_torch unless --optim; the "
+                        "program's preset: as its measured runs). The default")
+    g.add_argument("--probe", dest="real", action="store_false",
+                   help="instead, a one-step probe: one forward and backward with no optimizer step, what the probe "
+                        "kit measures (less than a training run needs)")
+
+
 def add_batch_option(p: argparse.ArgumentParser) -> None:
     """--batch-size, --target-modules and --no-gradient-checkpointing: how the step is run."""
     p.add_argument("--batch-size", type=int, default=1, metavar="N",

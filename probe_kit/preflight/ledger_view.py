@@ -83,7 +83,7 @@ def _ceiling_advice(card, recipe: RunRecipe, seq_len: int) -> Optional[str]:
         return (f"or a smaller rank: the ledger's largest that fits a real run of this recipe at {seq_len} tokens on "
                 f"{key} is r{c.fits_rank} (`vram ceiling`, {c.ranks[0]['method'] if c.ranks else 'its predictor'})")
     return (f"or a smaller rank: `vram ceiling --model {name} --gpu {key} --seq-len {seq_len} --quant {recipe.quant} "
-            f"--batch-size {recipe.batch_size} --real` asks the ledger's largest at this length on this card "
+            f"--batch-size {recipe.batch_size}` asks the ledger's largest at this length on this card "
             f"(it says: {c.status if c.fits_rank is None else f'r{c.fits_rank}'})")
 
 

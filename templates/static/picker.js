@@ -151,7 +151,7 @@
       (ckpt ? "" : " --no-gradient-checkpointing") + "\n" +
       "vram ceiling --model " + data.model + " " + where + " --rank 16" + flags +
       (batch === "1" ? "" : " --batch-size " + batch) + (optim ? " --optim " + optim : "") +
-      (ckpt ? "" : " --no-gradient-checkpointing") + " --real" +
+      (ckpt ? "" : " --no-gradient-checkpointing") +
       "   # the exact longest length at rank 16"));
     out.appendChild(el("p", {"class": "meta"}, "The same on the command line:"));
     out.appendChild(cmd);
