@@ -23,8 +23,10 @@ class Interval(BaseModel):
 
 
 def interval(mib: Optional[float], low: Optional[float], high: Optional[float]) -> Interval:
-    r = lambda x: None if x is None else round(x, 1)  # noqa: E731
-    return Interval(mib=r(mib), low_mib=r(low), high_mib=r(high))
+    """An interval of figures this project computed, each rounded to 0.1 MiB (made without
+    re-validating: a ceiling's scan makes tens of thousands of these)."""
+    r = lambda x: None if x is None else float(round(x, 1))  # noqa: E731
+    return Interval.model_construct(mib=r(mib), low_mib=r(low), high_mib=r(high))
 
 
 def around(mib: float, width: float) -> Interval:

@@ -23,6 +23,7 @@ class DryTable:
         self._tables: dict = {}
         self._by_model: Optional[dict] = None
         self._slopes: dict = {}
+        self._figures: dict = {}  # rank_figure's, by what it reads of the recipe
 
     def table(self, name: Optional[str], quant: str, fixes: str, dropout: bool, dora: bool,
               response_len: Optional[int], checkpointing: bool = True) -> dict[int, dict[int, tuple[float, str]]]:
@@ -81,6 +82,14 @@ class DryTable:
     def rank_figure(self, recipe: Recipe) -> Callable[[int], tuple[Optional[float], list[str]]]:
         """``raw`` as a function of the rank alone, the tables and lengths it reads looked up once
         (the fit table asks some ten ranks of each of ten thousand cells)."""
+        key = (model_name(recipe.model), recipe.quant, recipe.fixes, recipe.dropout, recipe.dora, recipe.span(),
+               recipe.checkpointing, recipe.seq_len)
+        found = self._figures.get(key)
+        if found is None:
+            found = self._figures[key] = self._rank_figure(recipe)
+        return found
+
+    def _rank_figure(self, recipe: Recipe) -> Callable[[int], tuple[Optional[float], list[str]]]:
         none = lambda rank: (None, [])  # noqa: E731
         if recipe.seq_len is None:
             return none

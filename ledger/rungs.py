@@ -40,15 +40,23 @@ class MeasuredRealRun:
 
     def __init__(self, fit: LedgerFit):
         self.fit = fit
+        self._by_gpu: dict[str, dict[Recipe, list]] = {}
+
+    def _runs(self, gpu: str) -> dict[Recipe, list]:
+        """The card's ok / oom real runs by their recipe (its model by short name, any response
+        length), in ledger order: made once per card (a ceiling's scan asks every rank)."""
+        found = self._by_gpu.get(gpu)
+        if found is None:
+            found = self._by_gpu[gpu] = {}
+            for m in self.fit.reals_on(gpu):
+                if m.outcome.status in ("ok", "oom"):
+                    r = self.fit.recipe_for(m)
+                    if r is not None:
+                        found.setdefault(r.replace(response_len=None, model=model_name(r.model)), []).append(m)
+        return found
 
     def evidence(self, recipe: Recipe, gpu: str, vendor: Optional[str] = None) -> Optional[Evidence]:
-        same = []
-        for m in self.fit.reals_on(gpu):
-            if m.outcome.status in ("ok", "oom"):
-                r = self.fit.recipe_for(m)
-                if r is not None and r.seq_len == recipe.seq_len and r.replace(response_len=None, model=model_name(
-                        r.model)) == recipe.replace(response_len=None, model=model_name(recipe.model)):
-                    same.append(m)
+        same = self._runs(gpu).get(recipe.replace(response_len=None, model=model_name(recipe.model)), [])
         fits = [m for m in same if ok_peak(m) is not None]
         if not fits:
             return None
