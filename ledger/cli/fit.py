@@ -23,7 +23,8 @@ def add_fit_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant", choices=("4bit", "bf16"), action="append",
                    help="base weights (repeatable; default both)")
     p.add_argument("--fixes", choices=("none", "all"), action="append",
-                   help="memory fixes (repeatable; default both)")
+                   help="memory fixes: none (stock transformers + peft, the default) or all (the program's preset); "
+                        "repeatable, for both")
     p.add_argument("--compute", action="store_true",
                    help="first run every grid dry run this model lacks (needs torch; kept in --cache, never in the "
                         "shipped rows); a model with no rows at all has them run without it, unless --no-compute")
@@ -53,7 +54,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
     gpu, entry = card_from(args, ledger)
     name = model_name(args.model)
     quants = args.quant or ["4bit", "bf16"]
-    fixes = args.fixes or ["none", "all"]
+    fixes = list(dict.fromkeys(args.fixes or ["none"]))
     ckpt = not args.no_gradient_checkpointing
     if not ckpt:
         if args.fixes and "none" not in args.fixes:
