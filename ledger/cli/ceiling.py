@@ -39,7 +39,7 @@ def add_ceiling_options(p: argparse.ArgumentParser) -> None:
 #: The longest sequence a length ceiling searches unless told (128k tokens).
 MAX_SEARCHED_LEN = 131072
 #: Lengths dry runs are computed at when a length ceiling needs rows the committed ones lack (a
-#: model without rows, or past the grid's 16384 tokens): doublings, each asked only while the
+#: model without rows, or past the grid's lengths): doublings, each asked only while the
 #: previous still fits.
 LENGTH_LADDER = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
