@@ -35,6 +35,7 @@ import datetime as dt
 import hashlib
 import statistics
 from collections import defaultdict
+from functools import cached_property
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -155,13 +156,13 @@ class Overestimate:
     #: The longest response span (kept positions) a pair's probe covered: logits are subtracted up to it.
     keep_max: Optional[int] = None
 
-    @property
+    @cached_property
     def fixes(self) -> frozenset[str]:
         """The memory fixes (as ``fixes_key`` spells them) of the recipes its pairs measured: the
         over-estimate is a remainder of those recipes' real runs and is applied to them only."""
         return frozenset(RecipeKey(*p.key).fixes for p in self.pairs)
 
-    @property
+    @cached_property
     def max_rank(self) -> Optional[int]:
         """The largest LoRA rank a pair measured: its runs' optimizer state is inside the over-estimate."""
         return max((r for r in (RecipeKey(*p.key).rank for p in self.pairs) if r), default=None)

@@ -209,6 +209,10 @@ def fit_table(p: Predictor, *, models: Optional[Iterable[str]] = None, gpus: Opt
     models = list(models) if models is not None else dry_models(p)
     gpus = list(gpus) if gpus is not None else page_cards(p)
     measured_models = {(m.gpu, model_name(m.model)) for m in p.ms if m.kind in ("probe", "real") and m.lora}
+    spellings: dict[str, set] = {}  # the ledger's spellings of each model it measured (the ladder asks by them)
+    if ladder and checkpointing:
+        for m in p.ms:
+            spellings.setdefault(model_name(m.model), set()).add(m.model)
     out = []
     if not checkpointing:
         fixes_settings = tuple(f for f in fixes_settings if f != "all")
@@ -231,7 +235,7 @@ def fit_table(p: Predictor, *, models: Optional[Iterable[str]] = None, gpus: Opt
         dry = [_dry_cells(p, one, widened, dry_cards, budget_mib, run, optim)
                for _, _, optim, _, _, _, _, _, one, widened in recipes]
         column = {g: i for i, (g, _) in enumerate(dry_cards)}
-        known = sorted({m.model for m in p.ms if model_name(m.model) == model})
+        known = sorted(spellings.get(model, ())) if len(dry_cards) < len(gpus) else []
         for gpu in gpus:
             entry = all_cards.get(gpu)
             # Every measured row has checkpointing on: without it the dry run alone answers.

@@ -95,6 +95,18 @@ class Predictor:
         self.remainder, self.dry_raw, self.dry_exact = self.dry_cal.remainder, self.table.raw, self.table.exact
         self.probe_to_real = self.span.probe_to_real
 
+    def warm(self, cards: dict[str, Optional[Gpu]]) -> None:
+        """Compute now, once, the shared fits every fit table reads (a build then forks its workers,
+        which inherit them instead of each computing them again): the dry run's leave-one-out and
+        derivation widths, the probe/real pairs' reach, and each card's remainder and limits."""
+        self.dry_cal.width_fraction(False), self.dry_cal.width_fraction(True)
+        self.over.fixes, self.over.max_rank
+        for key, entry in cards.items():
+            entry = entry or self.ledger.gpus.get(key)
+            self.remainder(key, entry.vendor if entry else None)
+            for run in ("probe", "real"):
+                self.card_limit(key, entry, run)
+
     @property
     def dry_loo(self) -> dict:
         return self.dry_cal.loo

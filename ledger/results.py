@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 
 class _Result(BaseModel):
@@ -362,18 +362,25 @@ class Fits(_Result):
                           "- context_high_mib) / ratio_high, high end = min((usable high - context_low_mib) / "
                           "ratio_low, usable high), each rounded to 0.1 MiB.")
 
+    #: ``by_row`` and ``table_lengths``, made once (every model's page reads them; cells are not changed).
+    _views: dict = PrivateAttr(default_factory=dict)
+
     def by_row(self) -> dict[tuple[str, str, str, str, str], list[FitCellResult]]:
         """The cells of each table row, (model, quant, fixes, setting, card) -> cells by length:
         the pages look rows up here rather than filtering every cell for every row."""
-        rows: dict[tuple[str, str, str, str, str], list[FitCellResult]] = {}
-        for c in self.cells:
-            rows.setdefault((c.model, c.quant, c.fixes, c.setting, c.gpu), []).append(c)
-        return {k: sorted(v, key=lambda c: c.seq_len) for k, v in rows.items()}
+        if "rows" not in self._views:
+            rows: dict[tuple[str, str, str, str, str], list[FitCellResult]] = {}
+            for c in self.cells:
+                rows.setdefault((c.model, c.quant, c.fixes, c.setting, c.gpu), []).append(c)
+            self._views["rows"] = {k: sorted(v, key=lambda c: c.seq_len) for k, v in rows.items()}
+        return self._views["rows"]
 
     def table_lengths(self) -> dict[tuple[str, str, str], list[int]]:
         """The lengths each table has, (model, quant, fixes) -> lengths: a model's stop at its
         context, the program's preset's at the grid's reach for it (the pages' column heads)."""
-        found: dict[tuple[str, str, str], set[int]] = {}
-        for c in self.cells:
-            found.setdefault((c.model, c.quant, c.fixes), set()).add(c.seq_len)
-        return {k: sorted(v) for k, v in found.items()}
+        if "lengths" not in self._views:
+            found: dict[tuple[str, str, str], set[int]] = {}
+            for c in self.cells:
+                found.setdefault((c.model, c.quant, c.fixes), set()).add(c.seq_len)
+            self._views["lengths"] = {k: sorted(v) for k, v in found.items()}
+        return self._views["lengths"]

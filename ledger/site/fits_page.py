@@ -108,6 +108,11 @@ def fit_models(fits: Fits, batches: Optional[dict] = None) -> list[FitModel]:
     by_row = fits.by_row()
     heads = fits.table_lengths()
     cards = {c.key: c for c in fits.cards}
+    # The picker's other tables' cells, by model (each model's data reads only its own).
+    others: dict[str, list] = {}
+    for (batch, optim, ckpt), cells in (batches or {}).items():
+        for c in cells:
+            others.setdefault(c.model, []).append((batch, optim, ckpt, c))
     out = []
     for model in fits.models:
         arch = load_arch(model)
@@ -119,11 +124,9 @@ def fit_models(fits: Fits, batches: Optional[dict] = None) -> list[FitModel]:
             cell = next((c for c in cells if c.seq_len == HEADLINE_LEN), None)
             headline.append((size, key, cell.label if cell else "unknown"))
         rows = {"|".join(k[1:]): [_cell(c, c.label) for c in cells] for k, cells in by_row.items() if k[0] == model}
-        for (batch, optim, ckpt), cells in (batches or {}).items():
-            for c in cells:
-                if c.model == model:
-                    rows.setdefault(picker_key(c.quant, c.fixes, c.setting, c.gpu, batch, optim, ckpt), []).append(
-                        _cell(c, c.label()))
+        for batch, optim, ckpt, c in others.get(model, ()):
+            rows.setdefault(picker_key(c.quant, c.fixes, c.setting, c.gpu, batch, optim, ckpt), []).append(
+                _cell(c, c.label()))
         lengths = sorted({s for (m, _, _), seqs in heads.items() if m == model for s in seqs})
         data = {"model": model, "lengths": lengths, "ranks": list(VIEW_RANKS),
                 "cards": [{"key": c.key, "name": c.name, "limit_low_mib": c.limit_low_mib,

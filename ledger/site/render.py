@@ -300,7 +300,10 @@ def compute_site(ledger: Ledger, out: Path, *, build_date: Optional[str], base_u
     # The whole ledger's fits, made once here: the workers inherit them (fork) instead of each
     # fitting the ledger again for the calibration, the scoreboard and the fit table.
     t0 = time.process_time()
-    shared_predictor(ledger, load_dry_runs())
+    from ..fits import cards
+
+    p = shared_predictor(ledger, load_dry_runs())
+    p.warm(cards(p))
     stages["ledger fit"] = time.process_time() - t0
     if sys.platform.startswith("linux"):
         pool = ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("fork"),
