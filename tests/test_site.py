@@ -66,6 +66,15 @@ def test_build_twice_is_byte_identical(tmp_path, monkeypatch):
     assert str(tmp_path) not in text  # no absolute paths
 
 
+def test_each_model_page_is_light_enough_for_a_phone(bundled_site):
+    """A page per model, each at most 200 KB (its stock tables to the model's context; the rest of
+    its figures load only when the model is chosen), for every model of the fit table."""
+    pages = sorted((bundled_site / "fits").glob("*.html"))
+    assert len(pages) >= 25
+    heavy = {p.name: p.stat().st_size for p in pages if p.stat().st_size > 200_000}
+    assert heavy == {}, heavy
+
+
 def test_every_page_is_strict_html5(bundled_site):
     for page in ("index.html", "estimators.html"):
         parse_strict(bundled_site / page)  # raises ParseError on any error
