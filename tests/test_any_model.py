@@ -68,8 +68,19 @@ def test_a_mixture_of_experts_config_is_refused_with_its_reason(tmp_path, capsys
 
 
 def test_a_length_past_the_grid_needs_dry_runs_and_no_compute_refuses(tmp_path, capsys):
-    assert cli.main(["estimate", "--probe", "--ledger", str(BUNDLED), "--model", "llama-3.1-8b", "--rank", "16",
-                     "--seq-len", "28454", "--gpu", "RTX 4090", "--cache", str(tmp_path), "--no-compute"]) == 1
+    from ledger import store
+
+    argv = ["estimate", "--probe", "--ledger", str(BUNDLED), "--model", "llama-3.1-8b", "--rank", "16",
+            "--seq-len", "28454", "--gpu", "RTX 4090", "--cache", str(tmp_path / "cache"), "--no-compute"]
+    # The shipped grid reaches the model's context (131072 tokens): answered from its rows.
+    assert cli.main(argv) == 0
+    assert "vram-ledger: " in capsys.readouterr().out
+    # Rows that stop at 16384 tokens: 28454 is past them.
+    shipped = store.load(CONFIG_DIR.parent / "dry-runs.json")
+    short = tmp_path / "short.json"
+    store.save(shipped.model_copy(update={"measurements": [m for m in shipped.measurements if m.seq_len <= 16384]}),
+               short)
+    assert cli.main([*argv, "--dry-runs", str(short)]) == 1
     err = capsys.readouterr().err
     assert "needs 2 dry runs" in err and "without --no-compute" in err
 
