@@ -154,13 +154,6 @@ def page_cards(p: Predictor) -> list[str]:
     return [k for k in cards(p) if k in p.ledger.gpus or (k in table and table[k].fit_page)]
 
 
-def _dry_ceiling(p: Predictor, recipe: Recipe, gpu: str, entry: Gpu, budget_mib: Optional[float] = None,
-                 run: str = "real", optimizer: Optional[str] = None) -> tuple[Optional[int], Optional[int], str, bool]:
-    """(fits, tight, status, at least) from the calibrated dry run alone (``rank_judge.dry_ceiling``)."""
-    one, widened = _as_asked(recipe)
-    return _dry_cells(p, one, widened, ((gpu, entry),), budget_mib, run, optimizer)[0]
-
-
 def _as_asked(recipe: Recipe) -> tuple[Optional[Recipe], float]:
     """A micro-batch is answered as ``predict`` answers it: the single sequence of batch x length
     tokens (``response_span.answerable``), its interval widened by that derivation's error. The

@@ -34,31 +34,15 @@ def dry_judge(p, recipe: Recipe, gpu: str, entry: Optional[Gpu] = None,
     return verdict
 
 
-def dry_ceiling(p, recipe: Recipe, gpu: str, entry: Optional[Gpu], budget_mib: Optional[float], widened: float,
-                run: Run, optimizer: Optional[str], step: int, max_rank: int
-                ) -> tuple[Optional[int], Optional[int], str, bool]:
-    """(fits, tight, status, at least): what ``vram ceiling``'s scan from the smallest rank finds
-    with ``dry_judge``'s verdicts (the largest rank with every rank up to it "fits"; the last
-    before the first "won't fit"), in a handful of interval look-ups (``ceiling_of``)."""
-    profile, low, high = _profile(p, recipe, gpu, entry, budget_mib, widened, run, optimizer)
-    return ceiling_of(profile, low, high, step, max_rank)
-
-
 def dry_ceilings(p, recipe: Recipe, cards: list[tuple[str, Optional[Gpu]]], budget_mib: Optional[float],
                  widened: float, run: Run, optimizer: Optional[str], step: int, max_rank: int) -> list[tuple]:
-    """``dry_ceiling`` for each of ``cards`` ((key, entry) pairs), in their order: the recipe's
-    profile looked up once per remainder (the fit table asks every card of a recipe together)."""
-    out = []
-    profiles: dict[float, _Profile] = {}
-    for gpu, entry in cards:
-        entry = entry or p.ledger.gpus.get(gpu)
-        rem = p.remainder(gpu or "", entry.vendor if entry else None)[0] or 0.0
-        low, high, _ = p.card_limit(gpu, entry, run) if budget_mib is None else (budget_mib, budget_mib, "")
-        profile = profiles.get(rem)
-        if profile is None:
-            profile = profiles[rem] = _profile_at(p, recipe, rem, widened, run, optimizer)
-        out.append(ceiling_of(profile, low, high, step, max_rank))
-    return out
+    """(fits, tight, status, at least) on each of ``cards`` ((key, entry) pairs), in their order:
+    what ``vram ceiling``'s scan from the smallest rank finds with ``dry_judge``'s verdicts (the
+    largest rank with every rank up to it "fits"; the last before the first "won't fit"). The
+    recipe's profile is made once per card remainder (the fit table asks every card of a recipe
+    together)."""
+    return [ceiling_of(*_profile(p, recipe, gpu, entry, budget_mib, widened, run, optimizer), step, max_rank)
+            for gpu, entry in cards]
 
 
 def ceiling_of(profile: "_Profile", low: Optional[float], high: Optional[float], step: int, max_rank: int
