@@ -45,6 +45,7 @@ from ledger.paths import DEFAULT_LEDGER
 from ledger.recipe import fixes_value
 from ledger.models import Environment, Measurement, Outcome, Provenance
 
+from .depth import depth_plan, extrapolate, phase_marks, phase_peaks, with_layers
 from .meters import MIB, TrackerMeter
 from .probe_vram import add_recipe_options, config_from_args, probe_id, rss_bytes, run_cli, versions
 from .recipe import ProbeConfig, RecipeError, checkpointing_as_asked, load_config, offload, prepare, \
@@ -196,13 +197,40 @@ def loads_multimodal(model: str) -> bool:
     return bool(json.loads(path.read_text(encoding="utf-8")).get("vision_config"))
 
 
-def dry_run(cfg: ProbeConfig, *, multimodal: Optional[bool] = None, budget_mib: Optional[float] = None) -> dict:
-    """One fake probe step. Returns the tracker's figures (MiB), the step's wall time and peak RSS."""
-    from transformers import AutoModelForCausalLM
-
+def dry_run(cfg: ProbeConfig, *, multimodal: Optional[bool] = None, budget_mib: Optional[float] = None,
+            full_depth: bool = False) -> dict:
+    """One fake probe step. Returns the tracker's figures (MiB), the step's wall time, peak RSS and
+    how its depth was run: a deep model's step is extrapolated from two short stacks of its layers
+    (``probe_kit.depth``) unless ``full_depth``, a budget (an OOM is simulated on the whole model)
+    or unlike layers ask for every layer."""
     config = load_config(cfg.model)
     t0 = time.perf_counter()
     rss0 = rss_bytes()
+    plan = None if full_depth or budget_mib is not None else depth_plan(config)
+    raw = None
+    if plan is not None:
+        samples = [_fake_step(cfg, with_layers(config, stack), None, marks=len(stack)) for stack in plan.stacks()]
+        raw = extrapolate(plan, samples)
+        if raw is not None:
+            raw["oom"] = None
+    if raw is None:
+        raw = _fake_step(cfg, config, budget_mib)
+        raw["depth"] = {"method": "every layer", "layers": getattr(config, "num_hidden_layers", None)}
+        if plan is not None:
+            raw["depth"]["why"] = "the short stacks' phases did not extrapolate (the layers are not alike)"
+    if multimodal is None:
+        multimodal = loads_multimodal(cfg.model)
+    extra_vision = vision_mib(cfg.model, cfg.quant) if multimodal else 0.0
+    return {"after_load_mib": raw["after_load_mib"], "pre_step_mib": raw["pre_step_mib"], "peak_mib": raw["peak_mib"],
+            "vision_mib": extra_vision, "seconds": time.perf_counter() - t0,
+            "rss_growth_mib": (rss_bytes() - rss0) / MIB, "oom": raw["oom"], "depth": raw["depth"]}
+
+
+def _fake_step(cfg: ProbeConfig, config, budget_mib: Optional[float], marks: Optional[int] = None) -> dict:
+    """The model built from ``config`` under fake tensors, the recipe applied, the step run and
+    measured. With ``marks`` (the config's number of layers), each phase's peak too."""
+    from transformers import AutoModelForCausalLM
+
     with fake_world():
         torch.manual_seed(cfg.seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -221,26 +249,28 @@ def dry_run(cfg: ProbeConfig, *, multimodal: Optional[bool] = None, budget_mib: 
 
             def warmed() -> None:  # before the measured step: with an optimizer, its state is made
                 figures["pre_step"] = meter.allocated_mib()
+                meter.mark("warmed")
 
-            try:
-                train_step(model, ids, cfg, lambda: offload(cfg, torch.device("cpu"), meter.exclude), fake=True,
-                           warmed=warmed)
-            except torch.OutOfMemoryError as exc:
-                oom = str(exc)
+            with phase_marks(model, marks, meter) if marks else contextlib.nullcontext() as backward:
+                try:
+                    train_step(model, ids, cfg, lambda: offload(cfg, torch.device("cpu"), meter.exclude), fake=True,
+                               warmed=warmed, backward_context=backward)
+                except torch.OutOfMemoryError as exc:
+                    oom = str(exc)
+                meter.mark("end")
             pre_step = figures.get("pre_step", meter.allocated_mib())
         peak = meter.peak_allocated_mib()
-    if multimodal is None:
-        multimodal = loads_multimodal(cfg.model)
-    extra_vision = vision_mib(cfg.model, cfg.quant) if multimodal else 0.0
-    return {"after_load_mib": after_load, "pre_step_mib": pre_step, "peak_mib": peak, "vision_mib": extra_vision,
-            "seconds": time.perf_counter() - t0, "rss_growth_mib": (rss_bytes() - rss0) / MIB, "oom": oom}
+    out = {"after_load_mib": after_load, "pre_step_mib": pre_step, "peak_mib": peak, "oom": oom}
+    if marks:
+        out.update(phases=phase_peaks(meter.windows, meter.peak_bytes) if backward else None)
+    return out
 
 
 def predict(cfg: ProbeConfig, *, gpu: Optional[str] = None, ledger: Optional[str] = None,
             multimodal: Optional[bool] = None,
-            budget_mib: Optional[float] = None, exclude: str = "") -> tuple[dict, dict]:
+            budget_mib: Optional[float] = None, exclude: str = "", full_depth: bool = False) -> tuple[dict, dict]:
     """The dry run plus the modelled terms: (outcome figures, breakdown)."""
-    raw = dry_run(cfg, multimodal=multimodal, budget_mib=budget_mib)
+    raw = dry_run(cfg, multimodal=multimodal, budget_mib=budget_mib, full_depth=full_depth)
     rows = store.load(ledger).measurements if ledger and gpu else []  # read once for both fitted terms
     workspace, workspace_source = cublas_workspace_mib(rows, gpu)
     extra = CUBLAS_HANDLES * workspace + raw["vision_mib"]
@@ -264,6 +294,7 @@ def predict(cfg: ProbeConfig, *, gpu: Optional[str] = None, ledger: Optional[str
                             if ratio else "no ledger rows with both figures for this card"),
         "seconds": round(raw["seconds"], 2),
         "rss_growth_mib": round(raw["rss_growth_mib"], 1),
+        "depth": raw["depth"],
     }
     outcome = {"status": "oom" if raw["oom"] else "ok",
                "after_load_mib": round(raw["after_load_mib"] + raw["vision_mib"], 1),
@@ -330,6 +361,9 @@ def main(argv=None) -> int:
     p.add_argument("--text-only", action="store_true",
                    help="the recipe loads the text-only class of a multimodal config (default: the class the config "
                         "declares, as the training code loads it: a vision tower when it has a vision_config)")
+    p.add_argument("--full-depth", action="store_true",
+                   help="run every decoder layer (default: a deep model's step is extrapolated from short stacks of "
+                        "its layers, phase by phase: the same figures, several times faster; see probe_kit/depth.py)")
     p.add_argument("--ledger", help="ledger the calibration is fitted on (default: the bundled ledger/vram.json), and "
                                     "the one --append writes to")
     p.add_argument("--append", action="store_true", help="append the dry run to --ledger (kind dry_run)")
@@ -364,7 +398,7 @@ def main(argv=None) -> int:
                 result["doc"] = find_ceiling(cfg, predictor, gpu=gpu, entry=entry, budget_mib=args.budget_mib,
                                              multimodal=multimodal)
                 return
-            outcome, breakdown = predict(cfg, multimodal=multimodal)
+            outcome, breakdown = predict(cfg, multimodal=multimodal, full_depth=args.full_depth)
             answer = predictor.judge_dry(cfg.recipe(), outcome["peak_allocated_mib"], gpu, entry=entry,
                                          budget_mib=args.budget_mib) if outcome["peak_allocated_mib"] else None
             m = measurement(cfg, outcome, breakdown, None, args.id)
@@ -384,9 +418,12 @@ def main(argv=None) -> int:
               f"({doc['probes']} dry runs; calibrated as ledger.predictor does)")
     else:
         o, b, a = doc["measurement"]["outcome"], doc["breakdown"], doc["answer"]
+        d = b["depth"]
+        depth = (f"{d['layers']} layers extrapolated from stacks of {', '.join(map(str, d['from_layers']))}"
+                 if d["method"] == "extrapolated" else f"every one of {d['layers']} layers")
         print(f"dry run: peak allocated {o.get('peak_allocated_mib')} MiB raw (tracker {b['tracker_peak_mib']} + "
               f"cuBLAS {b['cublas_workspace_mib']} + vision {b['vision_tower_mib']} MiB); after load "
-              f"{o.get('after_load_mib')} MiB, pre-step {o.get('pre_step_mib')} MiB; {b['seconds']} s")
+              f"{o.get('after_load_mib')} MiB, pre-step {o.get('pre_step_mib')} MiB; {depth}; {b['seconds']} s")
         if a:
             iv = a["probe_allocated"]
             print(f"predicted peak allocated {iv['mib']} MiB ({iv['low_mib']}–{iv['high_mib']} MiB): {a['method_text']}")

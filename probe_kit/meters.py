@@ -93,6 +93,10 @@ class TrackerMeter(TorchDispatchMode):
         self.live: dict[int, tuple[weakref.ref, int]] = {}
         self.live_bytes = 0
         self.peak_bytes = 0
+        #: (label, peak bytes) of each window ``mark`` closed since the last reset; the dry run's
+        #: depth extrapolation reads the peaks of a step's phases from them.
+        self.windows: list[tuple[object, int]] = []
+        self.window_peak = 0
 
     # -- bookkeeping ------------------------------------------------------------------
     def _add(self, t: torch.Tensor) -> int:
@@ -125,6 +129,7 @@ class TrackerMeter(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() > 0:
                 self._add(t)
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self.window_peak = max(self.window_peak, self.live_bytes)
 
     def register_module(self, module: torch.nn.Module) -> None:
         """Parameters, buffers, gradients and bitsandbytes quant_state tensors of a module."""
@@ -150,10 +155,13 @@ class TrackerMeter(TorchDispatchMode):
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 added += self._add(t)
-        if self.live_bytes > self.peak_bytes:
-            if self.budget is not None and self.live_bytes > self.budget:
-                self._raise_oom(added)
-            self.peak_bytes = self.live_bytes
+        live = self.live_bytes
+        if live > self.window_peak:  # never above peak_bytes: both are raised here, reset together
+            self.window_peak = live
+            if live > self.peak_bytes:
+                if self.budget is not None and live > self.budget:
+                    self._raise_oom(added)
+                self.peak_bytes = live
         return out
 
     def _raise_oom(self, tried: int) -> None:
@@ -171,7 +179,14 @@ class TrackerMeter(TorchDispatchMode):
         return self.live_bytes / MIB
 
     def reset_peak(self) -> None:
-        self.peak_bytes = self.live_bytes
+        self.peak_bytes = self.window_peak = self.live_bytes
+        self.windows = []
+
+    def mark(self, label: object) -> None:
+        """Close the current window: record ``(label, the peak bytes since the last mark or
+        reset)`` in ``windows`` and start the next one at the bytes live now."""
+        self.windows.append((label, max(self.window_peak, self.live_bytes)))
+        self.window_peak = self.live_bytes
 
     def peak_allocated_mib(self) -> float:
         return self.peak_bytes / MIB

@@ -442,37 +442,41 @@ def optimizer_step(opt, fake: bool = False) -> None:
 
 def train_step(model: torch.nn.Module, ids: torch.Tensor, cfg: ProbeConfig,
                forward_context: Optional[Callable[[], contextlib.AbstractContextManager]] = None, *,
-               fake: bool = False, warmed: Optional[Callable[[], None]] = None) -> torch.Tensor:
+               fake: bool = False, warmed: Optional[Callable[[], None]] = None,
+               backward_context: Optional[Callable[[], contextlib.AbstractContextManager]] = None) -> torch.Tensor:
     """The step a probe measures: forward and backward (``step``); with ``cfg.optimizer``, the
     steady state of training: one optimizer step first (its state then exists, as from a run's
     second step on), ``warmed()`` called, then forward, backward and an optimizer step, gradients
-    freed after each as the Trainer frees them."""
+    freed after each as the Trainer frees them. Each backward runs inside ``backward_context()``
+    when given (the dry run marks the step's phases there)."""
     context = forward_context or contextlib.nullcontext
     if cfg.optimizer is None:
         if warmed is not None:
             warmed()
-        return step(model, ids, cfg, context())
+        return step(model, ids, cfg, context(), backward_context)
     opt = make_optimizer(model, cfg.optimizer, fake)
-    step(model, ids, cfg, context())
+    step(model, ids, cfg, context(), backward_context)
     optimizer_step(opt, fake)
     model.zero_grad(set_to_none=True)
     if warmed is not None:
         warmed()
-    loss = step(model, ids, cfg, context())
+    loss = step(model, ids, cfg, context(), backward_context)
     optimizer_step(opt, fake)
     model.zero_grad(set_to_none=True)
     return loss
 
 
 def step(model: torch.nn.Module, ids: torch.Tensor, cfg: ProbeConfig,
-         forward_context: Optional[contextlib.AbstractContextManager] = None) -> torch.Tensor:
+         forward_context: Optional[contextlib.AbstractContextManager] = None,
+         backward_context: Optional[Callable[[], contextlib.AbstractContextManager]] = None) -> torch.Tensor:
     """One forward and backward with the loss on the last response_len tokens. The forward runs
     inside ``forward_context`` (the save_on_cpu offload): what the forward saves goes to host
     RAM; the layers recomputed in backward keep theirs on the device, as in the trainer."""
     with gpu_dropout():
         with forward_context if forward_context is not None else contextlib.nullcontext():
             loss = _forward_loss(model, ids, cfg)
-        loss.backward()
+        with backward_context() if backward_context is not None else contextlib.nullcontext():
+            loss.backward()
     return loss.detach()
 
 

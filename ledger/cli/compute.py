@@ -105,19 +105,24 @@ def needed_points(predictor, recipe: Recipe, model_rows: str) -> list[dict]:
 def seconds_for(points: list[dict]) -> Optional[float]:
     """The expected wall seconds of these dry runs on this kind of machine: a least-squares fit of
     the shipped rows' recorded times in the model's layers and the length (seconds = a + b layers +
-    c tokens + d layers x tokens: fake tensors cost per op, and ops grow with both)."""
+    c tokens + d layers x tokens: fake tensors cost per op, and ops grow with both), over the rows
+    whose depth was extrapolated as this version does it where there are enough of them."""
     import numpy as np
 
-    xs, ys = [], []
+    xs, ys, current = [], [], []
     archs: dict = {}
     for m in load_dry_runs(DRY_RUNS):
         if m.model not in archs:
             archs[m.model] = load_arch(m.model) if m.model else None
         a = archs[m.model]
-        found = re.search(r'"seconds": ([0-9.]+)', " ".join(m.provenance.notes)) if a and m.seq_len else None
+        notes = " ".join(m.provenance.notes)
+        found = re.search(r'"seconds": ([0-9.]+)', notes) if a and m.seq_len else None
         if found:
             xs.append(_terms(a.layers, m.seq_len))
             ys.append(float(found.group(1)))
+            current.append('"depth": {"method": "extrapolated"' in notes)
+    if sum(current) >= 8:  # rows run as this version runs them: the depth from short stacks of layers
+        xs, ys = [x for x, c in zip(xs, current) if c], [y for y, c in zip(ys, current) if c]
     if len(xs) < 8:
         return None
     coef = np.linalg.lstsq(np.array(xs), np.array(ys), rcond=None)[0]
