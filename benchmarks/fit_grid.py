@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "sweeps"))
 
 from ledger import store  # noqa: E402
-from ledger.fits import GRID_MODELS, fit_table  # noqa: E402
+from ledger.fits import GRID_MODELS, cards, fit_table  # noqa: E402
 from ledger.paths import DEFAULT_LEDGER, DRY_RUNS  # noqa: E402
 from ledger.dry_runs import load_dry_runs  # noqa: E402
 from ledger.model_configs import model_name  # noqa: E402
@@ -55,7 +55,9 @@ def main() -> None:
     ok = [d for d in grid if d.outcome.status == "ok"]
     total = sum(seconds(d) for d in grid)
     print(f"cost: {len(grid)} grid rows ({len(ok)} ok, {len(grid) - len(ok)} not), {len(GRID_MODELS)} models; "
-          f"dry-run step time {total / 60:.1f} min on one core, ~{total / 120:.1f} min on two (target <= 60)")
+          f"dry-run step time as recorded {total / 60:.1f} min on one core, ~{total / 120:.1f} min on two (rows "
+          f"computed before the depth was extrapolated ran every layer: benchmarks/dry_depth.py projects a "
+          f"regeneration as this version runs it)")
 
     errs = []
     for point in held_out():
@@ -105,14 +107,16 @@ def main() -> None:
           f"(tight counts as agreeing: it never says fits), {len(disagree)} disagree: {', '.join(disagree) or 'none'}")
 
     t = time.perf_counter()
-    cells = fit_table(Predictor(lg, dry))
+    p = Predictor(lg, dry)
+    cells = fit_table(p, gpus=list(cards(p)))  # every card, as the site's whole fit table has them
     answered = [c for c in cells if c.status != "unknown"]
     print(f"coverage: {len({c.model for c in answered})} models x {len({c.gpu for c in answered})} cards x "
           f"{len({c.quant for c in answered})} quants x {len({c.fixes for c in answered})} fixes x "
           f"{len({c.seq_len for c in answered})} lengths; {len(answered)} of {len(cells)} cells answered; the table "
           f"computed in {time.perf_counter() - t:.1f} s (no torch)")
     t = time.perf_counter()
-    cells = fit_table(Predictor(lg, dry), checkpointing=False)
+    p = Predictor(lg, dry)
+    cells = fit_table(p, gpus=list(cards(p)), checkpointing=False)
     answered = [c for c in cells if c.status != "unknown"]
     print(f"without gradient checkpointing (stock): {len({c.model for c in answered})} models; {len(answered)} of "
           f"{len(cells)} cells answered, in {time.perf_counter() - t:.1f} s")

@@ -151,10 +151,13 @@ class TrackerMeter(TorchDispatchMode):
     # -- the dispatch hook --------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        added = 0
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                added += self._add(t)
+        if isinstance(out, torch.Tensor):  # most ops: one tensor out, no tree to walk
+            added = self._add(out)
+        else:
+            added = 0
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    added += self._add(t)
         live = self.live_bytes
         if live > self.window_peak:  # never above peak_bytes: both are raised here, reset together
             self.window_peak = live
