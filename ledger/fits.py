@@ -147,9 +147,10 @@ def cards(p: Predictor) -> dict[str, Gpu]:
 
 
 def page_cards(p: Predictor) -> list[str]:
-    """The cards the site's fit table covers: the ledger's and the card table's common ones
-    (``fit_page``). One page holds every model, so each card costs the page a table per model;
-    every card of the table is answered by ``vram fit --gpu`` all the same."""
+    """The cards the site's fit pages and picker show: the ledger's and the card table's common
+    ones (``fit_page``). A model's page and its picker figures hold a table per card (and the
+    picker's nine other recipes), so each card costs every page; the whole fit table (fits.md,
+    fits.csv, vram.json) has every card, and ``vram fit --gpu`` answers each all the same."""
     table = card_table()
     return [k for k in cards(p) if k in p.ledger.gpus or (k in table and table[k].fit_page)]
 
@@ -297,10 +298,12 @@ CSV_FIELDS = ("model", "gpu", "quant", "fixes", "setting", "seq_len", "fits_rank
 
 
 def fits_document(p: Predictor, cells: Optional[list[FitCell]] = None, ladder: bool = True) -> dict:
-    """The fit table as ``results.Fits`` validates it (derived.fits in vram.json)."""
-    cells = cells if cells is not None else fit_table(p, ladder=ladder)
+    """The fit table as ``results.Fits`` validates it (derived.fits in vram.json): by default every
+    card (the ledger's and the card table's), the common ones (``page_cards``) marked."""
     all_cards = cards(p)
+    cells = cells if cells is not None else fit_table(p, ladder=ladder, gpus=list(all_cards))
     used = list(dict.fromkeys(c.gpu for c in cells))
+    common = set(page_cards(p))
     card_rows = []
     run = cells[0].run if cells else "real"
     for key in used:
@@ -309,7 +312,7 @@ def fits_document(p: Predictor, cells: Optional[list[FitCell]] = None, ladder: b
 
         card_rows.append({"key": key, "name": all_cards[key].name, "usable_mib": capacity_mib(all_cards[key]),
                           "limit_low_mib": low, "limit_high_mib": high, "in_ledger": key in p.ledger.gpus,
-                          "source": source})
+                          "source": source, "common": key in common})
     acc = p.dry_loo
     return {"lengths": sorted({c.seq_len for c in cells}), "models": list(dict.fromkeys(c.model for c in cells)),
             "cards": card_rows,

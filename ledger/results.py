@@ -336,6 +336,8 @@ class FitCard(_Result):
     limit_high_mib: Optional[float]
     in_ledger: bool
     source: str = Field(description="Where the limit comes from.")
+    common: bool = Field(True, description="One of the common cards the site's fit pages and picker show; every card "
+                                           "is in the fit table (here, fits.md, fits.csv).")
 
 
 class Fits(_Result):
@@ -364,6 +366,10 @@ class Fits(_Result):
 
     #: ``by_row`` and ``table_lengths``, made once (every model's page reads them; cells are not changed).
     _views: dict = PrivateAttr(default_factory=dict)
+
+    def common_cards(self) -> list[FitCard]:
+        """The cards the fit pages and the picker show (the rest are in the whole table)."""
+        return [c for c in self.cards if c.common]
 
     def by_row(self) -> dict[tuple[str, str, str, str, str], list[FitCellResult]]:
         """The cells of each table row, (model, quant, fixes, setting, card) -> cells by length:

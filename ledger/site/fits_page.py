@@ -107,7 +107,7 @@ def fit_models(fits: Fits, batches: Optional[dict] = None) -> list[FitModel]:
 
     by_row = fits.by_row()
     heads = fits.table_lengths()
-    cards = {c.key: c for c in fits.cards}
+    cards = {c.key: c for c in fits.common_cards()}  # the page's and the picker's; every card in fits.md / .csv
     # The picker's other tables' cells, by model (each model's data reads only its own).
     others: dict[str, list] = {}
     for (batch, optim, ckpt), cells in (batches or {}).items():
@@ -123,14 +123,15 @@ def fit_models(fits: Fits, batches: Optional[dict] = None) -> list[FitModel]:
             cells = by_row.get((model, "4bit", "none", "plain", key), [])
             cell = next((c for c in cells if c.seq_len == HEADLINE_LEN), None)
             headline.append((size, key, cell.label if cell else "unknown"))
-        rows = {"|".join(k[1:]): [_cell(c, c.label) for c in cells] for k, cells in by_row.items() if k[0] == model}
+        rows = {"|".join(k[1:]): [_cell(c, c.label) for c in cells] for k, cells in by_row.items()
+                if k[0] == model and k[4] in cards}
         for batch, optim, ckpt, c in others.get(model, ()):
             rows.setdefault(picker_key(c.quant, c.fixes, c.setting, c.gpu, batch, optim, ckpt), []).append(
                 _cell(c, c.label()))
         lengths = sorted({s for (m, _, _), seqs in heads.items() if m == model for s in seqs})
         data = {"model": model, "lengths": lengths, "ranks": list(VIEW_RANKS),
                 "cards": [{"key": c.key, "name": c.name, "limit_low_mib": c.limit_low_mib,
-                           "limit_high_mib": c.limit_high_mib} for c in fits.cards],
+                           "limit_high_mib": c.limit_high_mib} for c in cards.values()],
                 "rows": rows}
         out.append(FitModel(name=model, slug=model_slug(model), family=family_of(model),
                             params_b=round(arch.total_params / 1e9, 2) if arch else None,
