@@ -166,18 +166,23 @@ class DryTable:
         length) - the held-out points of the fit grid and the ledger recipes' rows - derived from
         the others. Signed % errors by id, and the largest |error| (the width added to derived cells)."""
         lengths: dict[str, tuple[int, int]] = {}
+        by_model: dict[str, list[Measurement]] = defaultdict(list)
         for d in self.dry:
             name = model_name(d.model)
             lo, hi = lengths.get(name, (d.seq_len, d.seq_len))
             lengths[name] = (min(lo, d.seq_len), max(hi, d.seq_len))
+            by_model[name].append(d)
         rows = {}
         for d in self.dry:
             r = recipe_of(d)
-            ends = lengths[model_name(d.model)]
+            name = model_name(d.model)
+            ends = lengths[name]
             grid = (r.rank == 8 and not (r.dropout or r.dora)) or (r.seq_len in ends and r.rank in (8, 64))
             if grid:
                 continue
-            derived, _ = DryTable([x for x in self.dry if x.id != d.id]).raw(r)
+            # A recipe's figure reads only its model's tables: the table of the model's other rows
+            # derives it as the whole table less this row would.
+            derived, _ = DryTable([x for x in by_model[name] if x.id != d.id]).raw(r)
             if derived is not None:
                 rows[d.id] = round((derived - d.outcome.peak_allocated_mib) / d.outcome.peak_allocated_mib * 100, 2)
         return {"errors_pct": rows, "max_abs_err_pct": max((abs(e) for e in rows.values()), default=None)}
