@@ -200,7 +200,7 @@ def loads_multimodal(model: str) -> bool:
 def dry_run(cfg: ProbeConfig, *, multimodal: Optional[bool] = None, budget_mib: Optional[float] = None,
             full_depth: bool = False) -> dict:
     """One fake probe step. Returns the tracker's figures (MiB), the step's wall time, peak RSS and
-    how its depth was run: a deep model's step is extrapolated from two short stacks of its layers
+    how its depth was run: a deep model's step is extrapolated from short stacks of its layers
     (``probe_kit.depth``) unless ``full_depth``, a budget (an OOM is simulated on the whole model)
     or unlike layers ask for every layer."""
     config = load_config(cfg.model)
@@ -208,16 +208,20 @@ def dry_run(cfg: ProbeConfig, *, multimodal: Optional[bool] = None, budget_mib: 
     rss0 = rss_bytes()
     plan = None if full_depth or budget_mib is not None else depth_plan(config)
     raw = None
+    why = "the short stacks' phases did not extrapolate (the layers are not alike)"
     if plan is not None:
-        samples = [_fake_step(cfg, with_layers(config, stack), None, marks=len(stack)) for stack in plan.stacks()]
-        raw = extrapolate(plan, samples)
+        try:
+            samples = [_fake_step(cfg, with_layers(config, stack), None, marks=len(stack)) for stack in plan.stacks()]
+        except Exception as exc:  # a config the library will not build shorter: the whole depth it is
+            samples, why = None, f"a short stack could not be built ({type(exc).__name__})"
+        raw = extrapolate(plan, samples) if samples else None
         if raw is not None:
             raw["oom"] = None
     if raw is None:
         raw = _fake_step(cfg, config, budget_mib)
         raw["depth"] = {"method": "every layer", "layers": getattr(config, "num_hidden_layers", None)}
         if plan is not None:
-            raw["depth"]["why"] = "the short stacks' phases did not extrapolate (the layers are not alike)"
+            raw["depth"]["why"] = why
     if multimodal is None:
         multimodal = loads_multimodal(cfg.model)
     extra_vision = vision_mib(cfg.model, cfg.quant) if multimodal else 0.0

@@ -113,3 +113,17 @@ def test_tracker_windows_hold_the_peak_between_marks():
     assert meter.windows[0][1] == 3 * MIB and meter.windows[1][1] == 1.5 * MIB
     assert meter.peak_bytes == 3 * MIB
     del a, c
+
+
+def test_a_stack_the_library_will_not_build_runs_every_layer(tmp_path, monkeypatch):
+    import probe_kit.dry_run as dry
+
+    def refuse(config, types):
+        raise ValueError("layer_types does not match")
+
+    monkeypatch.setattr(dry, "with_layers", refuse)
+    cfg = ProbeConfig(model=deeper(tmp_path, "tiny-llama", 8), random_weights=True, seq_len=128, response_len=32,
+                      rank=8, fixes=[])
+    got = dry_run(cfg)
+    assert got["depth"]["method"] == "every layer" and "ValueError" in got["depth"]["why"]
+    assert got["peak_mib"] == dry_run(cfg, full_depth=True)["peak_mib"]
