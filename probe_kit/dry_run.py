@@ -211,7 +211,11 @@ def dry_run(cfg: ProbeConfig, *, multimodal: Optional[bool] = None, budget_mib: 
     why = "the short stacks' phases did not extrapolate (the layers are not alike)"
     if plan is not None:
         try:
-            samples = [_fake_step(cfg, with_layers(config, stack), None, marks=len(stack)) for stack in plan.stacks()]
+            # The base stack last: what a process allocates once, on its first step, then falls on
+            # a stack with more layers, so a slope can only come out larger (the safe side).
+            runs = {stack: _fake_step(cfg, with_layers(config, stack), None, marks=len(stack))
+                    for stack in reversed(plan.stacks())}
+            samples = [runs[stack] for stack in plan.stacks()]
         except Exception as exc:  # a config the library will not build shorter: the whole depth it is
             samples, why = None, f"a short stack could not be built ({type(exc).__name__})"
         raw = extrapolate(plan, samples) if samples else None
