@@ -5,8 +5,9 @@ rows that ran every layer, and what the whole grid's regeneration costs with it.
 
 Every ``--every``-th point of the grid (from ``--offset``) is run as the sweep runs it
 (``probe_kit.run_sweep.run_dry_point``: the dry run with its depth extrapolated from short stacks
-of the model's layers, ``probe_kit.depth``, then the append) into a temporary copy of
-``ledger/dry-runs.json`` (an append costs what it costs on the real file). Printed per point: how
+of the model's layers, ``probe_kit.depth``; the rows appended together every 30 s, as the sweep
+appends them) into a temporary copy of ``ledger/dry-runs.json`` (an append costs what it costs on
+the real file). Printed per point: how
 the depth was run, the signed % difference of after load, pre-step and peak allocated from the
 committed row where that row ran every layer, and the seconds. Then the largest |difference|,
 how many peaks came out below the full run, and the whole grid's regeneration projected from the
@@ -45,7 +46,7 @@ def main() -> None:
     ap.add_argument("--offset", type=int, default=0)
     ap.add_argument("--sweep", default=str(REPO / "sweeps" / "fit-grid.toml"))
     args = ap.parse_args()
-    from probe_kit.run_sweep import load_sweep, run_dry_point
+    from probe_kit.run_sweep import DryRows, load_sweep, run_dry_point
 
     sweep = load_sweep(args.sweep)
     sample = sweep.points[args.offset::args.every]
@@ -57,10 +58,14 @@ def main() -> None:
         grid.measurements = [m for m in grid.measurements if m.id not in {p.id for p in sample}]
         store.save(grid, ledger)
         statuses = {}
+        rows = DryRows(ledger)  # appended as the sweep appends them: together, every 30 s
         for point in sample:
             t = time.perf_counter()
-            statuses[point.id] = run_dry_point(point, sweep, ledger).status
+            statuses[point.id] = run_dry_point(point, sweep, ledger, rows).status
             spent += time.perf_counter() - t
+        t = time.perf_counter()
+        rows.flush()
+        spent += time.perf_counter() - t
         rows = {m.id: m for m in load_dry_runs(ledger)}
     for point in sample:
         row, old = rows.get(point.id), committed.get(point.id)

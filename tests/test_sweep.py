@@ -272,3 +272,51 @@ def test_a_dry_sweep_records_rows_without_a_card(tmp_path):
     assert all(m.id.startswith("dry-tiny-llama-4bit-r") for m in rows)
     assert run_sweep.main([path, "--ledger", str(ledger), "--resume", "--no-progress"]) == 0  # nothing to redo
     assert len(store.load(ledger).measurements) == 2
+
+
+def test_a_dry_sweep_writes_its_rows_together_and_keeps_them_when_stopped(tmp_path, monkeypatch):
+    """Rows are appended in batches (one rewrite of the ledger per batch, not per row); a sweep
+    stopped by a signal still records every point that finished before it."""
+    import signal as sig
+
+    import probe_kit.dry_run as dry
+    from ledger import store as ledger_store
+
+    path = write(tmp_path, '[sweep]\nname = "d"\ndevice = "dry"\n[base]\nmodel = "tiny-llama"\nrandom_weights = true\n'
+                           'seq_len = 64\nresponse_len = 8\n[axes]\nrank = [4, 8, 16]\n')
+    sweep = load_sweep(path)
+    ledger = tmp_path / "d.json"
+    writes = []
+    real_append = ledger_store.append
+    monkeypatch.setattr(ledger_store, "append", lambda *a, **k: writes.append(len(a[1])) or real_append(*a, **k))
+    real_predict = dry.predict
+
+    def predict(cfg, **kw):
+        if cfg.rank == 16:
+            raise run_sweep.SweepInterrupted(sig.SIGTERM)
+        return real_predict(cfg, **kw)
+
+    monkeypatch.setattr(dry, "predict", predict)
+    rc = run_sweep.run_sweep(sweep, sweep.points, ledger=str(ledger), done={}, progress=False)
+    assert rc == 128 + sig.SIGTERM
+    assert writes == [2]  # the two finished points in one append, written as the signal stopped the sweep
+    assert sorted(m.lora.rank for m in store.load(ledger).measurements) == [4, 8]
+
+
+def test_dry_rows_leave_a_row_another_writer_recorded(tmp_path):
+    """A batch holding a point another shard recorded meanwhile appends the others, and leaves
+    that writer's row as it is."""
+    path = write(tmp_path, '[sweep]\nname = "d"\ndevice = "dry"\n[base]\nmodel = "tiny-llama"\nrandom_weights = true\n'
+                           'seq_len = 64\nresponse_len = 8\n[axes]\nrank = [4, 8]\n')
+    sweep = load_sweep(path)
+    ledger = str(tmp_path / "d.json")
+    first = run_sweep.DryRows(ledger, every_s=3600)
+    for p in sweep.points:
+        run_sweep.run_dry_point(p, sweep, ledger, first)
+    assert not Path(ledger).exists()  # nothing written before the batch is due
+    theirs = first.pending[0].model_copy(update={"provenance": first.pending[0].provenance.model_copy(
+        update={"notes": ["written by another shard"]})})
+    store.append(ledger, [theirs], create=True)
+    first.flush()
+    rows = {m.id: m for m in store.load(ledger).measurements}
+    assert len(rows) == 2 and rows[theirs.id].provenance.notes == ["written by another shard"]
