@@ -13,6 +13,11 @@ the ledger's measured probes.
    card's limit: fits / tight / won't fit vs what happened; every disagreement is listed.
 4. Coverage: models x cards x quants x fixes x lengths with an answer, with gradient checkpointing
    and (stock) without.
+5. The grid alone: the rows a regeneration of sweeps/fit-grid.toml writes (committed rows of
+   points the grid no longer computes left out: rank 8 of the stock recipe between 2,048 tokens and
+   a full-attention model's longest, which the table interpolates), their coverage, and every cell
+   whose largest fitting rank differs from the table of all committed rows (lower: the derived
+   figure's wider interval; higher would be a derivation that under-estimates).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "sweeps"))
 
 from ledger import store  # noqa: E402
-from ledger.fits import GRID_MODELS, cards, fit_table  # noqa: E402
+from ledger.fits import GRID_MODELS, cards, fit_table, grid_points  # noqa: E402
 from ledger.paths import DEFAULT_LEDGER, DRY_RUNS  # noqa: E402
 from ledger.dry_runs import load_dry_runs  # noqa: E402
 from ledger.model_configs import model_name  # noqa: E402
@@ -120,6 +125,39 @@ def main() -> None:
     answered = [c for c in cells if c.status != "unknown"]
     print(f"without gradient checkpointing (stock): {len({c.model for c in answered})} models; {len(answered)} of "
           f"{len(cells)} cells answered, in {time.perf_counter() - t:.1f} s")
+    grid_alone(lg, dry)
+
+
+def point_recipe(point: dict) -> Recipe:
+    return Recipe(model=point["model"], rank=point["rank"], quant=point["quant"], dropout=point.get("dropout", 0) > 0,
+                  dora=point.get("dora", False), seq_len=point["seq_len"], fixes=point["fixes"],
+                  response_len=point["response_len"], checkpointing=not point.get("no_gradient_checkpointing"))
+
+
+def grid_alone(lg, dry) -> None:
+    """The table from the rows a regeneration of the grid writes, against the table of every row."""
+    points = {point_recipe(p) for m in GRID_MODELS for ck in (True, False) for p in grid_points(m, checkpointing=ck)}
+    points |= {point_recipe(p) for p in held_out()}
+    grid = [d for d in dry if "fit-grid" not in (d.provenance.source or "") or recipe_of(d) in points]
+    extra = [d for d in dry if d not in grid]
+    print(f"the grid alone: {len(points)} points; {len(extra)} committed rows of points it no longer computes "
+          f"(derived in its table)")
+    for ck in (True, False):
+        full = {(c.model, c.gpu, c.quant, c.fixes, c.setting, c.seq_len): c
+                for c in fit_table(Predictor(lg, dry), gpus=list(cards(Predictor(lg, dry))), checkpointing=ck)}
+        alone = fit_table(Predictor(lg, grid), gpus=list(cards(Predictor(lg, grid))), checkpointing=ck)
+        answered = [c for c in alone if c.status != "unknown"]
+        lower = higher = 0
+        for c in alone:
+            f = full[(c.model, c.gpu, c.quant, c.fixes, c.setting, c.seq_len)]
+            if (c.fits_rank or 0) < (f.fits_rank or 0):
+                lower += 1
+            elif (c.fits_rank or 0) > (f.fits_rank or 0):
+                higher += 1
+                print(f"  higher: {c.model} {c.quant} {c.fixes} {c.setting} {c.seq_len} on {c.gpu}: "
+                      f"{c.label()} vs {f.label()}")
+        print(f"  checkpointing {'on' if ck else 'off'}: {len(answered)} of {len(alone)} cells answered; largest "
+              f"fitting rank lower in {lower}, higher in {higher} (of {len(alone)})")
 
 
 if __name__ == "__main__":

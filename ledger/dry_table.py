@@ -14,6 +14,11 @@ from .models import Measurement
 from .recipe import Recipe, fixes_key, recipe_of
 
 
+#: The rank the fit grid computes at every length it computes (rank 64, dropout and DoRA only at a
+#: few: ``ledger.fits.grid_points``).
+GRID_RANK = 8
+
+
 class DryTable:
     """Dry-run peaks by model, quant, fixes, dropout, DoRA and response span; ``raw`` answers any
     rank and length the rows reach."""
@@ -97,18 +102,28 @@ class DryTable:
         args = (name, recipe.quant, recipe.fixes)
         own = self.table(*args, recipe.dropout, recipe.dora, recipe.span(), recipe.checkpointing)
         plain = self.table(*args, False, False, recipe.span(), recipe.checkpointing)
-        if seq in own:
+
+        def bracket(s: int) -> bool:
+            # A length whose only row is of another rank than the grid's (a held-out point)
+            # answers other ranks only along an interpolated slope: the nearest lengths with the
+            # grid's rank, or two ranks, bracket instead where there are such.
+            return len(own[s]) >= 2 or GRID_RANK in own[s]
+
+        lower = [s for s in own if s < seq and bracket(s)] or [s for s in own if s < seq]
+        upper = [s for s in own if s > seq and bracket(s)] or [s for s in own if s > seq]
+        if seq in own and (bracket(seq) or not lower or not upper):
             return self._cell_figure(own, seq, plain)
-        lower = [s for s in own if s < seq]
-        upper = [s for s in own if s > seq]
         if not lower or not upper:
             return none
         s1, s2 = max(lower), min(upper)
+        exact = own.get(seq, {})  # a held-out row of this length: its own rank is itself
         f1, f2 = self._cell_figure(own, s1, plain), self._cell_figure(own, s2, plain)
         with_cost = (recipe.dropout or recipe.dora) and seq in plain and s1 in plain and s2 in plain
         g0, g1, g2 = (self._cell_figure(plain, x, plain) for x in (seq, s1, s2)) if with_cost else (None,) * 3
 
         def figure(rank: int) -> tuple[Optional[float], list[str]]:
+            if rank in exact:
+                return exact[rank][0], [exact[rank][1]]
             (y1, i1), (y2, i2) = f1(rank), f2(rank)
             if y1 is None or y2 is None:
                 return None, []

@@ -34,6 +34,12 @@ GRID_MODELS = ("qwen2.5-0.5b", "gemma-3-1b-it", "llama-3.2-1b", "qwen2.5-1.5b", 
                "deepseek-r1-distill-qwen-14b", "qwen3-14b", "phi-4", "mistral-small-24b", "gemma-3-27b-it",
                "qwen2.5-32b", "qwen3-32b", "llama-3.3-70b", "qwen2.5-72b")
 GRID_RESPONSE_LEN = 256
+#: From this length on, the stock step of a model whose every layer attends to the whole
+#: sequence peaks in exact proportion to the length (affine: weights plus tokens x a constant,
+#: checkpointing on or off): the committed rank-8 rows of 22 such models (six families, both
+#: weights) interpolate from 2,048 tokens to their context with 0.000% error. The grid computes
+#: rank 8 there only at this length, 16,384 and the longest, and the table interpolates the rest.
+AFFINE_FROM = 2048
 #: The projections LoRA targets in an architecture that fuses them (Phi-3 and Phi-4: qkv_proj and
 #: gate_up_proj), by model_type; the others have the default seven.
 FUSED_TARGETS = {"phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
@@ -94,11 +100,16 @@ def model_lengths(model: str, lengths: Iterable[int] = LENGTHS) -> list[int]:
 def grid_points(model: str, lengths: Optional[Iterable[int]] = None, checkpointing: bool = True,
                 fixes_settings: tuple[str, ...] = ("none", "all")) -> list[dict]:
     """A model's dry-run points for the fit table (sweep options): rank 8 at every length the
-    model allows (``model_lengths``); rank 64, dropout and DoRA at the shortest, at 16,384 tokens
-    and at the longest (see ``Predictor.dry_raw`` for how the rest is derived). The program's
+    model allows (``model_lengths``) - for the stock recipe of a model without sliding layers, only
+    up to ``AFFINE_FROM``, at 16,384 tokens and at the longest, the rest being affine in length;
+    rank 64, dropout and DoRA at the shortest, at 16,384 tokens and at the longest (see
+    ``DryTable.raw`` for how the rest is derived). The program's
     preset (fixes "all") up to ``PRESET_MAX_LEN``. ``checkpointing=False``: the same points of
     the stock recipe without gradient checkpointing (the program's preset always has it on)."""
+    from .model_configs import full_attention
+
     allowed = model_lengths(model, LENGTHS if lengths is None else lengths)
+    affine = full_attention(model)
     out = []
     for quant in ("4bit", "bf16"):
         for fixes in fixes_settings:
@@ -109,8 +120,12 @@ def grid_points(model: str, lengths: Optional[Iterable[int]] = None, checkpointi
                 continue
             base = {"model": model, "quant": quant, "fixes": fixes, "response_len": GRID_RESPONSE_LEN,
                     **({} if checkpointing else {"no_gradient_checkpointing": True}), **target_option(model)}
-            out += [{**base, "seq_len": seq, "rank": 8} for seq in seqs]
-            for seq in sorted({seqs[0], seqs[-1]} | ({PRESET_MAX_LEN} & set(seqs))):
+            ends = sorted({seqs[0], seqs[-1]} | ({PRESET_MAX_LEN} & set(seqs)))
+            # The program's preset (its chunked MLP and kept logits) and a model with sliding
+            # layers are not affine in length: rank 8 at every length there.
+            rank8 = [s for s in seqs if fixes == "all" or not affine or s <= AFFINE_FROM or s in ends]
+            out += [{**base, "seq_len": seq, "rank": 8} for seq in rank8]
+            for seq in ends:
                 out += [{**base, "seq_len": seq, "rank": 64}, {**base, "seq_len": seq, "rank": 8, "dropout": 0.1},
                         {**base, "seq_len": seq, "rank": 8, "dora": True}]
     return out

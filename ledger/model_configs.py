@@ -154,6 +154,14 @@ def max_length(model: Optional[str]) -> Optional[int]:
     return int(value) if value else None
 
 
+def full_attention(model: Optional[str]) -> bool:
+    """Whether every layer of the model attends to the whole sequence: its config sets no sliding
+    window (Gemma 3 does: its sliding layers hold a window, not the sequence, so its step's
+    memory does not grow in proportion to the length)."""
+    found = _config(model)
+    return bool(found) and found[2].get("sliding_window") is None
+
+
 def moe_experts(model: str) -> Optional[int]:
     """The experts per layer of a mixture-of-experts config (Mixtral, Qwen2/3-MoE, ...), else None."""
     found = _config(model)

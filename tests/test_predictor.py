@@ -184,15 +184,67 @@ def test_the_grid_is_small_and_covers_the_table():
     pts = grid_points("qwen2.5-0.5b")
     stock = [p for p in pts if p["fixes"] == "none"]
     preset = [p for p in pts if p["fixes"] == "all"]
-    # quant x (rank 8 per length + rank 64, dropout and DoRA at the shortest, at 16384 and at the longest)
-    assert len(stock) == 2 * (len(allowed) + 3 * 3)
-    assert {p["seq_len"] for p in stock} == set(allowed)
+    # quant x (rank 8 at the lengths the step is not affine in, at 16384 and at the longest + rank 64,
+    # dropout and DoRA at the shortest, at 16384 and at the longest): a model with full attention in
+    # every layer peaks in proportion to the length from AFFINE_FROM on, so rank 8 is computed there
+    # only at the ends; the table interpolates the lengths between (cells at every length, below)
+    from ledger.fits import AFFINE_FROM
+
+    rank8 = [s for s in allowed if s <= AFFINE_FROM or s in (16384, allowed[-1])]
+    assert rank8 == [512, 2048, 16384, 32768]
+    assert len(stock) == 2 * (len(rank8) + 3 * 3)
+    assert {p["seq_len"] for p in stock} == set(rank8)
+    # a model with sliding layers (Gemma 3) is not affine in length: rank 8 at every length
+    gemma = [p for p in grid_points("gemma-3-1b-it") if p["fixes"] == "none" and p["rank"] == 8
+             and not (p.get("dropout") or p.get("dora"))]
+    assert sorted({p["seq_len"] for p in gemma}) == model_lengths("gemma-3-1b-it")
     # the program's preset up to PRESET_MAX_LEN (16384 is its longest: two ends)
     assert len(preset) == 2 * (len([s for s in allowed if s <= PRESET_MAX_LEN]) + 3 * 2)
     assert max(p["seq_len"] for p in preset) == PRESET_MAX_LEN
     cells = fit_table(Predictor(store.load(BUNDLED), load_dry_runs()), models=["qwen2.5-0.5b"], gpus=["rtx-4090"])
     assert {c.seq_len for c in cells if c.fixes == "none"} == set(allowed)
     assert {c.seq_len for c in cells if c.fixes == "all"} == {s for s in allowed if s <= PRESET_MAX_LEN}
+
+
+def test_lengths_the_grid_derives_are_its_committed_rows():
+    """The committed rank-8 rows at the lengths the grid no longer computes (the stock recipe of a
+    model with full attention, between AFFINE_FROM and the longest), derived from the table without
+    them, are themselves: the step is affine in length there. The DoRA and dropout rows at those
+    lengths (the grid's held-out points) are then interpolated between their own rows, never below
+    what the plain row and their interpolated cost gave."""
+    from ledger.dry_table import DryTable
+    from ledger.model_configs import model_name
+    from ledger.recipe import recipe_of
+
+    dry = [d for d in load_dry_runs() if d.outcome.status == "ok" and d.response_len == 256
+           and (d.batch_size or 1) == 1 and d.memory_fixes == "none"]
+
+    def point(r, checkpointing):
+        return {"model": model_name(r.model), "quant": r.quant, "seq_len": r.seq_len, "rank": r.rank,
+                **({"dropout": 0.1} if r.dropout else {}), **({"dora": True} if r.dora else {}),
+                **({} if checkpointing else {"no_gradient_checkpointing": True})}
+
+    def in_grid(d) -> bool:
+        r = recipe_of(d)
+        keys = {"model", "quant", "seq_len", "rank", "dropout", "dora", "no_gradient_checkpointing"}
+        return point(r, r.checkpointing) in [{k: v for k, v in p.items() if k in keys}
+                                              for p in grid_points(model_name(d.model), checkpointing=r.checkpointing)
+                                              if p["fixes"] == "none"]
+
+    plain = [d for d in dry if not (d.lora.dropout or d.lora.dora) and d.lora.rank == 8 and not in_grid(d)]
+    assert len(plain) >= 200
+    left_out = {d.id for d in plain}
+    derived_plain = {(model_name(d.model), d.quant, d.seq_len, d.gradient_checkpointing is not False) for d in plain}
+    variants = [d for d in dry if (d.lora.dropout or d.lora.dora) and not in_grid(d)
+                and (model_name(d.model), d.quant, d.seq_len, d.gradient_checkpointing is not False) in derived_plain]
+    assert variants  # e.g. phi-3.5-mini's DoRA at 32,768 tokens
+    for d in plain:
+        figure, _ = DryTable([x for x in dry if x.id not in left_out and x.id != d.id]).raw(recipe_of(d))
+        assert figure == pytest.approx(d.outcome.peak_allocated_mib, rel=1e-4), d.id
+    for d in variants:  # never below what the table with every rank-8 row derives, and close to it
+        alone, _ = DryTable([x for x in dry if x.id not in left_out and x.id != d.id]).raw(recipe_of(d))
+        full, _ = DryTable([x for x in dry if x.id != d.id]).raw(recipe_of(d))
+        assert full * (1 - 1e-9) <= alone <= full * 1.02, d.id
 
 
 def test_fit_prints_a_cards_table_without_torch(capsys):
