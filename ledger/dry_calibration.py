@@ -11,7 +11,7 @@ from typing import Optional
 
 from .answers import Interval, around
 from .peaks import probes, ok_peak
-from .dry_table import DryTable
+from .dry_table import DryTable, kind_of
 from .ledger_fit import LedgerFit
 from .model_configs import model_name
 from .models import Measurement
@@ -118,21 +118,23 @@ class DryCalibration:
         return {"rows": rows, "n": len(rows), "median_abs_err_pct": round(statistics.median(errs), 2) if errs else None,
                 "max_abs_err_pct": round(max(errs), 2) if errs else None}
 
-    def width_fraction(self, derived: bool) -> float:
-        """The interval's half-width, as a fraction (``width``'s figure, remembered)."""
-        if derived not in self._fractions:
-            self._fractions[derived] = self.width(None, derived)[0]
-        return self._fractions[derived]
+    def width_fraction(self, derived: bool, recipe: Optional[Recipe] = None) -> float:
+        """The interval's half-width, as a fraction (``width``'s figure, remembered per kind of
+        derivation)."""
+        key = (derived, kind_of(recipe) if derived and recipe is not None else None)
+        if key not in self._fractions:
+            self._fractions[key] = self.width(recipe if derived else None, derived)[0]
+        return self._fractions[key]
 
     def width(self, recipe: Optional[Recipe], derived: bool) -> tuple[float, str]:
         width = (self.loo["max_abs_err_pct"] or 0.0) / 100
         text = f"±{width * 100:.2f}% (the largest leave-one-out error over {self.loo['n']} measured probes)"
-        extra = self.table.derivation["max_abs_err_pct"] if derived else None
+        extra, n, kind = self.table.derivation_pct(recipe) if derived else (None, 0, None)
         if extra:
             width += extra / 100
+            of = f"the {n} dry runs of its kind ({kind})" if kind else f"the {n} dry runs"
             text = (f"±{width * 100:.2f}%: {text[1:]} + {extra:.2f}% (the largest error of deriving, from the "
-                    f"others, the {len(self.table.derivation['errors_pct'])} dry runs the grid does not need; this "
-                    "figure is derived, not dry-run itself)")
+                    f"others, {of} the grid does not need; this figure is derived, not dry-run itself)")
         return width, text
 
     def calibrated(self, recipe: Recipe, gpu: str, vendor: Optional[str]) -> Optional[tuple[Interval, list[str], str]]:

@@ -19,6 +19,18 @@ from .recipe import Recipe, fixes_key, recipe_of
 GRID_RANK = 8
 
 
+#: A kind of recipe needs this many dry runs derived from the others before its own largest error
+#: widens its derived figures (else the largest error of every kind does).
+MIN_KIND_ROWS = 20
+
+
+def kind_of(recipe: Recipe) -> str:
+    """The kind of derivation a recipe's figure is: its memory fixes and gradient checkpointing
+    ('fixes none, checkpointing on'). The program's preset (its chunked MLP and kept logits), the
+    stock step and the step without checkpointing each grow with rank and length by their own rule."""
+    return f"fixes {recipe.fixes}, checkpointing {'on' if recipe.checkpointing else 'off'}"
+
+
 class DryTable:
     """Dry-run peaks by model, quant, fixes, dropout, DoRA and response span; ``raw`` answers any
     rank and length the rows reach."""
@@ -188,6 +200,7 @@ class DryTable:
             lengths[name] = (min(lo, d.seq_len), max(hi, d.seq_len))
             by_model[name].append(d)
         rows = {}
+        kinds: dict[str, list[float]] = defaultdict(list)
         for d in self.dry:
             r = recipe_of(d)
             name = model_name(d.model)
@@ -200,4 +213,18 @@ class DryTable:
             derived, _ = DryTable([x for x in by_model[name] if x.id != d.id]).raw(r)
             if derived is not None:
                 rows[d.id] = round((derived - d.outcome.peak_allocated_mib) / d.outcome.peak_allocated_mib * 100, 2)
-        return {"errors_pct": rows, "max_abs_err_pct": max((abs(e) for e in rows.values()), default=None)}
+                kinds[kind_of(r)].append(abs(rows[d.id]))
+        return {"errors_pct": rows, "max_abs_err_pct": max((abs(e) for e in rows.values()), default=None),
+                "by_kind": {k: {"max_abs_err_pct": max(v), "n": len(v)} for k, v in sorted(kinds.items())}}
+
+    def derivation_pct(self, recipe: Optional[Recipe]) -> tuple[Optional[float], int, Optional[str]]:
+        """The error a derived figure of this recipe is widened by: the largest |error| of deriving
+        the dry runs of the same kind (memory fixes, checkpointing: each derives by its own physics)
+        where at least ``MIN_KIND_ROWS`` measure it, else the largest of every kind. Returns
+        (% or None, how many rows, the kind or None for every kind)."""
+        d = self.derivation
+        kind = kind_of(recipe) if recipe is not None else None
+        found = d["by_kind"].get(kind) if kind else None
+        if found and found["n"] >= MIN_KIND_ROWS:
+            return found["max_abs_err_pct"], found["n"], kind
+        return d["max_abs_err_pct"], len(d["errors_pct"]), None

@@ -18,6 +18,7 @@ from .models import Gpu
 from .cards import card_table
 from .model_configs import model_name
 from .optimizers import optimizer_for
+from .dry_table import MIN_KIND_ROWS
 from .predictor import Predictor
 from .rank_judge import dry_ceilings
 from .recipe import Recipe, recipe_of, row_keys_cached
@@ -337,6 +338,8 @@ def fits_document(p: Predictor, cells: Optional[list[FitCell]] = None, ladder: b
             "dry_run_n": acc["n"], "dry_run_fitted_on": p.dry_fitted_on,
             "derivation_max_abs_err_pct": p.dry_derivation["max_abs_err_pct"],
             "derivation_n": len(p.dry_derivation["errors_pct"]),
+            "derivation_by_kind": {k: v["max_abs_err_pct"] for k, v in p.dry_derivation["by_kind"].items()
+                                   if v["n"] >= MIN_KIND_ROWS},
             "stale": stale_rows(p.dry), "derive": p.limits.derive_rule()}
 
 

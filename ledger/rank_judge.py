@@ -137,7 +137,7 @@ def _bounds(p, recipe: Recipe, rem: float, widened: float, run: Run, optimizer: 
     ranks dry-run exactly), each rank's computed once."""
     figure = p.table.rank_figure(recipe)
     exact = p.table.exact_ranks(recipe)
-    narrow, wide = p.dry_cal.width_fraction(False), p.dry_cal.width_fraction(True)
+    narrow, wide = p.dry_cal.width_fraction(False), p.dry_cal.width_fraction(True, recipe)
     over = off = None
     if run == "real" and p.calibrated_real(recipe):
         o = p.over

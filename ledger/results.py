@@ -356,6 +356,10 @@ class Fits(_Result):
         None, description="Largest error of deriving (from the other rows) a dry run the grid did compute, %: the "
                           "width a derived cell's interval gets on top of the dry run's own.")
     derivation_n: int = Field(0, description="Dry runs that error is measured on.")
+    derivation_by_kind: dict[str, float] = Field(
+        default_factory=dict, description="Largest error of deriving the dry runs of one kind (memory fixes, "
+        "gradient checkpointing), %, for each kind with enough of them: the width that kind's derived cells get "
+        "instead of derivation_max_abs_err_pct.")
     stale: list[str] = Field(default_factory=list, description="Dry-run rows computed with other library versions "
                                                                "than the build's (none when the build has no torch).")
     derive: Optional[dict[str, float]] = Field(

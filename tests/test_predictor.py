@@ -431,3 +431,26 @@ def test_the_fit_table_says_what_the_ceiling_scan_says(p, run, fixes, checkpoint
                    ("qwen2.5-7b", "rtx-4090", "bf16", "plain", 16384))
         assert odd.fits_rank is not None and odd.fits_rank < 64 and p.predict(Recipe("qwen2.5-7b", rank=64, quant="bf16", fixes="all", seq_len=16384),
                                                  "rtx-4090", entry=table["rtx-4090"].gpu, run="real").verdict == "fits"
+
+
+def test_a_derived_figure_is_widened_by_the_error_of_its_own_kind(p):
+    """Each kind of derivation (memory fixes x checkpointing) is widened by the largest error of
+    deriving the committed dry runs of that kind, where enough measure it; any other by the largest
+    of all. The program's preset derives worst, so the stock recipe's intervals are narrower."""
+    from ledger.dry_table import MIN_KIND_ROWS, kind_of
+
+    d = p.dry_derivation
+    kinds = {k: v for k, v in d["by_kind"].items() if v["n"] >= MIN_KIND_ROWS}
+    assert {"fixes none, checkpointing on", "fixes none, checkpointing off", "fixes all, checkpointing on"} <= set(kinds)
+    assert max(v["max_abs_err_pct"] for v in kinds.values()) == d["max_abs_err_pct"]
+    loo = p.dry_loo["max_abs_err_pct"] / 100
+    for fixes, ckpt in (("none", True), ("none", False), ("all", True)):
+        r = Recipe("qwen2.5-7b", rank=24, seq_len=4096, fixes=fixes, checkpointing=ckpt)
+        want = kinds[kind_of(r)]["max_abs_err_pct"] / 100
+        assert p.dry_cal.width_fraction(True, r) == pytest.approx(loo + want)
+        width, text = p.dry_cal.width(r, True)
+        assert width == pytest.approx(loo + want) and f"({kind_of(r)})" in text
+    # a kind too few dry runs measure (a fix list of its own) takes the largest of every kind
+    odd = Recipe("qwen2.5-7b", rank=24, seq_len=4096, fixes="logits_to_keep")
+    assert p.dry_cal.width_fraction(True, odd) == pytest.approx(loo + d["max_abs_err_pct"] / 100)
+    assert p.dry_cal.width_fraction(False, odd) == pytest.approx(loo)

@@ -11,7 +11,7 @@ from ..fits import SETTINGS, fit_table, grid_points, stale_rows
 from ..model_configs import config_path, model_name
 from ..dry_runs import cache_file
 from ..optimizers import optimizer_for
-from ..recipe import fixes_key
+from ..recipe import Recipe, fixes_key
 from .question import add_card_option, add_dry_runs_option, card_from, dry_rows, predictor_for, require_model
 from .compute import add_compute_option, compute_points, model_for_rows
 from .options import Command, add_json_option, add_ledger_option, add_optimizer_option, dump_json
@@ -104,8 +104,12 @@ def cmd_fit(args: argparse.Namespace) -> int:
     methods = sorted({c.method for c in cells})
     loo = (f"median {p.dry_loo['median_abs_err_pct']}%, worst {p.dry_loo['max_abs_err_pct']}% (over {p.dry_loo['n']})"
            if p.dry_loo["n"] else "not measured (no measured probe has a dry run of its recipe)")
-    derived = (f"widened by {p.dry_derivation['max_abs_err_pct']}% (the largest error of deriving a dry run it did "
-               "compute)" if p.dry_derivation["max_abs_err_pct"] is not None else
+    kinds = sorted({p.table.derivation_pct(Recipe(model=name, quant=c.quant, fixes=c.fixes,
+                                                   checkpointing=c.checkpointing))[::2] for c in cells},
+                   key=lambda t: (t[1] or "", t[0]))
+    derived = ("widened by the largest error of deriving, from the others, a dry run of its kind that was "
+               "computed: " + "; ".join(f"{pct}% ({kind or 'every kind'})" for pct, kind in kinds)
+               if p.dry_derivation["max_abs_err_pct"] is not None else
                "not widened: no derivation error could be measured (too few dry runs)")
     print(f"\nanswered by: {', '.join(methods)}; the calibrated dry run's leave-one-out error on the ledger's measured "
           f"probes: {loo}; a figure the grid derives rather than dry-runs has its interval {derived}")
