@@ -6,7 +6,7 @@ A shipped config is copied under a new name into a temporary folder (so no commi
 then, each with an empty cache of its own and timed in wall seconds as a user runs them:
   estimate : vram estimate --model COPY --rank 16 --seq-len 4096 --gpu GPU   (2 dry runs)
   ceiling  : vram ceiling --model COPY --rank 16 --gpu GPU                   (the longest length at rank 16)
-  fit      : vram fit --model COPY --gpu GPU                                 (its stock grid: 34 dry runs for a 128k context)
+  fit      : vram fit --model COPY --gpu GPU                                 (its stock grid: 26 dry runs for a 128k context)
 Printed: each command's wall seconds, how many dry runs it ran, and the fit's ratio to the target
 (issue "any model, any card, any length": a new 8B config's one-card table in <= 3 min on two cores).
 """
