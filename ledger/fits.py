@@ -22,7 +22,7 @@ from .dry_table import MIN_KIND_ROWS
 from .predictor import Predictor
 from .rank_judge import dry_ceilings
 from .recipe import Recipe, recipe_of, row_keys_cached
-from .response_span import BATCH_AS_LENGTH_ERR, answerable
+from .response_span import answerable, batch_err
 from .recipe import fixes_key
 
 LENGTHS = (512, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
@@ -176,7 +176,7 @@ def _as_asked(recipe: Recipe) -> tuple[Optional[Recipe], float]:
     tokens (``response_span.answerable``), its interval widened by that derivation's error. The
     recipe names no optimizer: ``optimizer``'s state is added by the judge. (None: not answerable.)"""
     one, _ = answerable(recipe)
-    return one, BATCH_AS_LENGTH_ERR if recipe.batch != 1 else 0.0
+    return one, batch_err(recipe)
 
 
 def _entry_key(entry: Optional[Gpu]):

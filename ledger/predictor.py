@@ -56,7 +56,7 @@ from .limits import CardLimits
 from .model_configs import model_name
 from .models import Gpu, Ledger, Measurement
 from .recipe import Recipe
-from .response_span import (BATCH_AS_LENGTH_ERR, ProbeToReal, answerable, fewer_targets, state_growth,
+from .response_span import (ProbeToReal, answerable, batch_err, fewer_targets, state_growth,
                             steady_state_text, upper_bound, with_optimizer_state)
 from .rungs import CalibratedDryRun, MeasuredRealRun, probe_ladder
 
@@ -163,7 +163,7 @@ class Predictor:
         answer.evidence = ids
         if how:
             answer.method_text = f"{how}; {answer.method_text}"
-            answer.probe_allocated = widen(answer.probe_allocated, BATCH_AS_LENGTH_ERR)
+            answer.probe_allocated = widen(answer.probe_allocated, batch_err(recipe))
         return answer
 
     def predict(self, recipe: Recipe, gpu: str, *, entry: Optional[Gpu] = None, run: Run = "probe",
@@ -206,7 +206,7 @@ class Predictor:
                 if grown:
                     real, text = shift(real, grown), f"{text}; {how}"
         if batch_text:
-            probe, real = widen(probe, BATCH_AS_LENGTH_ERR), widen(real, BATCH_AS_LENGTH_ERR)
+            probe, real = widen(probe, batch_err(asked)), widen(real, batch_err(asked))
             text = f"{batch_text}; {text}"
         if targets_text:
             probe, real = upper_bound(probe), upper_bound(real)

@@ -236,6 +236,11 @@ def test_the_picker_answers_what_vram_fit_prints_in_two_choices(site, tmp_path, 
         browser.choose("ckpt", "off")
         assert browser.wait_for(f"document.getElementById('fit-answer-title').textContent.includes('no gradient') && "
                                 f"{CELL.format(seq=2048)}") == expected_off
+        browser.choose("batch", "4")  # not in the tables: the command that answers it
+        assert "--batch-size 4 --optim adamw_8bit --no-gradient-checkpointing" in browser.wait_for(
+            "document.getElementById('fit-answer-title').textContent.endsWith('batch 4, no gradient checkpointing') && "
+            "document.querySelector('#fit-answer pre code') && "
+            "document.querySelector('#fit-answer pre code').textContent")
     finally:
         browser.close()
     assert (artifacts / f"picker-{width}.png").stat().st_size > 20_000

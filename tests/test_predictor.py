@@ -454,3 +454,23 @@ def test_a_derived_figure_is_widened_by_the_error_of_its_own_kind(p):
     odd = Recipe("qwen2.5-7b", rank=24, seq_len=4096, fixes="logits_to_keep")
     assert p.dry_cal.width_fraction(True, odd) == pytest.approx(loo + d["max_abs_err_pct"] / 100)
     assert p.dry_cal.width_fraction(False, odd) == pytest.approx(loo)
+
+
+def test_a_micro_batch_without_checkpointing_is_one_longer_sequence_without_it(p):
+    """B sequences of L tokens without gradient checkpointing: the dry runs of one sequence of B x L
+    tokens without it, widened by what that was measured to differ by (never below the batch)."""
+    from ledger.response_span import BATCH_AS_LENGTH_ERR, BATCH_AS_LENGTH_ERR_NO_CKPT, answerable, batch_err
+
+    batch = Recipe("qwen2.5-0.5b", rank=16, seq_len=2048, fixes="none", batch=4, checkpointing=False)
+    one, how = answerable(batch)
+    assert one == Recipe("qwen2.5-0.5b", rank=16, seq_len=8192, fixes="none", checkpointing=False)
+    assert "8192 tokens" in how and "without checkpointing" in how
+    assert batch_err(batch) == BATCH_AS_LENGTH_ERR_NO_CKPT > batch_err(batch.replace(checkpointing=True)) \
+        == BATCH_AS_LENGTH_ERR > batch_err(one) == 0
+    card = card_table()["rtx-4090"].gpu
+    a = p.predict(batch, "rtx-4090", entry=card, run="real")
+    single = p.predict(one, "rtx-4090", entry=card, run="real")
+    assert a.verdict != "unknown" and a.evidence == single.evidence
+    assert a.probe_allocated.low_mib < single.probe_allocated.low_mib and a.probe_allocated.high_mib > single.probe_allocated.high_mib
+    # with the program's memory fixes a batch is still not derived
+    assert answerable(batch.replace(fixes="all", checkpointing=True))[0] is None

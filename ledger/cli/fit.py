@@ -33,7 +33,7 @@ def add_fit_options(p: argparse.ArgumentParser) -> None:
                         "fixes a batch is unknown")
     p.add_argument("--no-gradient-checkpointing", action="store_true",
                    help="the stock recipe without gradient checkpointing (every layer's activations kept), from dry "
-                        "runs of it alone (micro-batch 1; the program's preset always has it on)")
+                        "runs of it alone (a micro-batch as one longer sequence; the program's preset always has it on)")
     add_optimizer_option(p, table=True)
     add_compute_option(p)
     add_ledger_option(p)

@@ -45,7 +45,8 @@ def fit_table_doc(ledger: Ledger) -> tuple[Optional[Fits], list]:
 #: The picker's stock cells beside the fit table's own (micro-batch 1, the default optimizer,
 #: checkpointing on), as (micro-batch, optimizer or None for the default, checkpointing), in two
 #: shares of about equal cost (a build computes each in a worker of its own). Without
-#: checkpointing only micro-batch 1 is answered (``response_span.answerable``).
+#: checkpointing the picker holds micro-batch 1 (``vram fit --batch-size N
+#: --no-gradient-checkpointing`` answers more: three more tables would cost every page).
 PICKER_SHARES = (tuple((b, None, True) for b in PICKER_BATCHES) + ((1, None, False),),
                  tuple((b, o, True) for o in PICKER_OPTIMIZERS for b in (1, *PICKER_BATCHES))
                  + tuple((1, o, False) for o in PICKER_OPTIMIZERS))

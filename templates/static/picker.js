@@ -87,8 +87,14 @@
       return;
     }
     if (!ckpt && batch !== "1") {
-      out.appendChild(el("p", {"class": "warn"}, "A micro-batch above 1 without gradient checkpointing is unknown: " +
-        "a batch is answered as one longer sequence only with checkpointing on (measured so)."));
+      out.appendChild(el("p", {"class": "warn"}, "A micro-batch above 1 without gradient checkpointing is not in " +
+        "these tables; the command line answers it, as one sequence of " + batch + " x the length (measured never " +
+        "below the batch):"));
+      var alone = el("pre");
+      alone.appendChild(el("code", {}, "vram fit --model " + data.model + " " +
+        (typed ? "--gpu-mib " + typed.total : "--gpu " + quote(gpu)) + " --quant " + quant + " --batch-size " + batch +
+        (optim ? " --optim " + optim : "") + " --no-gradient-checkpointing"));
+      out.appendChild(alone);
       return;
     }
     if (card) {
