@@ -66,6 +66,7 @@
       Math.abs(proxy.limit_high_mib - typed.limit_high_mib) <= 0.05;
     if (typed) { gpu = proxy ? proxy.key : ""; }
     var card = typed || data.cards.filter(function (c) { return c.key === gpu; })[0];
+    var where = typed ? "--gpu-mib " + typed.total : "--gpu " + quote(gpu);  // the card, as the commands take it
     // As ledger.site.fits_page.picker_key spells a row: the defaults leave their part out.
     var key = [quant, fixes, setting, gpu].join("|") + (batch === "1" && !optim ? "" : "|" + batch) +
       (optim ? "|" + optim : "") + (ckpt ? "" : "|nockpt");
@@ -91,8 +92,8 @@
         "these tables; the command line answers it, as one sequence of " + batch + " x the length (measured never " +
         "below the batch):"));
       var alone = el("pre");
-      alone.appendChild(el("code", {}, "vram fit --model " + data.model + " " +
-        (typed ? "--gpu-mib " + typed.total : "--gpu " + quote(gpu)) + " --quant " + quant + " --batch-size " + batch +
+      alone.appendChild(el("code", {}, "vram fit --model " + data.model + " " + where + " --quant " + quant +
+        " --batch-size " + batch +
         (optim ? " --optim " + optim : "") + " --no-gradient-checkpointing"));
       out.appendChild(alone);
       return;
@@ -150,7 +151,7 @@
     out.appendChild(longest);
     var flags = (quant === "bf16" ? " --quant bf16" : "") + (fixes === "all" ? " --fixes all" : "") +
       (setting === "dropout" ? " --dropout 0.1" : setting === "DoRA" ? " --dora" : "");
-    var cmd = el("pre"), where = typed ? "--gpu-mib " + typed.total : "--gpu " + quote(gpu);
+    var cmd = el("pre");
     cmd.appendChild(el("code", {}, "vram fit --model " + data.model + " " + where +
       (quant === "bf16" ? " --quant bf16" : " --quant 4bit") + " --fixes " + fixes +
       (batch === "1" ? "" : " --batch-size " + batch) + (optim ? " --optim " + optim : "") +
