@@ -42,7 +42,7 @@ import torch
 
 from ledger import store
 from ledger.paths import DEFAULT_LEDGER
-from ledger.recipe import fixes_value
+from ledger.recipe import fixes_key, fixes_value
 from ledger.models import Environment, Measurement, Outcome, Provenance
 
 from .depth import depth_plan, extrapolate, phase_marks, phase_peaks, with_layers
@@ -322,7 +322,7 @@ def dry_id(cfg: ProbeConfig) -> str:
         parts.append(f"drop{cfg.dropout:g}")
     if cfg.dora:
         parts.append("dora")
-    fixes = fixes_value(cfg.fixes)
+    fixes = fixes_key(fixes_value(cfg.fixes))  # 'all', 'none' or a comma list
     if fixes != "all":
         parts.append("fixes-" + fixes.replace(",", "+").replace("_", ""))
     if cfg.batch_size != 1:

@@ -79,7 +79,7 @@ class ProbeConfig:
     def label(self) -> str:
         """The recipe in a few words, every axis that changes memory named: 'gemma-3-4b-it 4bit r96
         dropout 0.1 DoRA 7177 tokens fixes all' (progress bars, messages)."""
-        fixes = ledger_recipe.fixes_value(self.fixes)
+        fixes = ledger_recipe.fixes_key(ledger_recipe.fixes_value(self.fixes))
         return (f"{self.model.split('/')[-1].removesuffix('.json')} {self.quant} r{self.rank}"
                 + (f" dropout {self.dropout:g}" if self.dropout else "") + (" DoRA" if self.dora else "")
                 + (f" batch {self.batch_size} x" if self.batch_size != 1 else "")

@@ -160,3 +160,14 @@ def test_one_models_committed_grid_rows_are_rebuilt_on_the_cpu():
         outcome, _ = predict(cfg)
         row = next(d for r, d in committed.items() if r == recipe_of(cfg.measurement(id="x", kind="dry_run")))
         assert outcome["peak_allocated_mib"] == pytest.approx(row.outcome.peak_allocated_mib, rel=0.001), options
+
+
+def test_a_partial_fix_list_names_its_dry_run_and_label():
+    """A comma list of fixes (what `vram estimate --fixes logits_to_keep` computes on demand) is
+    spelled as its key in the dry run's id and in the progress label, not as a Python list."""
+    from probe_kit.dry_run import dry_id
+
+    cfg = ProbeConfig(model="tiny-llama", rank=8, seq_len=64, response_len=8, fixes=parse_fixes("logits_to_keep,save_on_cpu"))
+    assert "-fixes-saveoncpu+logitstokeep-" in dry_id(cfg)
+    assert cfg.label().endswith("64 tokens fixes save_on_cpu,logits_to_keep")
+    assert "-fixes-none-" in dry_id(ProbeConfig(model="tiny-llama", rank=8, seq_len=64, response_len=8, fixes=[]))
