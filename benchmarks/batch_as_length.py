@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ledger.recipe import FIX_NAMES  # noqa: E402
+from ledger.recipe import PRESET  # noqa: E402
 from ledger.response_span import BATCH_AS_LENGTH_ERR, BATCH_AS_LENGTH_ERR_NO_CKPT  # noqa: E402
 from probe_kit.dry_run import dry_run  # noqa: E402
 from probe_kit.recipe import ProbeConfig  # noqa: E402
@@ -41,7 +41,7 @@ def main() -> None:
         for quant in ("4bit", "bf16") if model == "gemma-3-1b-it" else ("4bit",):
             for fixes in ("none", "all") if ckpt else ("none",):
                 for b, n in ((2, 1024), (4, 512), (8, 512)):
-                    on = [] if fixes == "none" else list(FIX_NAMES)
+                    on = [] if fixes == "none" else list(PRESET)
                     batch = dry_run(ProbeConfig(model=model, rank=16, quant=quant, seq_len=n, response_len=64, fixes=on,
                                                 random_weights=True, batch_size=b,
                                                 gradient_checkpointing=ckpt))["peak_mib"]

@@ -59,8 +59,9 @@ Date = Annotated[_dt.date, BeforeValidator(_parse_date)]
 Kind = Literal["probe", "real", "load", "computed", "dry_run"]
 Status = Literal["ok", "oom", "spilled", "crashed", "host_oom"]
 Quant = Literal["4bit", "8bit", "bf16", "fp16", "fp32"]
-#: Memory fixes a probe or run can switch on, in the recipe's order (ledger.recipe.FIX_NAMES).
-FixName = Literal["chunked_mlp", "save_on_cpu", "bf16_lm_head", "logits_to_keep"]
+#: Memory fixes a probe or run can switch on, in the recipe's order (ledger.recipe.FIX_NAMES): the
+#: program's preset ('all': the first four) and a fused linear cross-entropy (Liger's).
+FixName = Literal["chunked_mlp", "save_on_cpu", "bf16_lm_head", "logits_to_keep", "fused_linear_ce"]
 
 
 class _Model(BaseModel):
@@ -282,7 +283,8 @@ class RecipeFields(_Model):
     )
     memory_fixes: Optional[Union[Literal["all", "none"], list[FixName]]] = Field(
         None,
-        description="Memory fixes on: 'all', 'none', or a list of chunked_mlp, save_on_cpu, bf16_lm_head, logits_to_keep.",
+        description="Memory fixes on: 'all' (the program's preset: chunked_mlp, save_on_cpu, bf16_lm_head, "
+                    "logits_to_keep), 'none', or a list of those and fused_linear_ce.",
     )
     logits_to_keep: Optional[int] = Field(
         None, gt=0, le=MAX_TOKENS, description="Positions the lm_head computes logits for."

@@ -26,6 +26,9 @@ from .models import FixName, Gpu, Measurement
 
 #: Memory fixes a probe or run can switch on, in the recipe's order.
 FIX_NAMES: tuple[str, ...] = get_args(FixName)
+#: The program's preset, what 'all' names: its chunked MLP, activations saved on the CPU, bf16
+#: lm_head and logits_to_keep. A fused linear cross-entropy (``fused_linear_ce``) is not part of it.
+PRESET: tuple[str, ...] = ("chunked_mlp", "save_on_cpu", "bf16_lm_head", "logits_to_keep")
 
 
 # -- keys of rows, computed once per row while a long computation runs ---------------------------
@@ -81,23 +84,39 @@ def seq_len_of(row) -> Optional[int]:
 
 
 def parse_fixes(text: str) -> list[str]:
-    """'all', 'none' or a comma list of fix names -> the fixes on, in the recipe's order.
-    Raises ValueError naming an unknown fix."""
+    """'all' (the program's preset), 'none' or a comma list of fix names -> the fixes on, in the
+    recipe's order. Raises ValueError naming an unknown fix."""
     text = text.strip()
     if text == "all":
-        return list(FIX_NAMES)
+        return list(PRESET)
     if text in ("none", ""):
         return []
     fixes = [f.strip().replace("-", "_") for f in text.split(",") if f.strip()]
     unknown = [f for f in fixes if f not in FIX_NAMES]
     if unknown:
         raise ValueError(f"unknown memory fix {unknown[0]!r} (known: all, none, {', '.join(FIX_NAMES)})")
-    return [f for f in FIX_NAMES if f in fixes]
+    on = [f for f in FIX_NAMES if f in fixes]
+    clash = fixes_clash(on)
+    if clash:
+        raise ValueError(clash)
+    return on
+
+
+def fixes_clash(fixes) -> Optional[str]:
+    """Why a set of fixes cannot run together, or None. The fused linear cross-entropy never calls
+    the lm_head (no logits to keep, no input to cast), and Liger's forward fails on a kept slice of
+    a batch."""
+    if "fused_linear_ce" in fixes:
+        clash = [f for f in ("logits_to_keep", "bf16_lm_head") if f in fixes]
+        if clash:
+            return (f"fused_linear_ce cannot be combined with {' or '.join(clash)}: the fused loss never calls the "
+                    "lm_head, so there are no logits to keep and no input to cast")
+    return None
 
 
 def fixes_value(fixes: list[str]):
-    """How the ledger records a fix list: 'all', 'none' or the list."""
-    if set(fixes) == set(FIX_NAMES):
+    """How the ledger records a fix list: 'all' (the preset), 'none' or the list."""
+    if set(fixes) == set(PRESET):
         return "all"
     return list(fixes) if fixes else "none"
 
@@ -108,8 +127,8 @@ def keeps_logits(fixes: str) -> bool:
 
 
 def fixes_key(value) -> str:
-    """One canonical text for a ``memory_fixes`` value: 'all', 'none', a comma list in the
-    recipe's order, or '?' when the row does not say."""
+    """One canonical text for a ``memory_fixes`` value: 'all' (the preset), 'none', a comma list
+    in the recipe's order, or '?' when the row does not say."""
     if value is None:
         return "?"
     if isinstance(value, str):
@@ -117,7 +136,7 @@ def fixes_key(value) -> str:
     on = [f for f in FIX_NAMES if f in value]
     if not on:
         return "none"
-    return "all" if len(on) == len(FIX_NAMES) else ",".join(on)
+    return "all" if set(on) == set(PRESET) else ",".join(on)
 
 
 class RecipeKey(NamedTuple):

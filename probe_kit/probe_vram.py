@@ -398,7 +398,8 @@ def add_recipe_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=2048, help="tokens in the probed sequence (the longest example)")
     p.add_argument("--response-len", type=int, default=256, help="tokens the loss is computed on")
     p.add_argument("--fixes", default="none", help="memory fixes: none (stock transformers + peft, the default), all "
-                   "(the program's preset), or a comma list of chunked_mlp, save_on_cpu, bf16_lm_head, logits_to_keep")
+                   "(the program's preset), or a comma list of chunked_mlp, save_on_cpu, bf16_lm_head, logits_to_keep, "
+                   "fused_linear_ce (Liger's fused linear cross-entropy: pip install 'vram-ledger[liger]')")
     p.add_argument("--logits-to-keep", type=int, help="response positions to keep logits for (default: response-len)")
     p.add_argument("--mlp-chunk", type=int, default=1024, help="tokens per chunk of the chunked MLP (default 1024)")
     p.add_argument("--target-modules", help="comma list of LoRA target modules (default: the 7 projections)")

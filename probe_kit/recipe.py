@@ -12,7 +12,11 @@ Memory fixes (``--fixes all|none|LIST``):
   layer's input) are moved to host RAM and brought back for backward;
 - ``bf16_lm_head``: the lm_head (tied to the embedding in Gemma) is cast back to bf16 after
   ``prepare_model_for_kbit_training`` upcast it to fp32;
-- ``logits_to_keep``: the lm_head computes logits only for the response positions.
+- ``logits_to_keep``: the lm_head computes logits only for the response positions;
+- ``fused_linear_ce``: Liger Kernel's fused linear cross-entropy (``probe_kit.liger``): the loss and
+  its gradient computed chunk by chunk in the forward, the sequence's logits never materialised.
+
+The first four are the program's preset (``--fixes all``); stock is none.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from ledger.models import Lora, Measurement
 from ledger.optimizers import OPTIMIZERS
 from ledger.model_configs import config_path
 from ledger.paths import MODEL_CONFIGS
-from ledger.recipe import FIX_NAMES
+from ledger.recipe import FIX_NAMES, PRESET
 
 CONFIG_DIR = MODEL_CONFIGS
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -61,7 +65,7 @@ class ProbeConfig:
     quant: str = "4bit"
     seq_len: int = 2048
     response_len: int = 256
-    fixes: list[str] = field(default_factory=lambda: list(FIX_NAMES))
+    fixes: list[str] = field(default_factory=lambda: list(PRESET))
     logits_to_keep: Optional[int] = None
     target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
     double_quant: bool = True
@@ -104,6 +108,9 @@ class ProbeConfig:
             raise RecipeError(f"--batch-size must be > 0, got {self.batch_size}")
         if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
             raise RecipeError(f"--optim must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        clash = ledger_recipe.fixes_clash(self.fixes)
+        if clash:
+            raise RecipeError(clash)
 
     @property
     def keep(self) -> int:
@@ -318,6 +325,13 @@ def _chunked(forward: Callable, chunk: int) -> Callable:
 
 def apply_fixes(model: torch.nn.Module, cfg: ProbeConfig) -> None:
     """Switch on the memory fixes the config names (logits_to_keep acts in the step)."""
+    if "fused_linear_ce" in cfg.fixes:
+        from . import liger
+
+        try:
+            liger.apply(model)
+        except liger.LigerMissing as exc:
+            raise RecipeError(str(exc)) from None
     if "chunked_mlp" in cfg.fixes:
         for name, module in model.named_modules():
             if name.endswith(".mlp") and not getattr(module, "_vram_chunked", False):
@@ -453,14 +467,14 @@ def train_step(model: torch.nn.Module, ids: torch.Tensor, cfg: ProbeConfig,
     if cfg.optimizer is None:
         if warmed is not None:
             warmed()
-        return step(model, ids, cfg, context(), backward_context)
+        return step(model, ids, cfg, context(), backward_context, fake)
     opt = make_optimizer(model, cfg.optimizer, fake)
-    step(model, ids, cfg, context(), backward_context)
+    step(model, ids, cfg, context(), backward_context, fake)
     optimizer_step(opt, fake)
     model.zero_grad(set_to_none=True)
     if warmed is not None:
         warmed()
-    loss = step(model, ids, cfg, context(), backward_context)
+    loss = step(model, ids, cfg, context(), backward_context, fake)
     optimizer_step(opt, fake)
     model.zero_grad(set_to_none=True)
     return loss
@@ -468,16 +482,26 @@ def train_step(model: torch.nn.Module, ids: torch.Tensor, cfg: ProbeConfig,
 
 def step(model: torch.nn.Module, ids: torch.Tensor, cfg: ProbeConfig,
          forward_context: Optional[contextlib.AbstractContextManager] = None,
-         backward_context: Optional[Callable[[], contextlib.AbstractContextManager]] = None) -> torch.Tensor:
+         backward_context: Optional[Callable[[], contextlib.AbstractContextManager]] = None,
+         fake: bool = False) -> torch.Tensor:
     """One forward and backward with the loss on the last response_len tokens. The forward runs
     inside ``forward_context`` (the save_on_cpu offload): what the forward saves goes to host
     RAM; the layers recomputed in backward keep theirs on the device, as in the trainer."""
-    with gpu_dropout():
+    with gpu_dropout(), _kernels(cfg, ids.device, fake):
         with forward_context if forward_context is not None else contextlib.nullcontext():
             loss = _forward_loss(model, ids, cfg)
         with backward_context() if backward_context is not None else contextlib.nullcontext():
             loss.backward()
     return loss.detach()
+
+
+def _kernels(cfg: ProbeConfig, device: torch.device, fake: bool) -> contextlib.AbstractContextManager:
+    """Liger's Triton kernels stood in off a GPU when the recipe has its fused linear cross-entropy."""
+    if "fused_linear_ce" not in cfg.fixes:
+        return contextlib.nullcontext()
+    from . import liger
+
+    return liger.kernels(device, fake)
 
 
 @contextlib.contextmanager
@@ -505,6 +529,10 @@ def gpu_dropout() -> Iterator[None]:
 
 def _forward_loss(model: torch.nn.Module, ids: torch.Tensor, cfg: ProbeConfig) -> torch.Tensor:
     k = cfg.response_len
+    if "fused_linear_ce" in cfg.fixes and "logits_to_keep" in cfg.fixes:
+        # Liger's forward keeps the last `keep` positions' hidden states; each predicts the next
+        # kept token (the first kept token is only ever a position, never a target).
+        return model(input_ids=ids, labels=ids[:, -cfg.keep:].clone(), logits_to_keep=cfg.keep, use_cache=False).loss
     if "logits_to_keep" in cfg.fixes:
         logits = model(input_ids=ids, logits_to_keep=cfg.keep, use_cache=False).logits
         # positions seq-k-1 .. seq-2 predict tokens seq-k .. seq-1

@@ -57,9 +57,10 @@ def add_recipe_options(p: argparse.ArgumentParser, *, required: tuple[str, ...] 
         "fixes": dict(default=d("none"), help="memory fixes: none (stock transformers + peft + Trainer, the default), all "
                                               "(the program's preset: chunked MLP, activation offload, bf16 lm_head, "
                                               "logits_to_keep) or a comma list of chunked_mlp, save_on_cpu, "
-                                              "bf16_lm_head, logits_to_keep" if defaults else
+                                              "bf16_lm_head, logits_to_keep, fused_linear_ce (Liger's fused linear "
+                                              "cross-entropy)" if defaults else
                       "memory fixes: all, none or a comma list of chunked_mlp, save_on_cpu, bf16_lm_head, "
-                      "logits_to_keep"),
+                      "logits_to_keep, fused_linear_ce"),
     }
     for name, kw in options.items():
         if name in skip:
