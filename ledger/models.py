@@ -60,8 +60,10 @@ Kind = Literal["probe", "real", "load", "computed", "dry_run"]
 Status = Literal["ok", "oom", "spilled", "crashed", "host_oom"]
 Quant = Literal["4bit", "8bit", "bf16", "fp16", "fp32"]
 #: Memory fixes a probe or run can switch on, in the recipe's order (ledger.recipe.FIX_NAMES): the
-#: program's preset ('all': the first four) and a fused linear cross-entropy (Liger's).
-FixName = Literal["chunked_mlp", "save_on_cpu", "bf16_lm_head", "logits_to_keep", "fused_linear_ce"]
+#: program's preset ('all': the first four), a fused linear cross-entropy (Liger's) and TRL's
+#: activation offloading.
+FixName = Literal["chunked_mlp", "save_on_cpu", "bf16_lm_head", "logits_to_keep", "fused_linear_ce",
+                  "activation_offloading"]
 
 
 class _Model(BaseModel):
@@ -284,7 +286,7 @@ class RecipeFields(_Model):
     memory_fixes: Optional[Union[Literal["all", "none"], list[FixName]]] = Field(
         None,
         description="Memory fixes on: 'all' (the program's preset: chunked_mlp, save_on_cpu, bf16_lm_head, "
-                    "logits_to_keep), 'none', or a list of those and fused_linear_ce.",
+                    "logits_to_keep), 'none', or a list of those, fused_linear_ce and activation_offloading.",
     )
     logits_to_keep: Optional[int] = Field(
         None, gt=0, le=MAX_TOKENS, description="Positions the lm_head computes logits for."

@@ -27,7 +27,8 @@ from .models import FixName, Gpu, Measurement
 #: Memory fixes a probe or run can switch on, in the recipe's order.
 FIX_NAMES: tuple[str, ...] = get_args(FixName)
 #: The program's preset, what 'all' names: its chunked MLP, activations saved on the CPU, bf16
-#: lm_head and logits_to_keep. A fused linear cross-entropy (``fused_linear_ce``) is not part of it.
+#: lm_head and logits_to_keep. A fused linear cross-entropy (``fused_linear_ce``) and TRL's
+#: ``activation_offloading`` are not part of it.
 PRESET: tuple[str, ...] = ("chunked_mlp", "save_on_cpu", "bf16_lm_head", "logits_to_keep")
 
 
@@ -105,7 +106,10 @@ def parse_fixes(text: str) -> list[str]:
 def fixes_clash(fixes) -> Optional[str]:
     """Why a set of fixes cannot run together, or None. The fused linear cross-entropy never calls
     the lm_head (no logits to keep, no input to cast), and Liger's forward fails on a kept slice of
-    a batch."""
+    a batch; TRL's activation offloading and save_on_cpu are two offloaders of the same tensors."""
+    if "activation_offloading" in fixes and "save_on_cpu" in fixes:
+        return ("activation_offloading cannot be combined with save_on_cpu: both move what the step saves to "
+                "host RAM; choose one")
     if "fused_linear_ce" in fixes:
         clash = [f for f in ("logits_to_keep", "bf16_lm_head") if f in fixes]
         if clash:

@@ -48,7 +48,7 @@ from ledger.models import Environment, Measurement, Outcome, Provenance
 from .depth import depth_plan, extrapolate, phase_marks, phase_peaks, with_layers
 from .meters import MIB, TrackerMeter
 from .probe_vram import add_recipe_options, config_from_args, probe_id, rss_bytes, run_cli, versions
-from .recipe import ProbeConfig, RecipeError, checkpointing_as_asked, load_config, offload, prepare, \
+from .recipe import ProbeConfig, RecipeError, checkpointing_as_asked, load_config, offload, prepare, step_offloader, \
     resolve_config_path, synthetic_batch, train_step
 
 #: PyTorch's default cuBLAS workspace per handle (CUBLAS_WORKSPACE_CONFIG ":4096:8"): 4096 KiB x 2
@@ -262,7 +262,8 @@ def _fake_step(cfg: ProbeConfig, config, budget_mib: Optional[float], marks: Opt
             with phase_marks(model, marks, meter) if marks else contextlib.nullcontext() as backward:
                 try:
                     train_step(model, ids, cfg, lambda: offload(cfg, torch.device("cpu"), meter.exclude), fake=True,
-                               warmed=warmed, backward_context=backward)
+                               warmed=warmed, backward_context=backward,
+                               offloader=step_offloader(model, cfg, torch.device("cpu"), meter))
                 except torch.OutOfMemoryError as exc:
                     oom = str(exc)
                 meter.mark("end")

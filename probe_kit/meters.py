@@ -17,8 +17,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Iterable, Optional, Protocol
+from typing import Iterable, Iterator, Optional, Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -97,6 +98,9 @@ class TrackerMeter(TorchDispatchMode):
         #: depth extrapolation reads the peaks of a step's phases from them.
         self.windows: list[tuple[object, int]] = []
         self.window_peak = 0
+        #: Storages made in host RAM (``host()``): never counted, whatever op returns them later.
+        self.host_storages: dict[int, weakref.ref] = {}
+        self._on_host = False
 
     # -- bookkeeping ------------------------------------------------------------------
     def _add(self, t: torch.Tensor) -> int:
@@ -106,6 +110,14 @@ class TrackerMeter(TorchDispatchMode):
             return 0
         st = t.untyped_storage()
         key = st._cdata
+        if self.host_storages:
+            ref = self.host_storages.get(key)
+            if ref is not None and ref() is st:
+                return 0
+        if self._on_host:
+            self.host_storages[key] = weakref.ref(st, lambda ref, key=key: self.host_storages.pop(key, None)
+                                                  if self.host_storages.get(key) is ref else None)
+            return 0
         entry = self.live.get(key)
         if entry is not None and entry[0]() is st:
             return 0
@@ -141,6 +153,16 @@ class TrackerMeter(TorchDispatchMode):
             tensors.extend(quant_state_tensors(p))
         tensors.extend(module.buffers())
         self.register(tensors)
+
+    @contextlib.contextmanager
+    def host(self) -> Iterator[None]:
+        """Storages made inside this block are host RAM (an offloader's copies): never counted,
+        not even for the moment between their allocation and their exclusion."""
+        outer, self._on_host = self._on_host, True
+        try:
+            yield
+        finally:
+            self._on_host = outer
 
     def exclude(self, t: torch.Tensor) -> None:
         """Stop counting t's storage: it lives off the device (e.g. offloaded to host RAM)."""

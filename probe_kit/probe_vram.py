@@ -276,7 +276,8 @@ def run_probe(
     import torch
 
     from .meters import AllocatorMeter, TrackerMeter
-    from .recipe import build_model, checkpointing_as_asked, offload, prepare, synthetic_batch, train_step
+    from .recipe import build_model, checkpointing_as_asked, offload, prepare, step_offloader, synthetic_batch, \
+        train_step
 
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -332,7 +333,8 @@ def run_probe(
                         t0 = time.perf_counter()
 
                     exclude = meter.exclude if isinstance(meter, TrackerMeter) else None
-                    train_step(model, ids, cfg, lambda: offload(cfg, dev, exclude), warmed=warmed)
+                    train_step(model, ids, cfg, lambda: offload(cfg, dev, exclude), warmed=warmed,
+                               offloader=step_offloader(model, cfg, dev, meter if exclude else None))
                     if dev.type == "cuda":
                         torch.cuda.synchronize(dev)
                     out["step_s"] = round(time.perf_counter() - t0, 3)
@@ -399,7 +401,8 @@ def add_recipe_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--response-len", type=int, default=256, help="tokens the loss is computed on")
     p.add_argument("--fixes", default="none", help="memory fixes: none (stock transformers + peft, the default), all "
                    "(the program's preset), or a comma list of chunked_mlp, save_on_cpu, bf16_lm_head, logits_to_keep, "
-                   "fused_linear_ce (Liger's fused linear cross-entropy: pip install 'vram-ledger[liger]')")
+                   "fused_linear_ce (Liger's fused linear cross-entropy: pip install 'vram-ledger[liger]'), "
+                   "activation_offloading (TRL's, SFTConfig(activation_offloading=True))")
     p.add_argument("--logits-to-keep", type=int, help="response positions to keep logits for (default: response-len)")
     p.add_argument("--mlp-chunk", type=int, default=1024, help="tokens per chunk of the chunked MLP (default 1024)")
     p.add_argument("--target-modules", help="comma list of LoRA target modules (default: the 7 projections)")

@@ -14,7 +14,10 @@ Memory fixes (``--fixes all|none|LIST``):
   ``prepare_model_for_kbit_training`` upcast it to fp32;
 - ``logits_to_keep``: the lm_head computes logits only for the response positions;
 - ``fused_linear_ce``: Liger Kernel's fused linear cross-entropy (``probe_kit.liger``): the loss and
-  its gradient computed chunk by chunk in the forward, the sequence's logits never materialised.
+  its gradient computed chunk by chunk in the forward, the sequence's logits never materialised;
+- ``activation_offloading``: TRL's (``SFTConfig(activation_offloading=True)``, ``probe_kit.trl_offload``):
+  each step, forward and backward, inside TRL's offloading context, with TRL's non-reentrant
+  gradient checkpointing.
 
 The first four are the program's preset (``--fixes all``); stock is none.
 """
@@ -284,8 +287,10 @@ def prepare(model: torch.nn.Module, cfg: ProbeConfig) -> torch.nn.Module:
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
     # Reentrant checkpointing (the library default the trainer used): each layer's input is saved
-    # through autograd's saved-tensor hooks, which is what save_on_cpu offloads.
-    ckpt = {"use_reentrant": True}
+    # through autograd's saved-tensor hooks, which is what save_on_cpu offloads. TRL's SFTTrainer,
+    # whose activation offloading is a fix here, sets it non-reentrant: its layer inputs stay in the
+    # checkpoints, out of an offloader's reach. (The stock step's peak is the same either way.)
+    ckpt = {"use_reentrant": "activation_offloading" not in cfg.fixes}
     on = cfg.gradient_checkpointing
     if cfg.quant == "4bit":
         with _deprecated_checkpointing_names():  # peft still calls transformers' older names
@@ -402,6 +407,20 @@ def offload(cfg: ProbeConfig, device: torch.device, exclude: Optional[Callable[[
         yield
 
 
+def step_offloader(model: torch.nn.Module, cfg: ProbeConfig, device: torch.device, meter=None
+                   ) -> Optional[contextlib.AbstractContextManager]:
+    """TRL's activation-offloading context for the recipe's steps (forward and backward), or None
+    when the fix is off. ``meter``: the tracker meter on a CPU, whose host RAM the copies go to."""
+    if "activation_offloading" not in cfg.fixes:
+        return None
+    from . import trl_offload
+
+    try:
+        return trl_offload.offloader(model, device, meter)
+    except trl_offload.TrlMissing as exc:
+        raise RecipeError(str(exc)) from None
+
+
 def synthetic_batch(cfg: ProbeConfig, vocab_size: int, device: torch.device) -> torch.Tensor:
     """batch_size x seq_len random token ids: peak memory depends on shapes, not on what the tokens say."""
     g = torch.Generator().manual_seed(cfg.seed)
@@ -457,24 +476,26 @@ def optimizer_step(opt, fake: bool = False) -> None:
 def train_step(model: torch.nn.Module, ids: torch.Tensor, cfg: ProbeConfig,
                forward_context: Optional[Callable[[], contextlib.AbstractContextManager]] = None, *,
                fake: bool = False, warmed: Optional[Callable[[], None]] = None,
-               backward_context: Optional[Callable[[], contextlib.AbstractContextManager]] = None) -> torch.Tensor:
+               backward_context: Optional[Callable[[], contextlib.AbstractContextManager]] = None,
+               offloader: Optional[contextlib.AbstractContextManager] = None) -> torch.Tensor:
     """The step a probe measures: forward and backward (``step``); with ``cfg.optimizer``, the
     steady state of training: one optimizer step first (its state then exists, as from a run's
     second step on), ``warmed()`` called, then forward, backward and an optimizer step, gradients
     freed after each as the Trainer frees them. Each backward runs inside ``backward_context()``
-    when given (the dry run marks the step's phases there)."""
+    when given (the dry run marks the step's phases there); each step, forward and backward, inside
+    ``offloader`` when given (``step_offloader``: TRL's activation offloading)."""
     context = forward_context or contextlib.nullcontext
     if cfg.optimizer is None:
         if warmed is not None:
             warmed()
-        return step(model, ids, cfg, context(), backward_context, fake)
+        return step(model, ids, cfg, context(), backward_context, fake, offloader)
     opt = make_optimizer(model, cfg.optimizer, fake)
-    step(model, ids, cfg, context(), backward_context, fake)
+    step(model, ids, cfg, context(), backward_context, fake, offloader)
     optimizer_step(opt, fake)
     model.zero_grad(set_to_none=True)
     if warmed is not None:
         warmed()
-    loss = step(model, ids, cfg, context(), backward_context, fake)
+    loss = step(model, ids, cfg, context(), backward_context, fake, offloader)
     optimizer_step(opt, fake)
     model.zero_grad(set_to_none=True)
     return loss
@@ -483,11 +504,11 @@ def train_step(model: torch.nn.Module, ids: torch.Tensor, cfg: ProbeConfig,
 def step(model: torch.nn.Module, ids: torch.Tensor, cfg: ProbeConfig,
          forward_context: Optional[contextlib.AbstractContextManager] = None,
          backward_context: Optional[Callable[[], contextlib.AbstractContextManager]] = None,
-         fake: bool = False) -> torch.Tensor:
+         fake: bool = False, offloader: Optional[contextlib.AbstractContextManager] = None) -> torch.Tensor:
     """One forward and backward with the loss on the last response_len tokens. The forward runs
     inside ``forward_context`` (the save_on_cpu offload): what the forward saves goes to host
     RAM; the layers recomputed in backward keep theirs on the device, as in the trainer."""
-    with gpu_dropout(), _kernels(cfg, ids.device, fake):
+    with gpu_dropout(), _kernels(cfg, ids.device, fake), offloader or contextlib.nullcontext():
         with forward_context if forward_context is not None else contextlib.nullcontext():
             loss = _forward_loss(model, ids, cfg)
         with backward_context() if backward_context is not None else contextlib.nullcontext():

@@ -58,9 +58,9 @@ def add_recipe_options(p: argparse.ArgumentParser, *, required: tuple[str, ...] 
                                               "(the program's preset: chunked MLP, activation offload, bf16 lm_head, "
                                               "logits_to_keep) or a comma list of chunked_mlp, save_on_cpu, "
                                               "bf16_lm_head, logits_to_keep, fused_linear_ce (Liger's fused linear "
-                                              "cross-entropy)" if defaults else
+                                              "cross-entropy), activation_offloading (TRL's)" if defaults else
                       "memory fixes: all, none or a comma list of chunked_mlp, save_on_cpu, bf16_lm_head, "
-                      "logits_to_keep, fused_linear_ce"),
+                      "logits_to_keep, fused_linear_ce, activation_offloading"),
     }
     for name, kw in options.items():
         if name in skip:
