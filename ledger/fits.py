@@ -105,8 +105,10 @@ def grid_points(model: str, lengths: Optional[Iterable[int]] = None, checkpointi
     up to ``AFFINE_FROM``, at 16,384 tokens and at the longest, the rest being affine in length;
     rank 64, dropout and DoRA at the shortest, at 16,384 tokens and at the longest (see
     ``DryTable.raw`` for how the rest is derived). The program's
-    preset (fixes "all") up to ``PRESET_MAX_LEN``. ``checkpointing=False``: the same points of
-    the stock recipe without gradient checkpointing (the program's preset always has it on)."""
+    preset (fixes "all") up to ``PRESET_MAX_LEN``; any other set of fixes (``fixes_settings``
+    holds fixes keys) rank 8 at every length, its physics not known to be affine in length.
+    ``checkpointing=False``: the same points without gradient checkpointing (the program's preset
+    always has it on)."""
     from .model_configs import full_attention
 
     allowed = model_lengths(model, LENGTHS if lengths is None else lengths)
@@ -116,7 +118,7 @@ def grid_points(model: str, lengths: Optional[Iterable[int]] = None, checkpointi
         for fixes in fixes_settings:
             if fixes == "all" and not checkpointing:
                 continue
-            seqs = [s for s in allowed if fixes == "none" or s <= PRESET_MAX_LEN]
+            seqs = [s for s in allowed if fixes != "all" or s <= PRESET_MAX_LEN]
             if not seqs:
                 continue
             base = {"model": model, "quant": quant, "fixes": fixes, "response_len": GRID_RESPONSE_LEN,
@@ -124,7 +126,7 @@ def grid_points(model: str, lengths: Optional[Iterable[int]] = None, checkpointi
             ends = sorted({seqs[0], seqs[-1]} | ({PRESET_MAX_LEN} & set(seqs)))
             # The program's preset (its chunked MLP and kept logits) and a model with sliding
             # layers are not affine in length: rank 8 at every length there.
-            rank8 = [s for s in seqs if fixes == "all" or not affine or s <= AFFINE_FROM or s in ends]
+            rank8 = [s for s in seqs if fixes != "none" or not affine or s <= AFFINE_FROM or s in ends]
             out += [{**base, "seq_len": seq, "rank": 8} for seq in rank8]
             for seq in ends:
                 out += [{**base, "seq_len": seq, "rank": 64}, {**base, "seq_len": seq, "rank": 8, "dropout": 0.1},
@@ -234,7 +236,7 @@ def fit_table(p: Predictor, *, models: Optional[Iterable[str]] = None, gpus: Opt
             for fixes in fixes_settings:
                 optim = optimizer_for(fixes, optimizer) if run == "real" else None
                 for setting, dropout, dora in SETTINGS:
-                    for seq in allowed if fixes == "none" else [s for s in allowed if s <= PRESET_MAX_LEN]:
+                    for seq in allowed if fixes != "all" else [s for s in allowed if s <= PRESET_MAX_LEN]:
                         recipe = Recipe(model=model, quant=quant, dropout=dropout, dora=dora, seq_len=seq,
                                         fixes=fixes_key(fixes), batch=batch, checkpointing=checkpointing)
                         recipes.append((quant, fixes, optim, setting, dropout, dora, seq, recipe, *_as_asked(recipe)))

@@ -213,3 +213,38 @@ def test_a_measured_probe_never_answers_the_same_recipe_without_checkpointing():
     for run in ("probe", "real"):
         a = p.predict(replace(recipe, checkpointing=False), probe.gpu, run=run)
         assert a.verdict == "unknown" and a.evidence == [] and "checkpointing off" in a.method_text
+
+
+def test_the_fixes_users_set_are_answered_by_dry_runs_of_their_own(tmp_path, capsys):
+    """Liger's fused loss and TRL's offloading: `estimate` and `fit` compute the recipe's own dry
+    runs (the stock rows never answer it), name it in the answer, and a fix that cannot run beside
+    another is refused in one line."""
+    import pytest
+
+    pytest.importorskip("liger_kernel")
+    pytest.importorskip("trl")
+    mine, _ = tiny_config(tmp_path, "fix-tiny", vocab_size=8192)
+    cache = tmp_path / "cache"
+    base = ["estimate", "--ledger", str(BUNDLED), "--model", str(mine), "--rank", "16", "--seq-len", "1024",
+            "--budget-mib", "400", "--cache", str(cache), "--json"]
+    answers = {}
+    for fixes in ("none", "fused_linear_ce", "activation_offloading"):
+        assert cli.main([*base, "--fixes", fixes, "--no-gradient-checkpointing"]) == 0
+        out, err = capsys.readouterr()
+        assert "computing 2 dry runs" in err
+        answers[fixes] = json.loads(out)["answer"]
+        assert answers[fixes]["recipe"]["fixes"] == fixes and answers[fixes]["method"] == "dry run"
+    stock = answers["none"]["real_allocated"]["mib"]
+    assert answers["fused_linear_ce"]["real_allocated"]["mib"] < stock  # no logits of the whole sequence
+    assert answers["activation_offloading"]["real_allocated"]["mib"] < stock  # activations in host RAM
+    # The fit table of the fused loss: its own grid, every length computed at rank 8.
+    argv = ["fit", "--ledger", str(BUNDLED), "--model", str(mine), "--budget-mib", "400", "--quant", "4bit",
+            "--fixes", "fused_linear_ce", "--cache", str(cache), "--json"]
+    assert cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "dry runs of fix-tiny's fit table" in err
+    doc = json.loads(out)
+    assert {c["fixes"] for c in doc["cells"]} == {"fused_linear_ce"} and doc["optimizers"] == {"fused_linear_ce": "adamw_torch"}
+    assert all(c["status"] != "unknown" for c in doc["cells"])
+    assert cli.main([*argv[:-1], "--fixes", "fused_linear_ce,logits_to_keep"]) == 1
+    assert "--fixes: fused_linear_ce cannot be combined with logits_to_keep" in capsys.readouterr().err

@@ -49,6 +49,29 @@ def test_cuda_probe_agrees_with_the_tracker(quant):
     assert -0.10 * cpu.outcome.peak_allocated_mib - 8 <= gap <= workspaces + 0.10 * cpu.outcome.peak_allocated_mib + 8
 
 
+@pytest.mark.parametrize("fixes", [["fused_linear_ce"], ["activation_offloading"]])
+def test_the_users_fixes_on_the_card_agree_with_their_cpu_stand_ins(fixes):
+    """Liger's Triton kernels and TRL's streams run for real on the card; the CPU runs the same
+    Python with them stood in. The gap is bounded as for the stock step (workspaces, kernels'
+    temporaries), and each fix moves the card's peak the way it moves the CPU's."""
+    pytest.importorskip("liger_kernel" if "fused_linear_ce" in fixes else "trl")
+    base = dict(TINY, model="tiny-gemma3", quant="bf16", batch_size=2,
+                gradient_checkpointing="activation_offloading" not in fixes)
+    fixed, stock = ProbeConfig(**base, fixes=fixes), ProbeConfig(**base, fixes=[])
+    gpu, _ = run_probe(fixed, device="cuda")
+    cpu, _ = run_probe(fixed, device="cpu")
+    gpu_stock, _ = run_probe(stock, device="cuda")
+    cpu_stock, _ = run_probe(stock, device="cpu")
+    o, env = gpu.outcome, gpu.environment
+    assert o.status == "ok" and gpu.memory_fixes == fixes
+    workspaces = 2 * ((env.cublas_workspace_mib or 8.1) + (env.cublaslt_workspace_mib or 0.0))
+    gap = o.peak_allocated_mib - cpu.outcome.peak_allocated_mib
+    assert -0.10 * cpu.outcome.peak_allocated_mib - 8 <= gap <= workspaces + 0.10 * cpu.outcome.peak_allocated_mib + 8
+    saved_gpu = gpu_stock.outcome.peak_allocated_mib - o.peak_allocated_mib
+    saved_cpu = cpu_stock.outcome.peak_allocated_mib - cpu.outcome.peak_allocated_mib
+    assert saved_gpu == pytest.approx(saved_cpu, rel=0.15, abs=2)
+
+
 def test_everything_is_on_the_device_quant_state_included():
     model = build_model(ProbeConfig(**TINY, quant="4bit"), torch.device("cuda"))
     tensors = list(model.parameters()) + list(model.buffers())

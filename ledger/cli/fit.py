@@ -7,11 +7,11 @@ import sys
 
 from .. import store
 from ..errors import Issue, UserError
-from ..fits import SETTINGS, fit_table, grid_points, stale_rows
+from ..fits import SETTINGS, fit_table, grid_points, model_lengths, stale_rows
 from ..model_configs import config_path, model_name
 from ..dry_runs import cache_file
 from ..optimizers import optimizer_for
-from ..recipe import Recipe, fixes_key
+from ..recipe import Recipe, fixes_key, fixes_value, parse_fixes
 from .question import add_card_option, add_dry_runs_option, card_from, dry_rows, predictor_for, require_model
 from .compute import add_compute_option, compute_points, model_for_rows
 from .options import Command, add_json_option, add_ledger_option, add_optimizer_option, dump_json
@@ -22,9 +22,10 @@ def add_fit_options(p: argparse.ArgumentParser) -> None:
     add_card_option(p, budget=True)
     p.add_argument("--quant", choices=("4bit", "bf16"), action="append",
                    help="base weights (repeatable; default both)")
-    p.add_argument("--fixes", choices=("none", "all"), action="append",
-                   help="memory fixes: none (stock transformers + peft, the default) or all (the program's preset); "
-                        "repeatable, for both")
+    p.add_argument("--fixes", action="append",
+                   help="memory fixes: none (stock transformers + peft, the default), all (the program's preset) or "
+                        "a comma list (e.g. fused_linear_ce, activation_offloading; see vram estimate --help); "
+                        "repeatable, a table for each")
     p.add_argument("--compute", action="store_true",
                    help="first run every grid dry run this model lacks (needs torch; kept in --cache, never in the "
                         "shipped rows); a model with no rows at all has them run without it, unless --no-compute")
@@ -54,15 +55,13 @@ def cmd_fit(args: argparse.Namespace) -> int:
     gpu, entry = card_from(args, ledger)
     name = model_name(args.model)
     quants = args.quant or ["4bit", "bf16"]
-    fixes = list(dict.fromkeys(args.fixes or ["none"]))
+    fixes = list(dict.fromkeys(_fixes_key(text) for text in args.fixes or ["none"]))
     ckpt = not args.no_gradient_checkpointing
-    if not ckpt:
-        if args.fixes and "none" not in args.fixes:
-            raise UserError(Issue("--no-gradient-checkpointing", "", "the program's preset (--fixes all) always has "
-                                  "gradient checkpointing on: ask --fixes none"))
-        fixes = ["none"]
-    has_rows = any(model_name(d.model) == name and (d.gradient_checkpointing is not False) == ckpt
-                   for d in dry_rows(args))
+    if not ckpt and "all" in fixes:
+        raise UserError(Issue("--no-gradient-checkpointing", "", "the program's preset (--fixes all) always has "
+                              "gradient checkpointing on: ask another --fixes"))
+    has_rows = all(any(model_name(d.model) == name and (d.gradient_checkpointing is not False) == ckpt
+                       and fixes_key(d.memory_fixes) == f for d in dry_rows(args)) for f in fixes)
     if args.compute or (not has_rows and not args.no_compute and config_path(args.model) is not None):
         _compute(args, quants, fixes)
     p = predictor_for(args, ledger)
@@ -72,7 +71,9 @@ def cmd_fit(args: argparse.Namespace) -> int:
                               "(`vram fit --help`)"))
     if args.batch_size <= 0:
         raise UserError(Issue("--batch-size", "", f"must be > 0, got {args.batch_size}"))
+    # The lengths its config allows, read from the config as given (a path's name alone finds none).
     cells = [c for c in fit_table(p, models=[name], gpus=[gpu], extra_cards={gpu: entry}, budget_mib=args.budget_mib,
+                                  lengths=model_lengths(args.model),
                                   batch=args.batch_size, fixes_settings=tuple(fixes), optimizer=args.optim,
                                   checkpointing=not args.no_gradient_checkpointing)
              if c.quant in quants]
@@ -122,12 +123,21 @@ def cmd_fit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fixes_key(text: str) -> str:
+    """A --fixes value as its canonical key ('none', 'all', a comma list in the recipe's order)."""
+    try:
+        return fixes_key(fixes_value(parse_fixes(text)))
+    except ValueError as exc:
+        raise UserError(Issue("--fixes", "", str(exc))) from None
+
+
 def run_words(fixes: str, optimizer) -> str:
     """The recipe a table of the fit answers for, in words (the CLI's and the pages' headings)."""
     if fixes == "all":
         return ("memory fixes all (the program's preset), a training run as the program's measured runs"
                 + (f", plus {optimizer}'s state" if optimizer else ""))
-    return f"memory fixes {fixes} (stock), a training run with {optimizer}'s state"
+    return (f"memory fixes {fixes}{' (stock)' if fixes == 'none' else ''}, a training run with {optimizer}'s "
+            "state")
 
 
 def _compute(args: argparse.Namespace, quants: list[str], fixes: list[str]) -> None:
@@ -136,8 +146,9 @@ def _compute(args: argparse.Namespace, quants: list[str], fixes: list[str]) -> N
     the shipped rows)."""
     have = {_point_key(d) for d in dry_rows(args)}
     rows_model = model_for_rows(args.model, args.cache)
-    points = [{**p, "model": rows_model} for p in grid_points(args.model, checkpointing=not args.no_gradient_checkpointing)
-              if _point_key(p) not in have and p["quant"] in quants and p["fixes"] in fixes]
+    points = [{**p, "model": rows_model}
+              for p in grid_points(args.model, checkpointing=not args.no_gradient_checkpointing, fixes_settings=tuple(fixes))
+              if _point_key(p) not in have and p["quant"] in quants]
     if not points:
         print(f"every grid point of {model_name(args.model)} is computed already", file=sys.stderr)
         return
