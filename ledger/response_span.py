@@ -180,12 +180,26 @@ BATCH_AS_LENGTH_ERR = 0.0021
 #: every time, by 0.00-0.01% for Qwen2.5 and Llama 3.2 and up to 4.20% for Gemma 3, whose sliding
 #: layers hold a window of each sequence: one long sequence is an upper bound there).
 BATCH_AS_LENGTH_ERR_NO_CKPT = 0.042
+#: Memory fixes that work per token, not per sequence, so a micro-batch is answered as one longer
+#: sequence with them too: (fixes, checkpointing) -> the largest |difference| ``python
+#: benchmarks/batch_as_length.py --fixes F [--no-gradient-checkpointing]`` found (the same models
+#: and batches). Liger's fused loss chunks the batch's tokens as one sequence's: the single sequence
+#: was never below the batch, at most 3.02% above with checkpointing and 7.09% without, both for
+#: Gemma 3's sliding layers (0.00-0.11% for Qwen2.5 and Llama 3.2). TRL's offloading: 0.00-0.21%
+#: above with checkpointing; without it 0.23% below once (Gemma 3 bf16, 2 x 1,024), else above by at
+#: most 0.16%. Any other fixes, or two of these together (not measured), leave a batch unknown.
+BATCH_AS_LENGTH_ERR_FIXES: dict[tuple[str, bool], float] = {
+    ("fused_linear_ce", True): 0.0302, ("fused_linear_ce", False): 0.0709,
+    ("activation_offloading", True): 0.0021, ("activation_offloading", False): 0.0023,
+}
 
 
 def batch_err(recipe: Recipe) -> float:
     """The width answering a micro-batch as one longer sequence adds to the interval (0 at batch 1)."""
     if recipe.batch == 1:
         return 0.0
+    if recipe.fixes != "none":
+        return BATCH_AS_LENGTH_ERR_FIXES[(recipe.fixes, recipe.checkpointing)]
     return BATCH_AS_LENGTH_ERR if recipe.checkpointing else BATCH_AS_LENGTH_ERR_NO_CKPT
 
 
@@ -195,15 +209,17 @@ def answerable(recipe: Recipe) -> tuple[Optional[Recipe], str]:
     keeps such rows apart). A micro-batch of B sequences of L tokens: as the one sequence of B x L
     tokens whose step holds the same memory (the activations, logits and loss are linear in batch x
     length, with checkpointing or without; the weights, adapter and optimizer state are there once),
-    measured on dry runs (``batch_err``: ``BATCH_AS_LENGTH_ERR``, ``BATCH_AS_LENGTH_ERR_NO_CKPT``);
-    with any of the program's memory fixes that does not hold (the chunked MLP and the kept logits
-    work per sequence: up to 52% apart on Gemma 3), so it is not derived. Returns (the recipe at
-    batch 1, what was done) or (None, why not)."""
+    measured on dry runs (``batch_err``: ``BATCH_AS_LENGTH_ERR``, ``BATCH_AS_LENGTH_ERR_NO_CKPT``,
+    and for Liger's fused loss or TRL's offloading alone ``BATCH_AS_LENGTH_ERR_FIXES``); with any of
+    the program's memory fixes that does not hold (the chunked MLP and the kept logits work per
+    sequence: up to 52% apart on Gemma 3), so it is not derived. Returns (the recipe at batch 1,
+    what was done) or (None, why not)."""
     if recipe.batch == 1:
         return recipe, ""
-    if recipe.fixes != "none":
+    if recipe.fixes != "none" and (recipe.fixes, recipe.checkpointing) not in BATCH_AS_LENGTH_ERR_FIXES:
         return None, (f"micro-batch {recipe.batch} with memory fixes {recipe.fixes}: a batch is answered as one "
-                      "longer sequence only without fixes (the chunked MLP and the kept logits work per sequence)")
+                      "longer sequence only without fixes or with fused_linear_ce or activation_offloading alone "
+                      "(the program's chunked MLP and kept logits work per sequence)")
     if recipe.seq_len is None:
         return None, f"micro-batch {recipe.batch} needs the sequence length"
     tokens = recipe.batch * recipe.seq_len

@@ -248,3 +248,9 @@ def test_the_fixes_users_set_are_answered_by_dry_runs_of_their_own(tmp_path, cap
     assert all(c["status"] != "unknown" for c in doc["cells"])
     assert cli.main([*argv[:-1], "--fixes", "fused_linear_ce,logits_to_keep"]) == 1
     assert "--fixes: fused_linear_ce cannot be combined with logits_to_keep" in capsys.readouterr().err
+    # A micro-batch of 2 x 512 with the fused loss: as one sequence of 1,024 tokens (rows computed above).
+    half = [*base[:8], "512", *base[9:]]
+    assert cli.main([*half, "--fixes", "fused_linear_ce", "--no-gradient-checkpointing", "--batch-size", "2",
+                     "--no-compute"]) == 0
+    two = json.loads(capsys.readouterr().out)["answer"]
+    assert two["verdict"] != "unknown" and "one sequence of 1024 tokens" in json.dumps(two)

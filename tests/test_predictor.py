@@ -474,3 +474,20 @@ def test_a_micro_batch_without_checkpointing_is_one_longer_sequence_without_it(p
     assert a.probe_allocated.low_mib < single.probe_allocated.low_mib and a.probe_allocated.high_mib > single.probe_allocated.high_mib
     # with the program's memory fixes a batch is still not derived
     assert answerable(batch.replace(fixes="all", checkpointing=True))[0] is None
+
+
+def test_a_micro_batch_with_a_per_token_fix_is_one_longer_sequence_too():
+    """Liger's fused loss and TRL's offloading work per token: a batch is answered as one sequence
+    of B x L tokens with the width measured for that fix (benchmarks/batch_as_length.py --fixes F);
+    the program's preset, or the two together (never measured), leave it unknown."""
+    from ledger.response_span import BATCH_AS_LENGTH_ERR_FIXES, answerable, batch_err
+
+    for fixes in ("fused_linear_ce", "activation_offloading"):
+        for ckpt in (True, False):
+            batch = Recipe("qwen2.5-0.5b", rank=16, seq_len=1024, fixes=fixes, batch=8, checkpointing=ckpt)
+            one, how = answerable(batch)
+            assert one == Recipe("qwen2.5-0.5b", rank=16, seq_len=8192, fixes=fixes, checkpointing=ckpt)
+            assert batch_err(batch) == BATCH_AS_LENGTH_ERR_FIXES[(fixes, ckpt)] > 0 and batch_err(one) == 0
+    both = Recipe("qwen2.5-0.5b", rank=16, seq_len=1024, fixes="fused_linear_ce,activation_offloading", batch=2)
+    assert answerable(both)[0] is None and "alone" in answerable(both)[1]
+    assert answerable(both.replace(fixes="all"))[0] is None

@@ -30,8 +30,8 @@ def add_fit_options(p: argparse.ArgumentParser) -> None:
                    help="first run every grid dry run this model lacks (needs torch; kept in --cache, never in the "
                         "shipped rows); a model with no rows at all has them run without it, unless --no-compute")
     p.add_argument("--batch-size", type=int, default=1, metavar="N",
-                   help="micro-batch: N sequences, each padded to the length (default 1); with the program's memory "
-                        "fixes a batch is unknown")
+                   help="micro-batch: N sequences, each padded to the length (default 1); with the program's preset "
+                        "(or fixes other than fused_linear_ce or activation_offloading alone) a batch is unknown")
     p.add_argument("--no-gradient-checkpointing", action="store_true",
                    help="the stock recipe without gradient checkpointing (every layer's activations kept), from dry "
                         "runs of it alone (a micro-batch as one longer sequence; the program's preset always has it on)")
@@ -90,8 +90,8 @@ def cmd_fit(args: argparse.Namespace) -> int:
                    "dry_run_max_abs_err_pct": p.dry_loo["max_abs_err_pct"], "stale": stale,
                    "cells": [{**c.__dict__, "measured": list(c.measured), "label": c.label()} for c in cells]})
         return 0
-    print(f"{name} on {gpu}" + (f", micro-batch {args.batch_size} (sequences each padded to the length; with memory "
-                                "fixes a batch is unknown)" if args.batch_size != 1 else "")
+    print(f"{name} on {gpu}" + (f", micro-batch {args.batch_size} (sequences each padded to the length; with the "
+                                "program's preset a batch is unknown)" if args.batch_size != 1 else "")
           + ("" if ckpt else ", gradient checkpointing off (every layer's activations kept)")
           + f": the largest LoRA rank whose training run fits (tight: the interval reaches past the limit); "
           f"limit {low}–{high} MiB allocated ({source})")
