@@ -333,3 +333,39 @@ def test_when_nothing_nearby_fits_the_ledger_is_asked_for_a_smaller_rank(tmp_pat
     assert result.verdict == "won't fit" and result.alternative is None
     assert result.advice.startswith("or a smaller rank") and "vram ceiling" in result.advice
     assert "vram ceiling" in result.report()
+
+
+def test_the_runs_memory_fixes_are_read_off_its_arguments():
+    """TRL's activation_offloading and Liger's fused loss alone are recipes the ledger names; Liger's
+    other kernels (on by default with use_liger_kernel) are not, so such a run is not recorded."""
+    from types import SimpleNamespace
+
+    from probe_kit.preflight.state import run_fixes
+
+    pytest.importorskip("liger_kernel")
+    base = tiny_model().get_base_model()
+    only_fused = {"rope": False, "rms_norm": False, "swiglu": False, "cross_entropy": False,
+                  "fused_linear_cross_entropy": True}
+    assert run_fixes(SimpleNamespace(), base) == []
+    assert run_fixes(SimpleNamespace(activation_offloading=True), base) == ["activation_offloading"]
+    assert run_fixes(SimpleNamespace(use_liger_kernel=True, liger_kernel_config=only_fused), base) == ["fused_linear_ce"]
+    assert run_fixes(SimpleNamespace(use_liger_kernel=True, liger_kernel_config=only_fused, activation_offloading=True),
+                     base) == ["fused_linear_ce", "activation_offloading"]
+    assert run_fixes(SimpleNamespace(use_liger_kernel=True, liger_kernel_config=None), base) is None  # rope, norm, swiglu
+    assert run_fixes(SimpleNamespace(use_liger_kernel=True, liger_kernel_config={**only_fused, "rms_norm": True}),
+                     base) is None
+
+
+def test_a_run_with_a_fix_is_recorded_under_it_and_one_without_a_name_is_not(tmp_path, monkeypatch):
+    from ledger import store
+    from probe_kit.preflight import state
+
+    path = tmp_path / "runs.json"
+    monkeypatch.setattr(state, "run_fixes", lambda args, base: ["activation_offloading"])
+    preflight(trainer_for(tmp_path, tiny_model()), budget_mib=1000, ledger=str(path), stream=sys.stderr)
+    (m,) = store.load(path).measurements
+    assert m.memory_fixes == ["activation_offloading"]
+    monkeypatch.setattr(state, "run_fixes", lambda args, base: None)
+    result = preflight(trainer_for(tmp_path, tiny_model()), budget_mib=1000, ledger=str(path), stream=sys.stderr)
+    assert result.recorded is None and "no recipe the ledger names" in result.not_recorded
+    assert len(store.load(path).measurements) == 1 and "not recorded:" in result.report()

@@ -157,8 +157,11 @@ def _preflight(trainer, model, device, gpu, budget_mib, margin_mib, max_scan, le
             result.time_at_risk = (f"stopped before step 1: the run planned {steps:,} optimizer steps; it would have died "
                                    f"when the worst batch came, after up to {_human(steps * each)} of training "
                                    f"({each:.2f} s a step as measured here)")
-    if ledger:
+    if ledger and recipe.fixes is not None:
         result.recorded = record(ledger, recipe, worst, step, device, card[0] if card else None)
+    elif ledger:
+        result.not_recorded = ("Liger kernels beyond the fused loss are no recipe the ledger names (switch the others "
+                               "off in liger_kernel_config to record it as fused_linear_ce)")
     print(result.report(), file=stream or sys.stderr, flush=True)
     if verdict in stop:
         raise PreflightFailed(result)

@@ -47,11 +47,13 @@ def _ledger_view(card, recipe: RunRecipe, seq_len: int):
     elif not recipe.checkpointing:
         answer = ("no answer with gradient checkpointing off (its predictor models checkpointing on); this "
                   "measurement is the evidence")
+    elif recipe.fixes is None:
+        answer = "no answer: Liger kernels beyond the fused loss are no recipe the ledger names"
     else:
         from ledger.optimizers import OPTIMIZERS
 
         q = Recipe(model=model_name(recipe.model), rank=recipe.rank, quant=recipe.quant, dropout=recipe.dropout > 0,
-                   dora=recipe.dora, seq_len=seq_len, fixes="none", batch=recipe.batch_size,
+                   dora=recipe.dora, seq_len=seq_len, fixes=_fixes(recipe), batch=recipe.batch_size,
                    optimizer=recipe.optimizer if recipe.optimizer in OPTIMIZERS else None)
         a = predictor.predict(q, key, entry=entry, run="real")
         if a.allocated is not None:
@@ -65,7 +67,7 @@ def _ledger_view(card, recipe: RunRecipe, seq_len: int):
 def _ceiling_advice(card, recipe: RunRecipe, seq_len: int) -> Optional[str]:
     """The ledger's largest LoRA rank that fits a real run of this recipe at this length on the card
     (``vram ceiling``), or the command that asks it when the ledger cannot say."""
-    if card is None or recipe.rank is None:
+    if card is None or recipe.rank is None or recipe.fixes is None:
         return None
     from ledger.dry_runs import load_dry_runs
     from ledger.model_configs import model_name
@@ -76,7 +78,7 @@ def _ceiling_advice(card, recipe: RunRecipe, seq_len: int) -> Optional[str]:
     key, entry, ledger = card
     name = model_name(recipe.model) or "MODEL"
     q = Recipe(model=name, rank=recipe.rank, quant=recipe.quant, dropout=recipe.dropout > 0, dora=recipe.dora,
-               seq_len=seq_len, fixes="none", batch=recipe.batch_size, checkpointing=recipe.checkpointing,
+               seq_len=seq_len, fixes=_fixes(recipe), batch=recipe.batch_size, checkpointing=recipe.checkpointing,
                optimizer=recipe.optimizer if recipe.optimizer in OPTIMIZERS else None)
     c = Predictor(ledger, load_dry_runs()).ceiling(q, key, entry=entry, run="real")
     if c.fits_rank is not None and c.fits_rank < recipe.rank:
@@ -85,6 +87,13 @@ def _ceiling_advice(card, recipe: RunRecipe, seq_len: int) -> Optional[str]:
     return (f"or a smaller rank: `vram ceiling --model {name} --gpu {key} --seq-len {seq_len} --quant {recipe.quant} "
             f"--batch-size {recipe.batch_size}` asks the ledger's largest at this length on this card "
             f"(it says: {c.status if c.fits_rank is None else f'r{c.fits_rank}'})")
+
+
+def _fixes(recipe: RunRecipe) -> str:
+    """The run's memory fixes as the ledger keys them ('none', or the comma list)."""
+    from ledger.recipe import fixes_key, fixes_value
+
+    return fixes_key(fixes_value(recipe.fixes or []))
 
 
 def _mib(x: Optional[float]) -> Optional[float]:
@@ -99,6 +108,7 @@ def record(path: str, recipe: RunRecipe, worst: WorstBatch, step: Step, device: 
 
     from ledger import store
     from ledger.models import Lora, Measurement, Oom, Outcome, Provenance
+    from ledger.recipe import fixes_value
     from ledger.oom import parse_oom_message
 
     from ..probe_vram import environment
@@ -119,7 +129,7 @@ def record(path: str, recipe: RunRecipe, worst: WorstBatch, step: Step, device: 
     m = Measurement(
         id=mid, kind="probe", gpu=gpu_key if device.type == "cuda" else None, model=recipe.model,
         quant=recipe.quant,
-        lora=lora, seq_len=worst.seq_len, batch_size=recipe.batch_size, memory_fixes="none",
+        lora=lora, seq_len=worst.seq_len, batch_size=recipe.batch_size, memory_fixes=fixes_value(recipe.fixes or []),
         optimizer=recipe.optimizer, gradient_checkpointing=recipe.checkpointing,
         config_text=json.dumps(cfg, sort_keys=True), outcome=outcome,
         environment=environment(device, "allocator" if device.type == "cuda" else "tracker"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import random
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -111,13 +112,19 @@ class RunRecipe:
     accumulation: int
     checkpointing: bool
     optimizer: str
+    #: The memory fixes the run's arguments switch on, as the ledger names them (``fused_linear_ce``:
+    #: Liger's fused loss alone; ``activation_offloading``: TRL's); None when the run has a setting
+    #: the ledger has no name for (Liger's other kernels), so its step is not a recipe it can record.
+    fixes: Optional[list[str]] = dataclasses.field(default_factory=list)
 
     def describe(self, seq_len: int) -> str:
         lora = (f"LoRA r{self.rank}" + (f" dropout {self.dropout:g}" if self.dropout else "")
                 + (" DoRA" if self.dora else "")) if self.rank else "no LoRA"
+        fixes = ("Liger kernels beyond the fused loss (no recipe the ledger names)" if self.fixes is None
+                 else f"memory fixes {', '.join(self.fixes) or 'none'}")
         return (f"{self.model or 'the model'} {self.quant} {lora}, micro-batch {self.batch_size} × {seq_len} tokens"
                 f" (accumulation {self.accumulation}), checkpointing {'on' if self.checkpointing else 'off'}, "
-                f"{self.optimizer}")
+                f"{self.optimizer}, {fixes}")
 
 
 def read_recipe(trainer, model) -> RunRecipe:
@@ -143,7 +150,38 @@ def read_recipe(trainer, model) -> RunRecipe:
         target_modules=sorted(targets) if isinstance(targets, (set, list, tuple)) else ([targets] if targets else []),
         batch_size=int(trainer.args.per_device_train_batch_size),
         accumulation=int(trainer.args.gradient_accumulation_steps or 1), checkpointing=ckpt,
-        optimizer=str(getattr(trainer.args.optim, "value", trainer.args.optim)))
+        optimizer=str(getattr(trainer.args.optim, "value", trainer.args.optim)), fixes=run_fixes(trainer.args, base))
+
+
+def run_fixes(args, base) -> Optional[list[str]]:
+    """The memory fixes a run's arguments switch on, as the ledger names them: TRL's
+    ``activation_offloading``; ``use_liger_kernel`` with only the fused linear cross-entropy on
+    (``liger_kernel_config``, over the defaults of Liger's function for the model type) is
+    ``fused_linear_ce``; any other Liger kernel on makes the recipe one the ledger has no name for
+    (None)."""
+    from ledger.recipe import FIX_NAMES
+
+    fixes = []
+    if getattr(args, "use_liger_kernel", False):
+        try:
+            import inspect
+
+            from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+        except ImportError:
+            return None
+        config = getattr(args, "liger_kernel_config", None) or {}
+        apply = MODEL_TYPE_TO_APPLY_LIGER_FN.get(getattr(getattr(base, "config", None), "model_type", None))
+        if apply is None:
+            return None
+        on = {name for name, param in inspect.signature(apply).parameters.items()
+              if isinstance(param.default, bool) and config.get(name, param.default)}
+        if on - {"fused_linear_cross_entropy"}:
+            return None
+        if on:
+            fixes.append("fused_linear_ce")
+    if getattr(args, "activation_offloading", False):
+        fixes.append("activation_offloading")
+    return [f for f in FIX_NAMES if f in fixes]
 
 
 def _checkpointing_on(model) -> bool:

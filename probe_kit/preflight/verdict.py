@@ -44,6 +44,8 @@ class PreflightResult:
     advice: Optional[str] = None
     time_at_risk: Optional[str] = None
     recorded: Optional[str] = None
+    #: Why a measurement asked to be recorded was not (a recipe the ledger has no name for).
+    not_recorded: Optional[str] = None
 
     def line(self) -> str:
         """One verdict line, with the headroom in MiB."""
@@ -78,6 +80,8 @@ class PreflightResult:
                 lines.append(f"  {self.time_at_risk}")
         if self.recorded:
             lines.append(f"  recorded as {self.recorded}")
+        if self.not_recorded:
+            lines.append(f"  not recorded: {self.not_recorded}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
