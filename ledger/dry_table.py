@@ -43,10 +43,12 @@ class DryTable:
         self._figures: dict = {}  # rank_figure's, by what it reads of the recipe
 
     def table(self, name: Optional[str], quant: str, fixes: str, dropout: bool, dora: bool,
-              response_len: Optional[int], checkpointing: bool = True) -> dict[int, dict[int, tuple[float, str]]]:
+              response_len: Optional[int], checkpointing: bool = True, batch: int = 1
+              ) -> dict[int, dict[int, tuple[float, str]]]:
         """Dry-run peaks by length and rank for one model, quant, fixes, dropout and DoRA, with
-        gradient checkpointing on or off (the highest where several response lengths match)."""
-        key = (name, quant, fixes, dropout, dora, response_len, checkpointing)
+        gradient checkpointing on or off, at one micro-batch (the highest where several response
+        lengths match)."""
+        key = (name, quant, fixes, dropout, dora, response_len, checkpointing, batch)
         if key not in self._tables:
             if self._by_model is None:
                 self._by_model = defaultdict(list)
@@ -56,6 +58,7 @@ class DryTable:
             for d in self._by_model.get(name, []):
                 if (d.quant == quant and bool(d.lora.dropout) == dropout and bool(d.lora.dora) == dora
                         and (d.gradient_checkpointing is not False) == checkpointing
+                        and (d.batch_size or 1) == batch
                         and fixes_key(d.memory_fixes) == fixes and (response_len is None or d.response_len == response_len)):
                     cell = table[d.seq_len]
                     if d.lora.rank not in cell or d.outcome.peak_allocated_mib > cell[d.lora.rank][0]:
@@ -100,7 +103,7 @@ class DryTable:
         """``raw`` as a function of the rank alone, the tables and lengths it reads looked up once
         (the fit table asks some ten ranks of each of ten thousand cells)."""
         key = (model_name(recipe.model), recipe.quant, recipe.fixes, recipe.dropout, recipe.dora, recipe.span(),
-               recipe.checkpointing, recipe.seq_len)
+               recipe.checkpointing, recipe.seq_len, recipe.batch)
         found = self._figures.get(key)
         if found is None:
             found = self._figures[key] = self._rank_figure(recipe)
@@ -112,8 +115,8 @@ class DryTable:
             return none
         name, seq = model_name(recipe.model), recipe.seq_len
         args = (name, recipe.quant, recipe.fixes)
-        own = self.table(*args, recipe.dropout, recipe.dora, recipe.span(), recipe.checkpointing)
-        plain = self.table(*args, False, False, recipe.span(), recipe.checkpointing)
+        own = self.table(*args, recipe.dropout, recipe.dora, recipe.span(), recipe.checkpointing, recipe.batch)
+        plain = self.table(*args, False, False, recipe.span(), recipe.checkpointing, recipe.batch)
 
         def bracket(s: int) -> bool:
             # A length whose only row is of another rank than the grid's (a held-out point)
@@ -179,7 +182,7 @@ class DryTable:
     def exact_ranks(self, recipe: Recipe) -> set:
         """The ranks a committed dry-run row has of this very recipe at its length."""
         table = self.table(model_name(recipe.model), recipe.quant, recipe.fixes, recipe.dropout, recipe.dora,
-                           recipe.span(), recipe.checkpointing)
+                           recipe.span(), recipe.checkpointing, recipe.batch)
         return set(table.get(recipe.seq_len, {}))
 
     def exact(self, recipe: Recipe) -> bool:

@@ -99,7 +99,7 @@ def model_lengths(model: str, lengths: Iterable[int] = LENGTHS) -> list[int]:
 
 
 def grid_points(model: str, lengths: Optional[Iterable[int]] = None, checkpointing: bool = True,
-                fixes_settings: tuple[str, ...] = ("none", "all")) -> list[dict]:
+                fixes_settings: tuple[str, ...] = ("none", "all"), batch: int = 1) -> list[dict]:
     """A model's dry-run points for the fit table (sweep options): rank 8 at every length the
     model allows (``model_lengths``) - for the stock recipe of a model without sliding layers, only
     up to ``AFFINE_FROM``, at 16,384 tokens and at the longest, the rest being affine in length;
@@ -108,7 +108,11 @@ def grid_points(model: str, lengths: Optional[Iterable[int]] = None, checkpointi
     preset (fixes "all") up to ``PRESET_MAX_LEN``; any other set of fixes (``fixes_settings``
     holds fixes keys) rank 8 at every length, its physics not known to be affine in length.
     ``checkpointing=False``: the same points without gradient checkpointing (the program's preset
-    always has it on)."""
+    always has it on). ``batch``: the points of that micro-batch for the fixes whose batch is not
+    one longer sequence (``response_span.answerable``: the program's preset); the others answer a
+    batch from their micro-batch-1 points."""
+    from .response_span import answerable
+    from .recipe import Recipe
     from .model_configs import full_attention
 
     allowed = model_lengths(model, LENGTHS if lengths is None else lengths)
@@ -121,8 +125,11 @@ def grid_points(model: str, lengths: Optional[Iterable[int]] = None, checkpointi
             seqs = [s for s in allowed if fixes != "all" or s <= PRESET_MAX_LEN]
             if not seqs:
                 continue
+            own_batch = batch != 1 and answerable(Recipe(model=model, fixes=fixes, batch=batch, seq_len=seqs[0],
+                                                         checkpointing=checkpointing))[0].batch != 1
             base = {"model": model, "quant": quant, "fixes": fixes, "response_len": GRID_RESPONSE_LEN,
-                    **({} if checkpointing else {"no_gradient_checkpointing": True}), **target_option(model)}
+                    **({} if checkpointing else {"no_gradient_checkpointing": True}),
+                    **({"batch_size": batch} if own_batch else {}), **target_option(model)}
             ends = sorted({seqs[0], seqs[-1]} | ({PRESET_MAX_LEN} & set(seqs)))
             # The program's preset (its chunked MLP and kept logits) and a model with sliding
             # layers are not affine in length: rank 8 at every length there.

@@ -41,9 +41,9 @@ def modelled(m: Measurement) -> bool:
 
 
 def dry_readable(m: Measurement) -> bool:
-    """Whether the dry-run table can read a dry-run row: micro-batch 1 and no optimizer step, with
-    gradient checkpointing on or off (the table keeps the two apart: ``DryTable.table``)."""
-    return (m.batch_size or 1) == 1 and m.optimizer is None
+    """Whether the dry-run table can read a dry-run row: no optimizer step, with gradient
+    checkpointing on or off and any micro-batch (the table keeps each apart: ``DryTable.table``)."""
+    return m.optimizer is None
 
 
 def before(ms: list[Measurement], as_of: Optional[dt.date], exclude: Iterable[str] = ()) -> list[Measurement]:

@@ -121,14 +121,16 @@ class Predictor:
 
     def probe_figure(self, recipe: Recipe, gpu: str, vendor: Optional[str]) -> tuple[Optional[Interval], str, str, list[str]]:
         """(interval, method, method text, evidence ids) for a one-step probe's peak allocated: the
-        first rung of the ladder that answers. Without gradient checkpointing only the dry run's:
-        every measured row has it on, and keeps less."""
-        if not recipe.checkpointing:
+        first rung of the ladder that answers. Without gradient checkpointing, or at a micro-batch
+        above 1 (the preset's, which is not one longer sequence), only the dry run's: every measured
+        row has checkpointing on and one sequence."""
+        if not recipe.checkpointing or recipe.batch != 1:
             found = self.dry_rung.evidence(recipe, gpu, vendor)
             if found is not None:
                 return found.interval, found.method, found.text, list(found.ids)
-            return None, "", ("gradient checkpointing off: no dry run of it near this recipe (every measured row has it "
-                              "on); without --no-compute the answer dry-runs it"), []
+            what = "gradient checkpointing off" if not recipe.checkpointing else f"micro-batch {recipe.batch}"
+            return None, "", (f"{what}: no dry run of it near this recipe (every measured row has checkpointing on and "
+                              "one sequence); without --no-compute the answer dry-runs it"), []
         for rung in self.ladder:
             found = rung.evidence(recipe, gpu, vendor)
             if found is not None:
@@ -177,6 +179,7 @@ class Predictor:
         one, batch_text = answerable(recipe)
         if one is None:
             return self.unknown(asked, gpu, entry, run, batch_text)
+        own_batch = one.batch != 1  # answered by dry runs of that very micro-batch alone
         recipe = one
         entry = entry or self.ledger.gpus.get(gpu)
         source = "ledger" if gpu in self.ledger.gpus else "card table"
@@ -189,8 +192,8 @@ class Predictor:
             probe, span_text = self.span.longer_span(recipe, probe, evidence)
             text = f"{text}; {span_text}" if span_text else text
         # Measured rows all have checkpointing on: none bounds a recipe without it.
-        probe, dom_ids, dom_text = (self.dominance.clamp(recipe, gpu, "probe", probe) if recipe.checkpointing
-                                    else (probe, [], ""))
+        probe, dom_ids, dom_text = (self.dominance.clamp(recipe, gpu, "probe", probe)
+                                    if recipe.checkpointing and recipe.batch == 1 else (probe, [], ""))
         if dom_text:
             text = f"{text}; {dom_text}" if text else dom_text
             evidence += [i for i in dom_ids if i not in evidence]
@@ -224,6 +227,8 @@ class Predictor:
         else:
             low, high, lsrc = self.card_limit(gpu, entry, run)
         verdict, why = decide(judged, low, high, margin_mib)
+        if judged is None and own_batch:
+            why = f"no prediction: {batch_text}, and none of it near this recipe has been computed"
         if targets_text and verdict == "tight":  # an upper bound over the limit says nothing of the recipe
             verdict, why = "unknown", (f"{why}; but that is an upper bound for LoRA on {','.join(asked.targets)}: "
                                        "only a dry run of it can say (python -m probe_kit.dry_run --target-modules ...)")

@@ -195,11 +195,12 @@ BATCH_AS_LENGTH_ERR_FIXES: dict[tuple[str, bool], float] = {
 
 
 def batch_err(recipe: Recipe) -> float:
-    """The width answering a micro-batch as one longer sequence adds to the interval (0 at batch 1)."""
+    """The width answering a micro-batch as one longer sequence adds to the interval (0 at batch 1,
+    and for a batch answered by dry runs of that batch itself)."""
     if recipe.batch == 1:
         return 0.0
     if recipe.fixes != "none":
-        return BATCH_AS_LENGTH_ERR_FIXES[(recipe.fixes, recipe.checkpointing)]
+        return BATCH_AS_LENGTH_ERR_FIXES.get((recipe.fixes, recipe.checkpointing), 0.0)
     return BATCH_AS_LENGTH_ERR if recipe.checkpointing else BATCH_AS_LENGTH_ERR_NO_CKPT
 
 
@@ -212,14 +213,15 @@ def answerable(recipe: Recipe) -> tuple[Optional[Recipe], str]:
     measured on dry runs (``batch_err``: ``BATCH_AS_LENGTH_ERR``, ``BATCH_AS_LENGTH_ERR_NO_CKPT``,
     and for Liger's fused loss or TRL's offloading alone ``BATCH_AS_LENGTH_ERR_FIXES``); with any of
     the program's memory fixes that does not hold (the chunked MLP and the kept logits work per
-    sequence: up to 52% apart on Gemma 3), so it is not derived. Returns (the recipe at batch 1,
-    what was done) or (None, why not)."""
+    sequence: up to 52% apart on Gemma 3), so the batch stays as asked, for dry runs of that very
+    micro-batch (``DryTable`` keeps each micro-batch's rows apart; no measured row answers it).
+    Returns (the recipe to answer, what was done) or (None, why not)."""
     if recipe.batch == 1:
         return recipe, ""
     if recipe.fixes != "none" and (recipe.fixes, recipe.checkpointing) not in BATCH_AS_LENGTH_ERR_FIXES:
-        return None, (f"micro-batch {recipe.batch} with memory fixes {recipe.fixes}: a batch is answered as one "
-                      "longer sequence only without fixes or with fused_linear_ce or activation_offloading alone "
-                      "(the program's chunked MLP and kept logits work per sequence)")
+        return recipe, (f"micro-batch {recipe.batch} x {recipe.seq_len} tokens with memory fixes {recipe.fixes}: only "
+                        f"dry runs of that micro-batch answer it (the program's chunked MLP and kept logits work per "
+                        "sequence, so a batch is not one longer sequence there; every measured row is of one sequence)")
     if recipe.seq_len is None:
         return None, f"micro-batch {recipe.batch} needs the sequence length"
     tokens = recipe.batch * recipe.seq_len

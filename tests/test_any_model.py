@@ -254,3 +254,30 @@ def test_the_fixes_users_set_are_answered_by_dry_runs_of_their_own(tmp_path, cap
                      "--no-compute"]) == 0
     two = json.loads(capsys.readouterr().out)["answer"]
     assert two["verdict"] != "unknown" and "one sequence of 1024 tokens" in json.dumps(two)
+
+
+def test_the_presets_micro_batch_is_answered_by_dry_runs_of_it(tmp_path, capsys):
+    """A micro-batch with the program's preset is not one longer sequence: `estimate` computes dry
+    runs of that micro-batch itself and `fit` the preset's grid at it; the micro-batch-1 rows never
+    answer it."""
+    mine, _ = tiny_config(tmp_path, "preset-tiny")
+    cache = tmp_path / "cache"
+    base = ["estimate", "--ledger", str(BUNDLED), "--model", str(mine), "--rank", "16", "--seq-len", "512",
+            "--fixes", "all", "--budget-mib", "400", "--cache", str(cache), "--json"]
+    assert cli.main([*base, "--batch-size", "2", "--no-compute"]) == 1
+    assert "at micro-batch 2 x 512 tokens needs 2 dry runs not computed yet" in capsys.readouterr().err
+    assert cli.main([*base, "--batch-size", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert "computing 2 dry runs of preset-tiny at micro-batch 2 x 512 tokens" in err
+    two = json.loads(out)["answer"]
+    assert two["verdict"] != "unknown" and "only dry runs of that micro-batch" in two["method_text"]
+    rows = json.loads((cache / "dry-runs.json").read_text())["measurements"]
+    assert {r.get("batch_size") for r in rows} == {2}
+    assert cli.main(base) == 0  # micro-batch 1: its own rows, computed now
+    assert "computing 2 dry runs of preset-tiny at 512 tokens" in capsys.readouterr().err
+    fit = ["fit", "--ledger", str(BUNDLED), "--model", str(mine), "--budget-mib", "400", "--quant", "4bit",
+           "--fixes", "all", "--batch-size", "2", "--cache", str(cache), "--json", "--compute"]
+    assert cli.main(fit) == 0  # --compute: the grid points of micro-batch 2 the two rows above leave
+    out, err = capsys.readouterr()
+    assert "dry runs of preset-tiny's fit table" in err
+    assert all(c["status"] != "unknown" for c in json.loads(out)["cells"])

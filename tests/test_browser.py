@@ -241,6 +241,12 @@ def test_the_picker_answers_what_vram_fit_prints_in_two_choices(site, tmp_path, 
             "document.getElementById('fit-answer-title').textContent.endsWith('batch 4, no gradient checkpointing') && "
             "document.querySelector('#fit-answer pre code') && "
             "document.querySelector('#fit-answer pre code').textContent")
+        browser.choose("ckpt", "")
+        browser.choose("fixes", "all")  # the preset's batch: its own dry runs, from the command line
+        assert "--fixes all --batch-size 4" in browser.wait_for(
+            "document.getElementById('fit-answer-title').textContent.includes('memory fixes') && "
+            "document.querySelector('#fit-answer pre code') && "
+            "document.querySelector('#fit-answer pre code').textContent")
     finally:
         browser.close()
     assert (artifacts / f"picker-{width}.png").stat().st_size > 20_000

@@ -308,7 +308,8 @@ def test_a_micro_batch_is_answered_as_one_longer_sequence_without_fixes():
     assert four.recipe["batch"] == 4 and four.recipe["seq_len"] == 2048
     assert "answered as one sequence of 8192 tokens" in four.method_text
     fixed = p.predict(replace(batch, fixes="all"), "rx-7900-xtx", entry=entry)
-    assert fixed.verdict == "unknown" and "only without fixes" in fixed.why
+    # the program's preset: only dry runs of that micro-batch answer it, and none is computed
+    assert fixed.verdict == "unknown" and "only dry runs of that micro-batch" in fixed.why
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
@@ -472,14 +473,15 @@ def test_a_micro_batch_without_checkpointing_is_one_longer_sequence_without_it(p
     single = p.predict(one, "rtx-4090", entry=card, run="real")
     assert a.verdict != "unknown" and a.evidence == single.evidence
     assert a.probe_allocated.low_mib < single.probe_allocated.low_mib and a.probe_allocated.high_mib > single.probe_allocated.high_mib
-    # with the program's memory fixes a batch is still not derived
-    assert answerable(batch.replace(fixes="all", checkpointing=True))[0] is None
+    # with the program's memory fixes a batch is not one longer sequence: only its own dry runs answer it
+    preset = batch.replace(fixes="all", checkpointing=True)
+    assert answerable(preset)[0] == preset and batch_err(preset) == 0
 
 
 def test_a_micro_batch_with_a_per_token_fix_is_one_longer_sequence_too():
     """Liger's fused loss and TRL's offloading work per token: a batch is answered as one sequence
     of B x L tokens with the width measured for that fix (benchmarks/batch_as_length.py --fixes F);
-    the program's preset, or the two together (never measured), leave it unknown."""
+    the program's preset, or the two together (never measured), only by dry runs of the batch."""
     from ledger.response_span import BATCH_AS_LENGTH_ERR_FIXES, answerable, batch_err
 
     for fixes in ("fused_linear_ce", "activation_offloading"):
@@ -489,5 +491,28 @@ def test_a_micro_batch_with_a_per_token_fix_is_one_longer_sequence_too():
             assert one == Recipe("qwen2.5-0.5b", rank=16, seq_len=8192, fixes=fixes, checkpointing=ckpt)
             assert batch_err(batch) == BATCH_AS_LENGTH_ERR_FIXES[(fixes, ckpt)] > 0 and batch_err(one) == 0
     both = Recipe("qwen2.5-0.5b", rank=16, seq_len=1024, fixes="fused_linear_ce,activation_offloading", batch=2)
-    assert answerable(both)[0] is None and "alone" in answerable(both)[1]
-    assert answerable(both.replace(fixes="all"))[0] is None
+    assert answerable(both) == (both, answerable(both)[1]) and "only dry runs of that micro-batch" in answerable(both)[1]
+    assert answerable(both.replace(fixes="all"))[0].batch == 2
+
+
+def test_the_presets_micro_batch_is_answered_by_dry_runs_of_that_batch_alone(p):
+    """Micro-batch 4 with the program's preset: no measured row and no micro-batch-1 dry run answers
+    it (the program's chunked MLP and kept logits work per sequence); a dry run of that micro-batch
+    does, and answers no other micro-batch."""
+    from ledger.predictor import Predictor
+
+    card = card_table()["rtx-4090"].gpu
+    four = Recipe("gemma-3-4b-it", rank=8, seq_len=2048, fixes="all", batch=4)
+    a = p.predict(four, "rtx-4090", entry=card, run="real")
+    assert a.verdict == "unknown" and "micro-batch 4" in a.method_text and a.evidence == []
+    one = p.dry_raw(four.replace(batch=1))[0]
+    row = next(d for d in p.dry if d.model and "gemma-3-4b-it" in d.model and d.seq_len == 2048
+               and d.memory_fixes == "all" and d.lora.rank == 8 and not d.lora.dropout and not d.lora.dora
+               and d.gradient_checkpointing is not False)
+    batch_row = row.model_copy(deep=True, update={"id": row.id + "-b4", "batch_size": 4})
+    batch_row.outcome.peak_allocated_mib = round(row.outcome.peak_allocated_mib * 2.5, 1)
+    q = Predictor(p.ledger, [*p.dry, batch_row])
+    b = q.predict(four, "rtx-4090", entry=card, run="real")
+    assert b.verdict != "unknown" and b.method == "dry run" and batch_row.id in b.evidence
+    assert q.dry_raw(four)[0] == batch_row.outcome.peak_allocated_mib
+    assert q.dry_raw(four.replace(batch=1))[0] == one and q.dry_raw(four.replace(batch=2))[0] is None

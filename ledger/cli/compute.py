@@ -89,7 +89,7 @@ def _in_cache(model: Optional[str], cache: Optional[str]) -> bool:
 def needed_points(predictor, recipe: Recipe, model_rows: str) -> list[dict]:
     """The dry runs an answer for ``recipe`` lacks: none when the dry-run table already has a
     figure for it; else ranks 8 and 64 at its length (for its quant, fixes, dropout, DoRA,
-    response length and gradient checkpointing), from which every rank there is derived."""
+    response length, gradient checkpointing and micro-batch), from which every rank there is derived."""
     if recipe.seq_len is None or recipe.model is None or predictor.table.raw(replace(recipe, rank=RANKS[0]))[0]:
         return []
     if recipe.response_len is not None and not 0 < recipe.response_len < recipe.seq_len:
@@ -98,6 +98,7 @@ def needed_points(predictor, recipe: Recipe, model_rows: str) -> list[dict]:
             "response_len": recipe.response_len or min(GRID_RESPONSE_LEN, recipe.seq_len - 1),
             **({"dropout": 0.1} if recipe.dropout else {}), **({"dora": True} if recipe.dora else {}),
             **({} if recipe.checkpointing else {"no_gradient_checkpointing": True}),
+            **({"batch_size": recipe.batch} if recipe.batch != 1 else {}),
             **target_option(recipe.model)}
     return [{**base, "rank": r} for r in RANKS]
 
@@ -189,7 +190,7 @@ def compute_points(points: list[dict], label: str, cache: Optional[str], *, no_c
 def ensure_dry_runs(args: argparse.Namespace, predictor, recipe: Recipe) -> bool:
     """Compute the dry runs ``recipe`` lacks (see ``needed_points``); whether any were computed
     (the caller then fits its predictor again). None are when the recipe cannot use them: a model
-    without a config, a micro-batch with the program's fixes."""
+    without a config."""
     from ..response_span import answerable, fewer_targets
 
     model = getattr(args, "model", None)
@@ -201,5 +202,6 @@ def ensure_dry_runs(args: argparse.Namespace, predictor, recipe: Recipe) -> bool
     points = needed_points(predictor, one, model_for_rows(model, args.cache))
     if not points:
         return False
-    compute_points(points, f"{model_name(model)} at {one.seq_len} tokens", args.cache, no_compute=args.no_compute)
+    batch = f"micro-batch {one.batch} x " if one.batch != 1 else ""
+    compute_points(points, f"{model_name(model)} at {batch}{one.seq_len} tokens", args.cache, no_compute=args.no_compute)
     return True

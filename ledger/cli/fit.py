@@ -60,8 +60,11 @@ def cmd_fit(args: argparse.Namespace) -> int:
     if not ckpt and "all" in fixes:
         raise UserError(Issue("--no-gradient-checkpointing", "", "the program's preset (--fixes all) always has "
                               "gradient checkpointing on: ask another --fixes"))
-    has_rows = all(any(model_name(d.model) == name and (d.gradient_checkpointing is not False) == ckpt
-                       and fixes_key(d.memory_fixes) == f for d in dry_rows(args)) for f in fixes)
+    wanted = {(p["fixes"], p.get("batch_size", 1))
+              for p in grid_points(args.model, checkpointing=ckpt, fixes_settings=tuple(fixes), batch=args.batch_size)}
+    have = {(fixes_key(d.memory_fixes), d.batch_size or 1) for d in dry_rows(args)
+            if model_name(d.model) == name and (d.gradient_checkpointing is not False) == ckpt}
+    has_rows = wanted <= have
     if args.compute or (not has_rows and not args.no_compute and config_path(args.model) is not None):
         _compute(args, quants, fixes)
     p = predictor_for(args, ledger)
@@ -147,7 +150,8 @@ def _compute(args: argparse.Namespace, quants: list[str], fixes: list[str]) -> N
     have = {_point_key(d) for d in dry_rows(args)}
     rows_model = model_for_rows(args.model, args.cache)
     points = [{**p, "model": rows_model}
-              for p in grid_points(args.model, checkpointing=not args.no_gradient_checkpointing, fixes_settings=tuple(fixes))
+              for p in grid_points(args.model, checkpointing=not args.no_gradient_checkpointing, fixes_settings=tuple(fixes),
+                                   batch=args.batch_size)
               if _point_key(p) not in have and p["quant"] in quants]
     if not points:
         print(f"every grid point of {model_name(args.model)} is computed already", file=sys.stderr)
@@ -157,12 +161,12 @@ def _compute(args: argparse.Namespace, quants: list[str], fixes: list[str]) -> N
 
 def _point_key(p) -> tuple:
     """A grid point's recipe, from a point dict or a dry-run row, to tell which are computed."""
-    if isinstance(p, dict):  # a grid point: micro-batch 1, no optimizer step
+    if isinstance(p, dict):  # a grid point: no optimizer step
         return (model_name(p["model"]), p["quant"], p["fixes"], p["rank"], p["seq_len"], bool(p.get("dropout")),
-                bool(p.get("dora")), True, not p.get("no_gradient_checkpointing"))
+                bool(p.get("dora")), p.get("batch_size", 1), True, not p.get("no_gradient_checkpointing"))
     return (model_name(p.model), p.quant, fixes_key(p.memory_fixes), p.lora.rank if p.lora else None, p.seq_len,
-            bool(p.lora and p.lora.dropout), bool(p.lora and p.lora.dora),
-            (p.batch_size or 1) == 1 and p.optimizer is None, p.gradient_checkpointing is not False)
+            bool(p.lora and p.lora.dropout), bool(p.lora and p.lora.dora), p.batch_size or 1,
+            p.optimizer is None, p.gradient_checkpointing is not False)
 
 
 COMMANDS = [Command("fit", "one model's fit table on one card: the largest rank whose training run fits at each length",

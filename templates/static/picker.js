@@ -78,8 +78,13 @@
       ", micro-batch " + batch + (ckpt ? "" : ", no gradient checkpointing");
     out.appendChild(el("h3", {id: "fit-answer-title"}, what));
     if (batch !== "1" && fixes !== "none") {
-      out.appendChild(el("p", {"class": "warn"}, "A micro-batch with the program's memory fixes is unknown: " +
-        "the chunked MLP and the kept logits work per sequence, so a batch is not one longer sequence."));
+      out.appendChild(el("p", {"class": "warn"}, "A micro-batch with the program's memory fixes is not in these " +
+        "tables: the chunked MLP and the kept logits work per sequence, so a batch is not one longer sequence. " +
+        "The command line answers it from dry runs of that micro-batch, run on your CPU:"));
+      var own = el("pre");
+      own.appendChild(el("code", {}, "vram fit --model " + data.model + " " + where + " --quant " + quant +
+        " --fixes all --batch-size " + batch));
+      out.appendChild(own);
       return;
     }
     if (!ckpt && fixes !== "none") {
