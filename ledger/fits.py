@@ -99,7 +99,7 @@ def model_lengths(model: str, lengths: Iterable[int] = LENGTHS) -> list[int]:
 
 
 def grid_points(model: str, lengths: Optional[Iterable[int]] = None, checkpointing: bool = True,
-                fixes_settings: tuple[str, ...] = ("none", "all"), batch: int = 1) -> list[dict]:
+                fixes_settings: Optional[tuple[str, ...]] = None, batch: int = 1) -> list[dict]:
     """A model's dry-run points for the fit table (sweep options): rank 8 at every length the
     model allows (``model_lengths``) - for the stock recipe of a model without sliding layers, only
     up to ``AFFINE_FROM``, at 16,384 tokens and at the longest, the rest being affine in length;
@@ -107,8 +107,9 @@ def grid_points(model: str, lengths: Optional[Iterable[int]] = None, checkpointi
     ``DryTable.raw`` for how the rest is derived). The program's
     preset (fixes "all") up to ``PRESET_MAX_LEN``; any other set of fixes (``fixes_settings``
     holds fixes keys) rank 8 at every length, its physics not known to be affine in length.
-    ``checkpointing=False``: the same points without gradient checkpointing (the program's preset
-    always has it on). ``batch``: the points of that micro-batch for the fixes whose batch is not
+    ``checkpointing=False``: the same points without gradient checkpointing (the shipped grid's
+    without it are stock only: ``fixes_settings`` defaults to ("none", "all") with checkpointing,
+    ("none",) without, and any set given is made). ``batch``: the points of that micro-batch for the fixes whose batch is not
     one longer sequence (``response_span.answerable``: the program's preset); the others answer a
     batch from their micro-batch-1 points."""
     from .response_span import answerable
@@ -118,10 +119,10 @@ def grid_points(model: str, lengths: Optional[Iterable[int]] = None, checkpointi
     allowed = model_lengths(model, LENGTHS if lengths is None else lengths)
     affine = full_attention(model)
     out = []
+    if fixes_settings is None:
+        fixes_settings = ("none", "all") if checkpointing else ("none",)
     for quant in ("4bit", "bf16"):
         for fixes in fixes_settings:
-            if fixes == "all" and not checkpointing:
-                continue
             seqs = [s for s in allowed if fixes != "all" or s <= PRESET_MAX_LEN]
             if not seqs:
                 continue
@@ -210,7 +211,7 @@ def _dry_cells(p: Predictor, one: Optional[Recipe], widened: float, cards_: tupl
 def fit_table(p: Predictor, *, models: Optional[Iterable[str]] = None, gpus: Optional[Iterable[str]] = None,
               lengths: Iterable[int] = LENGTHS, ladder: bool = True,
               extra_cards: Optional[dict[str, Gpu]] = None, budget_mib: Optional[float] = None,
-              batch: int = 1, fixes_settings: tuple[str, ...] = ("none", "all"), run: str = "real",
+              batch: int = 1, fixes_settings: Optional[tuple[str, ...]] = None, run: str = "real",
               optimizer: Optional[str] = None, checkpointing: bool = True) -> list[FitCell]:
     """Every cell of the fit table (see the module docstring). ``ladder=False``: the calibrated
     dry run answers every cell (a site built from a very large ledger). ``extra_cards``: cards by
@@ -220,8 +221,8 @@ def fit_table(p: Predictor, *, models: Optional[Iterable[str]] = None, gpus: Opt
     ``run``: "real" judges a training run, its optimizer ``optimizer_for(fixes, optimizer)``
     (stock: AdamW unless ``optimizer`` names another; the program's preset: its runs' own);
     "probe" a one-step probe (no optimizer step). ``checkpointing=False``: gradient checkpointing
-    off, answered by the dry runs of it alone (the program's preset has it on: its cells are not
-    made). A model's cells stop at its context (``max_position_embeddings``), the program's preset's
+    off, answered by the dry runs of it alone (by default stock only, as the shipped grid has it;
+    ``fixes_settings`` given, those). A model's cells stop at its context (``max_position_embeddings``), the program's preset's
     at ``PRESET_MAX_LEN`` (the grid's reach for it)."""
     lengths = sorted(lengths)
     all_cards = {**cards(p), **{k: v for k, v in (extra_cards or {}).items() if v is not None}}
@@ -233,8 +234,8 @@ def fit_table(p: Predictor, *, models: Optional[Iterable[str]] = None, gpus: Opt
         for m in p.ms:
             spellings.setdefault(model_name(m.model), set()).add(m.model)
     out = []
-    if not checkpointing:
-        fixes_settings = tuple(f for f in fixes_settings if f != "all")
+    if fixes_settings is None:  # the shipped grid has the preset with checkpointing only
+        fixes_settings = ("none", "all") if checkpointing else ("none",)
     for model in models:
         # The model's recipes in the table's order (quant, fixes, setting, length), made once for every card.
         recipes = []

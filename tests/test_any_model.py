@@ -275,6 +275,10 @@ def test_the_presets_micro_batch_is_answered_by_dry_runs_of_it(tmp_path, capsys)
     assert {r.get("batch_size") for r in rows} == {2}
     assert cli.main(base) == 0  # micro-batch 1: its own rows, computed now
     assert "computing 2 dry runs of preset-tiny at 512 tokens" in capsys.readouterr().err
+    assert cli.main([*base, "--no-gradient-checkpointing"]) == 0  # without checkpointing: its own rows too
+    out, err = capsys.readouterr()
+    assert "computing 2 dry runs of preset-tiny at 512 tokens" in err
+    assert json.loads(out)["answer"]["verdict"] != "unknown"
     fit = ["fit", "--ledger", str(BUNDLED), "--model", str(mine), "--budget-mib", "400", "--quant", "4bit",
            "--fixes", "all", "--batch-size", "2", "--cache", str(cache), "--json", "--compute"]
     assert cli.main(fit) == 0  # --compute: the grid points of micro-batch 2 the two rows above leave

@@ -247,6 +247,13 @@ def test_the_picker_answers_what_vram_fit_prints_in_two_choices(site, tmp_path, 
             "document.getElementById('fit-answer-title').textContent.includes('memory fixes') && "
             "document.querySelector('#fit-answer pre code') && "
             "document.querySelector('#fit-answer pre code').textContent")
+        browser.choose("batch", "1")
+        browser.choose("ckpt", "off")  # the preset without checkpointing: also its own dry runs
+        assert browser.wait_for(
+            "document.getElementById('fit-answer-title').textContent.includes('no gradient') && "
+            "document.querySelector('#fit-answer pre code') && "
+            "document.querySelector('#fit-answer pre code').textContent").endswith(
+            "--fixes all --no-gradient-checkpointing")
     finally:
         browser.close()
     assert (artifacts / f"picker-{width}.png").stat().st_size > 20_000

@@ -33,8 +33,9 @@ def add_fit_options(p: argparse.ArgumentParser) -> None:
                    help="micro-batch: N sequences, each padded to the length (default 1); with the program's preset "
                         "(or fixes other than fused_linear_ce or activation_offloading alone) a batch is unknown")
     p.add_argument("--no-gradient-checkpointing", action="store_true",
-                   help="the stock recipe without gradient checkpointing (every layer's activations kept), from dry "
-                        "runs of it alone (a micro-batch as one longer sequence; the program's preset always has it on)")
+                   help="without gradient checkpointing (every layer's activations kept), from dry runs of it alone "
+                        "(a micro-batch as one longer sequence; the shipped rows have it for the stock recipe, any "
+                        "other --fixes computes them)")
     add_optimizer_option(p, table=True)
     add_compute_option(p)
     add_ledger_option(p)
@@ -57,9 +58,6 @@ def cmd_fit(args: argparse.Namespace) -> int:
     quants = args.quant or ["4bit", "bf16"]
     fixes = list(dict.fromkeys(_fixes_key(text) for text in args.fixes or ["none"]))
     ckpt = not args.no_gradient_checkpointing
-    if not ckpt and "all" in fixes:
-        raise UserError(Issue("--no-gradient-checkpointing", "", "the program's preset (--fixes all) always has "
-                              "gradient checkpointing on: ask another --fixes"))
     wanted = {(p["fixes"], p.get("batch_size", 1))
               for p in grid_points(args.model, checkpointing=ckpt, fixes_settings=tuple(fixes), batch=args.batch_size)}
     have = {(fixes_key(d.memory_fixes), d.batch_size or 1) for d in dry_rows(args)
@@ -81,6 +79,12 @@ def cmd_fit(args: argparse.Namespace) -> int:
                                   checkpointing=not args.no_gradient_checkpointing)
              if c.quant in quants]
     stale = [i for i in stale_rows(p.dry) if name in i]
+    for f in fixes:
+        if all(c.status == "unknown" for c in cells if c.fixes == f):
+            print(f"warning: no dry runs of {name} with memory fixes {f}"
+                  + ("" if ckpt else " without gradient checkpointing")
+                  + (f" at micro-batch {args.batch_size}" if args.batch_size != 1 else "")
+                  + ": every cell is unknown; run again with --compute (needs torch)", file=sys.stderr)
     if args.budget_mib is not None:
         low, high, source = args.budget_mib, args.budget_mib, (
             f"--budget-mib {args.budget_mib:g}: peak allocated, no CUDA context or allocator overhead taken off")

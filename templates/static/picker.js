@@ -83,13 +83,18 @@
         "The command line answers it from dry runs of that micro-batch, run on your CPU:"));
       var own = el("pre");
       own.appendChild(el("code", {}, "vram fit --model " + data.model + " " + where + " --quant " + quant +
-        " --fixes all --batch-size " + batch));
+        " --fixes all --batch-size " + batch + (ckpt ? "" : " --no-gradient-checkpointing")));
       out.appendChild(own);
       return;
     }
     if (!ckpt && fixes !== "none") {
-      out.appendChild(el("p", {"class": "warn"}, "The program's memory fixes always run with gradient " +
-        "checkpointing on: choose the stock recipe to answer without it."));
+      out.appendChild(el("p", {"class": "warn"}, "The program's memory fixes without gradient checkpointing are " +
+        "not in these tables (the program runs them with it on). The command line answers them from dry runs of " +
+        "that recipe, run on your CPU:"));
+      var off = el("pre");
+      off.appendChild(el("code", {}, "vram fit --model " + data.model + " " + where + " --quant " + quant +
+        " --fixes all" + (batch === "1" ? "" : " --batch-size " + batch) + " --no-gradient-checkpointing"));
+      out.appendChild(off);
       return;
     }
     if (!ckpt && batch !== "1") {
