@@ -373,7 +373,7 @@ def test_the_fit_table_without_checkpointing_never_fits_more_than_with_it(capsys
     assert cli.main(["fit", "--ledger", str(BUNDLED), "--model", "llama-3.2-1b", "--gpu", "RTX 4090", "--fixes", "all",
                      "--no-gradient-checkpointing", "--no-compute"]) == 0
     assert "no dry runs of llama-3.2-1b with memory fixes all without gradient checkpointing: every cell is unknown; " \
-           "run again with --compute" in capsys.readouterr().err
+           "run again with --compute and without --no-compute" in capsys.readouterr().err
 
 
 def test_fewer_target_modules_are_bounded_by_all_seven_and_never_wont_fit(capsys):

@@ -30,8 +30,8 @@ def add_fit_options(p: argparse.ArgumentParser) -> None:
                    help="first run every grid dry run this model lacks (needs torch; kept in --cache, never in the "
                         "shipped rows); a model with no rows at all has them run without it, unless --no-compute")
     p.add_argument("--batch-size", type=int, default=1, metavar="N",
-                   help="micro-batch: N sequences, each padded to the length (default 1); with the program's preset "
-                        "(or fixes other than fused_linear_ce or activation_offloading alone) a batch is unknown")
+                   help="micro-batch: N sequences, each padded to the length (default 1): as one sequence of N x the "
+                        "length, or, with the program's preset, from dry runs of that micro-batch")
     p.add_argument("--no-gradient-checkpointing", action="store_true",
                    help="without gradient checkpointing (every layer's activations kept), from dry runs of it alone "
                         "(a micro-batch as one longer sequence; the shipped rows have it for the stock recipe, any "
@@ -84,7 +84,8 @@ def cmd_fit(args: argparse.Namespace) -> int:
             print(f"warning: no dry runs of {name} with memory fixes {f}"
                   + ("" if ckpt else " without gradient checkpointing")
                   + (f" at micro-batch {args.batch_size}" if args.batch_size != 1 else "")
-                  + ": every cell is unknown; run again with --compute (needs torch)", file=sys.stderr)
+                  + ": every cell is unknown; run again with --compute and without --no-compute (needs torch)",
+                  file=sys.stderr)
     if args.budget_mib is not None:
         low, high, source = args.budget_mib, args.budget_mib, (
             f"--budget-mib {args.budget_mib:g}: peak allocated, no CUDA context or allocator overhead taken off")
@@ -97,8 +98,8 @@ def cmd_fit(args: argparse.Namespace) -> int:
                    "dry_run_max_abs_err_pct": p.dry_loo["max_abs_err_pct"], "stale": stale,
                    "cells": [{**c.__dict__, "measured": list(c.measured), "label": c.label()} for c in cells]})
         return 0
-    print(f"{name} on {gpu}" + (f", micro-batch {args.batch_size} (sequences each padded to the length; with the "
-                                "program's preset a batch is unknown)" if args.batch_size != 1 else "")
+    print(f"{name} on {gpu}" + (f", micro-batch {args.batch_size} (sequences each padded to the length; the "
+                                "program's preset's from dry runs of that micro-batch)" if args.batch_size != 1 else "")
           + ("" if ckpt else ", gradient checkpointing off (every layer's activations kept)")
           + f": the largest LoRA rank whose training run fits (tight: the interval reaches past the limit); "
           f"limit {low}–{high} MiB allocated ({source})")

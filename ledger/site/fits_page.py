@@ -18,8 +18,9 @@ from ..results import FitCard, FitCellResult, Fits
 LOO_LIMIT = 1000
 
 
-#: Micro-batches the picker answers beside 1: stock recipes only (with the program's memory fixes
-#: a batch is unknown), each as ``vram fit --batch-size N`` answers it.
+#: Micro-batches the picker answers beside 1: stock recipes only (the program's preset's come from
+#: dry runs of that micro-batch, which the shipped rows do not have: the picker gives the command),
+#: each as ``vram fit --batch-size N`` answers it.
 PICKER_BATCHES = (2, 4, 8)
 #: Optimizers the picker answers a stock training run with beside the default (AdamW with fp32
 #: moments, ``STOCK_OPTIMIZER``), each as ``vram fit --optim NAME`` answers it.
