@@ -46,6 +46,11 @@ CASES = [
      dict(quant="4bit", rank=16, dropout=0.1)),
     ("tiny-gemma3", 10, {"layer_types": ["sliding_attention", "full_attention"] * 5},
      dict(quant="bf16", rank=16, gradient_checkpointing=False)),
+    # The fixes users set: Liger's fused loss; TRL's offloading, with checkpointing and without
+    ("tiny-llama", 8, {}, dict(quant="4bit", rank=16, fixes=["fused_linear_ce"], batch_size=2)),
+    ("tiny-qwen2", 7, {}, dict(quant="bf16", rank=16, fixes=["activation_offloading"])),
+    ("tiny-gemma3", 10, {"layer_types": ["sliding_attention", "full_attention"] * 5},
+     dict(quant="4bit", rank=8, fixes=["activation_offloading"], gradient_checkpointing=False)),
 ]
 
 
@@ -57,8 +62,12 @@ def test_extrapolated_depth_gives_the_full_depths_figures(tmp_path, name, layers
     assert got["depth"]["method"] == "extrapolated", got["depth"]
     assert full["depth"] == {"method": "every layer", "layers": layers}
     assert sum(got["depth"]["from_layers"]) < layers
+    # TRL's offloading keeps its last five offloaded tensors on the device while their copies run:
+    # which five they are at the peak depends on the layers around it, a few KiB on a stack's edge
+    # (tiny Gemma 3 without checkpointing: +0.16%; gemma-3-1b-it at 2,048 tokens: -0.004%).
+    rel = 2e-3 if "activation_offloading" in recipe.get("fixes", []) else 1e-4
     for key in ("after_load_mib", "pre_step_mib", "peak_mib"):
-        assert got[key] == pytest.approx(full[key], rel=1e-4, abs=0.01), key
+        assert got[key] == pytest.approx(full[key], rel=rel, abs=0.01), key
 
 
 def test_a_budget_or_a_shallow_model_runs_every_layer():
