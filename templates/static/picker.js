@@ -77,35 +77,30 @@
         "the program's memory fixes, a training run as its measured runs") + ", LoRA " + setting +
       ", micro-batch " + batch + (ckpt ? "" : ", no gradient checkpointing");
     out.appendChild(el("h3", {id: "fit-answer-title"}, what));
+    // A recipe the shipped tables do not have: why, and the command that answers it.
+    function elsewhere(why, flags) {
+      out.appendChild(el("p", {"class": "warn"}, why));
+      var pre = el("pre");
+      pre.appendChild(el("code", {}, "vram fit --model " + data.model + " " + where + " --quant " + quant + flags));
+      out.appendChild(pre);
+    }
+    var noCkpt = ckpt ? "" : " --no-gradient-checkpointing";
     if (batch !== "1" && fixes !== "none") {
-      out.appendChild(el("p", {"class": "warn"}, "A micro-batch with the program's memory fixes is not in these " +
-        "tables: the chunked MLP and the kept logits work per sequence, so a batch is not one longer sequence. " +
-        "The command line answers it from dry runs of that micro-batch, run on your CPU:"));
-      var own = el("pre");
-      own.appendChild(el("code", {}, "vram fit --model " + data.model + " " + where + " --quant " + quant +
-        " --fixes all --batch-size " + batch + (ckpt ? "" : " --no-gradient-checkpointing")));
-      out.appendChild(own);
+      elsewhere("A micro-batch with the program's memory fixes is not in these tables: the chunked MLP and the " +
+        "kept logits work per sequence, so a batch is not one longer sequence. The command line answers it from " +
+        "dry runs of that micro-batch, run on your CPU:", " --fixes all --batch-size " + batch + noCkpt);
       return;
     }
     if (!ckpt && fixes !== "none") {
-      out.appendChild(el("p", {"class": "warn"}, "The program's memory fixes without gradient checkpointing are " +
-        "not in these tables (the program runs them with it on). The command line answers them from dry runs of " +
-        "that recipe, run on your CPU:"));
-      var off = el("pre");
-      off.appendChild(el("code", {}, "vram fit --model " + data.model + " " + where + " --quant " + quant +
-        " --fixes all" + (batch === "1" ? "" : " --batch-size " + batch) + " --no-gradient-checkpointing"));
-      out.appendChild(off);
+      elsewhere("The program's memory fixes without gradient checkpointing are not in these tables (the program " +
+        "runs them with it on). The command line answers them from dry runs of that recipe, run on your CPU:",
+        " --fixes all" + noCkpt);
       return;
     }
     if (!ckpt && batch !== "1") {
-      out.appendChild(el("p", {"class": "warn"}, "A micro-batch above 1 without gradient checkpointing is not in " +
-        "these tables; the command line answers it, as one sequence of " + batch + " x the length (measured never " +
-        "below the batch):"));
-      var alone = el("pre");
-      alone.appendChild(el("code", {}, "vram fit --model " + data.model + " " + where + " --quant " + quant +
-        " --batch-size " + batch +
-        (optim ? " --optim " + optim : "") + " --no-gradient-checkpointing"));
-      out.appendChild(alone);
+      elsewhere("A micro-batch above 1 without gradient checkpointing is not in these tables; the command line " +
+        "answers it, as one sequence of " + batch + " x the length (measured never below the batch):",
+        " --batch-size " + batch + (optim ? " --optim " + optim : "") + noCkpt);
       return;
     }
     if (card) {
