@@ -20,7 +20,7 @@ from .model_configs import model_name
 from .optimizers import optimizer_for
 from .dry_table import MIN_KIND_ROWS
 from .predictor import Predictor
-from .rank_judge import dry_ceilings
+from .rank_judge import card_limits, dry_ceilings
 from .recipe import Recipe, recipe_of, row_keys_cached
 from .response_span import answerable, batch_err
 from .recipe import fixes_key
@@ -193,17 +193,18 @@ def _entry_key(entry: Optional[Gpu]):
     return None if entry is None else (entry.name, entry.vendor, entry.total_mib, entry.usable_gib_torch)
 
 
-def _dry_cells(p: Predictor, one: Optional[Recipe], widened: float, cards_: tuple[tuple[str, Optional[Gpu]], ...],
-               budget_mib: Optional[float], run: str, optimizer: Optional[str]) -> list[tuple]:
-    """The dry run's ceilings of one recipe on each card of ``cards_``, in their order."""
+def _dry_cells(p: Predictor, one: Optional[Recipe], widened: float, cards_key: tuple,
+               limits: list[tuple], run: str, optimizer: Optional[str]) -> list[tuple]:
+    """The dry run's ceilings of one recipe on each card of ``limits`` (``rank_judge.card_limits``
+    of the cards ``cards_key`` names, with the budget), in their order."""
     if one is None:
-        return [(None, None, "unknown", False)] * len(cards_)
+        return [(None, None, "unknown", False)] * len(limits)
     # B sequences of L tokens and B' of L' with B x L = B' x L' are one question: asked once per fit.
     memo = p.dry_ceilings
-    key = (one, tuple((g, _entry_key(e)) for g, e in cards_), budget_mib, widened, run, optimizer)
+    key = (one, cards_key, widened, run, optimizer)
     found = memo.get(key)
     if found is None:
-        found = memo[key] = dry_ceilings(p, one, list(cards_), budget_mib, widened, run, optimizer, STEP, MAX_RANK)
+        found = memo[key] = dry_ceilings(p, one, limits, widened, run, optimizer, STEP, MAX_RANK)
     return found
 
 
@@ -252,7 +253,9 @@ def fit_table(p: Predictor, *, models: Optional[Iterable[str]] = None, gpus: Opt
         # ceilings on all of them at once (one profile per remainder).
         dry_cards = tuple((g, all_cards.get(g)) for g in gpus
                           if not (ladder and checkpointing and (g, model) in measured_models))
-        dry = [_dry_cells(p, one, widened, dry_cards, budget_mib, run, optim)
+        cards_key = (tuple((g, _entry_key(e)) for g, e in dry_cards), budget_mib)
+        limits = card_limits(p, list(dry_cards), budget_mib, run)
+        dry = [_dry_cells(p, one, widened, cards_key, limits, run, optim)
                for _, _, optim, _, _, _, _, _, one, widened in recipes]
         column = {g: i for i, (g, _) in enumerate(dry_cards)}
         known = sorted(spellings.get(model, ())) if len(dry_cards) < len(gpus) else []

@@ -5,7 +5,11 @@ which asks ``predict`` itself). ``p`` is a ``ledger.predictor.Predictor``."""
 
 from __future__ import annotations
 
+from bisect import bisect_right
+from math import inf
 from typing import Callable, Optional
+
+import numpy as np
 
 from .answers import Run, verdict_for
 from .models import Gpu
@@ -34,58 +38,74 @@ def dry_judge(p, recipe: Recipe, gpu: str, entry: Optional[Gpu] = None,
     return verdict
 
 
-def dry_ceilings(p, recipe: Recipe, cards: list[tuple[str, Optional[Gpu]]], budget_mib: Optional[float],
-                 widened: float, run: Run, optimizer: Optional[str], step: int, max_rank: int) -> list[tuple]:
-    """(fits, tight, status, at least) on each of ``cards`` ((key, entry) pairs), in their order:
+def card_limits(p, cards: list[tuple[str, Optional[Gpu]]], budget_mib: Optional[float], run: Run
+                ) -> list[tuple[float, Optional[float], Optional[float]]]:
+    """(remainder, low, high) of each of ``cards`` ((key, entry) pairs): the card's remainder and
+    its limit (or the budget), what ``dry_ceilings`` judges each recipe against. Made once per
+    card list (the fit table asks every recipe of a model against the same cards)."""
+    out = []
+    for gpu, entry in cards:
+        entry = entry or p.ledger.gpus.get(gpu)
+        rem = p.remainder(gpu or "", entry.vendor if entry else None)[0] or 0.0
+        low, high, _ = p.card_limit(gpu, entry, run) if budget_mib is None else (budget_mib, budget_mib, "")
+        out.append((rem, low, high))
+    return out
+
+
+def dry_ceilings(p, recipe: Recipe, limits: list[tuple[float, Optional[float], Optional[float]]], widened: float,
+                 run: Run, optimizer: Optional[str], step: int, max_rank: int) -> list[tuple]:
+    """(fits, tight, status, at least) on each card of ``limits`` (``card_limits``), in their order:
     what ``vram ceiling``'s scan from the smallest rank finds with ``dry_judge``'s verdicts (the
     largest rank with every rank up to it "fits"; the last before the first "won't fit"). The
-    recipe's profile is made once per card remainder (the fit table asks every card of a recipe
-    together)."""
-    return [ceiling_of(*_profile(p, recipe, gpu, entry, budget_mib, widened, run, optimizer), step, max_rank)
-            for gpu, entry in cards]
+    recipe's profile is made once per remainder (most cards share a vendor's)."""
+    profiles: dict[float, _Profile] = {}
+    out = []
+    for rem, low, high in limits:
+        profile = profiles.get(rem)
+        if profile is None:
+            profile = profiles[rem] = _profile_at(p, recipe, rem, widened, run, optimizer)
+        out.append(ceiling_of(profile, low, high, step, max_rank))
+    return out
 
 
 def ceiling_of(profile: "_Profile", low: Optional[float], high: Optional[float], step: int, max_rank: int
                ) -> tuple[Optional[int], Optional[int], str, bool]:
     """The scan's ceilings for one profile against one limit. A derived rank's verdict only
-    worsens with the rank (bisection), while a rank dry-run exactly has a narrower interval than
-    the derived ranks around it, so its verdict can be better or worse than theirs: each of those
-    few is asked on its own. The verdict rule is ``answers.verdict_for``'s, inlined (the fit table
-    asks this for every cell)."""
+    worsens with the rank, while a rank dry-run exactly has a narrower interval than the derived
+    ranks around it, so its verdict can be better or worse than theirs: each of those few is asked
+    on its own. The verdict rule is ``answers.verdict_for``'s, inlined (the fit table asks this
+    for every cell). The derived ranks' interval ends, made once per profile, rise with the rank:
+    the first derived rank that does not fit (its top above the limit's low end) and the first that
+    stops the scan (besides, its bottom above the limit's top end) are found by bisecting them; a
+    profile whose ends do not rise (a rank the table cannot reach between two it can) is bisected
+    rank by rank as the scan would."""
     bounds = profile.bounds
     if low is None or bounds(step) is None:
         return None, None, "unknown", False
     over = high if high is not None else low
-
-    def not_fits(rank: int) -> bool:  # verdict != "fits"
-        b = bounds(rank)
-        return b is None or not b[1] <= low
-
-    def stops(rank: int) -> bool:  # verdict "won't fit" or "unknown"
-        b = bounds(rank)
-        return b is None or (not b[1] <= low and b[0] > over)
-
     derived, exact = profile.ranks(step, max_rank)
-
-    def first(bad) -> Optional[int]:
-        lo, hi = -1, len(derived)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if bad(derived[mid]):
-                hi = mid
-            else:
-                lo = mid
-        found = derived[hi] if hi < len(derived) else None
-        for r in exact:
-            if (found is None or r < found) and bad(r):
-                found = r
-        return found
-
-    def before(rank: Optional[int]) -> Optional[int]:
-        return max_rank - max_rank % step if rank is None else (rank - step if rank > step else None)
-
-    tight = before(first(stops))
-    fits = before(first(not_fits))
+    columns = profile.columns(step, max_rank)
+    if columns is not None:
+        bottoms, tops = columns
+        n = len(derived)
+        at = bisect_right(tops, low)  # the first derived rank whose top is above the low end: not "fits"
+        no_fit = derived[at] if at < n else None
+        at = max(at, bisect_right(bottoms, over))  # ... and its bottom above the top end: the scan stops
+        stop = derived[at] if at < n else None
+    else:
+        no_fit, stop = _bisected(bounds, derived, low, None), _bisected(bounds, derived, low, over)
+    for r in exact:  # ascending: the first exact rank below the derived one that is bad is the first bad
+        if no_fit is not None and r >= no_fit and stop is not None and r >= stop:
+            break
+        b = bounds(r)
+        bad = b is None or not b[1] <= low
+        if bad and (no_fit is None or r < no_fit):
+            no_fit = r
+        if (b is None or (bad and b[0] > over)) and (stop is None or r < stop):
+            stop = r
+    last = max_rank - max_rank % step
+    tight = last if stop is None else (stop - step if stop > step else None)
+    fits = last if no_fit is None else (no_fit - step if no_fit > step else None)
     if fits is not None and tight is not None:
         fits = min(fits, tight)
     top = tight or fits
@@ -94,13 +114,27 @@ def ceiling_of(profile: "_Profile", low: Optional[float], high: Optional[float],
     return fits, tight, "ok" if (fits or tight) else "none-fits", at_least
 
 
+def _bisected(bounds, derived: list[int], low: float, over: Optional[float]) -> Optional[int]:
+    """The first derived rank that is not "fits" (``over`` None) or that stops the scan ("won't fit"
+    or "unknown": also its bottom above ``over``), by the scan's own bisection, rank by rank."""
+    lo, hi = -1, len(derived)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        b = bounds(derived[mid])
+        if b is None or (not b[1] <= low and (over is None or b[0] > over)):
+            hi = mid
+        else:
+            lo = mid
+    return derived[hi] if hi < len(derived) else None
+
+
 class _Profile:
     """One recipe's judged interval by rank, for every card with the same remainder."""
 
-    __slots__ = ("bounds", "exact", "_ranks")
+    __slots__ = ("bounds", "exact", "_column", "_ranks", "_columns")
 
-    def __init__(self, bounds, exact):
-        self.bounds, self.exact, self._ranks = bounds, exact, {}
+    def __init__(self, bounds, exact, column):
+        self.bounds, self.exact, self._column, self._ranks, self._columns = bounds, exact, column, {}, {}
 
     def ranks(self, step: int, max_rank: int) -> tuple[list[int], list[int]]:
         """(the derived ranks, the exact ones) of the scan's grid, in order."""
@@ -111,13 +145,19 @@ class _Profile:
                                 sorted(r for r in self.exact if r % step == 0 and step <= r <= max_rank))
         return self._ranks[key]
 
+    def columns(self, step: int, max_rank: int) -> Optional[tuple[list[float], list[float]]]:
+        """(bottoms, tops) of the derived ranks' intervals (infinite where the table does not
+        reach), or None where either does not rise with the rank."""
+        key = (step, max_rank)
+        if key not in self._columns:
+            self._columns[key] = self._column(self.ranks(step, max_rank)[0])
+        return self._columns[key]
+
 
 def _profile(p, recipe: Recipe, gpu: str, entry: Optional[Gpu], budget_mib: Optional[float], widened: float,
              run: Run, optimizer: Optional[str]) -> tuple[_Profile, Optional[float], Optional[float]]:
     """The recipe's profile on this card's remainder, and the card's limit (or the budget)."""
-    entry = entry or p.ledger.gpus.get(gpu)
-    rem = p.remainder(gpu or "", entry.vendor if entry else None)[0] or 0.0
-    low, high, _ = p.card_limit(gpu, entry, run) if budget_mib is None else (budget_mib, budget_mib, "")
+    (rem, low, high), = card_limits(p, [(gpu, entry)], budget_mib, run)
     # The interval at each rank depends on the card only through its remainder: made once per
     # recipe and remainder, and shared by every card (most cards share a vendor's remainder).
     return _profile_at(p, recipe, rem, widened, run, optimizer), low, high
@@ -134,8 +174,8 @@ def _profile_at(p, recipe: Recipe, rem: float, widened: float, run: Run, optimiz
 
 def _bounds(p, recipe: Recipe, rem: float, widened: float, run: Run, optimizer: Optional[str]):
     """(rank -> (bottom, top) of the judged interval, or None where the table does not reach; the
-    ranks dry-run exactly), each rank's computed once."""
-    figure = p.table.rank_figure(recipe)
+    ranks dry-run exactly), each rank's computed once. The dry-run figure and the state added
+    at a rank do not depend on the card: made once per recipe (``_per_rank``) for every remainder."""
     exact = p.table.exact_ranks(recipe)
     narrow, wide = p.dry_cal.width_fraction(False), p.dry_cal.width_fraction(True, recipe)
     over = off = None
@@ -144,13 +184,14 @@ def _bounds(p, recipe: Recipe, rem: float, widened: float, run: Run, optimizer: 
         off = o.logits_off_mib(recipe.model, p.span.figure_keep(recipe, []))
         over = (1 - o.high_pct / 100, 1 - o.low_pct / 100)
     state = optimizer if run == "real" and recipe.model else None
-    measured_rank = p.over.max_rank
+    measured_rank = p.over.max_rank if over is not None and state is None else None
+    raw_at, added_at, raw_column, added_column = _per_rank(p, recipe, state, measured_rank)
     cache: dict[int, Optional[tuple[float, float]]] = {}
 
     def bounds(rank: int) -> Optional[tuple[float, float]]:
         if rank in cache:
             return cache[rank]
-        raw, _ = figure(rank)
+        raw = raw_at(rank)
         if raw is None:
             cache[rank] = None
             return None
@@ -159,16 +200,94 @@ def _bounds(p, recipe: Recipe, rem: float, widened: float, run: Run, optimizer: 
         bottom, top = round(mib * (1 - width), 1), round(mib * (1 + width), 1)
         if over is not None:  # as ProbeToReal.probe_to_real: the core, then the over-estimate
             bottom, top = round(round(bottom - off, 1) * over[0], 1), round(round(top - off, 1) * over[1], 1)
-        if state is not None:
-            s = state_mib(recipe.model, rank, recipe.targets, recipe.dora, state)
-            if s is not None:
-                bottom, top = round(bottom + s, 1), round(top + s, 1)
-        elif over is not None and measured_rank and rank > measured_rank:
-            grown = growth_mib(recipe.model, rank, recipe.targets, recipe.dora, measured_rank)
-            if grown:
-                bottom, top = round(bottom + grown, 1), round(top + grown, 1)
+        add = added_at(rank)
+        if add:
+            bottom, top = round(bottom + add, 1), round(top + add, 1)
         if widened:
             bottom, top = round(bottom * (1 - widened), 1), round(top * (1 + widened), 1)
         cache[rank] = (bottom, top)
         return cache[rank]
-    return bounds, exact
+
+    def column(ranks: list[int]) -> Optional[tuple[list[float], list[float]]]:
+        """``bounds`` of these ranks (none exact) as (bottoms, tops), infinite where it is None, or
+        None where either does not rise with the rank: the same arithmetic on one array of both
+        ends, each rounding ``round``'s (``round1``)."""
+        mib = raw_column(ranks) + rem
+        ends = round1(np.stack((mib * (1 - wide), mib * (1 + wide))))
+        if over is not None:
+            ends = round1(round1(ends - off) * np.array(((over[0],), (over[1],))))
+        ends = round1(ends + added_column(ranks))
+        if widened:
+            ends = round1(ends * np.array(((1 - widened,), (1 + widened,))))
+        ends[np.isnan(ends)] = inf
+        if not (ends[:, 1:] >= ends[:, :-1]).all():
+            return None
+        return ends[0].tolist(), ends[1].tolist()
+    return bounds, exact, column
+
+
+def round1(x: np.ndarray) -> np.ndarray:
+    """``round(v, 1)`` of each value, as Python rounds it (to the nearest tenth of the value's
+    exact binary figure, ties to even): ``rint(10 v) / 10`` wherever 10 v is not within a
+    millionth of a half (there the product's own rounding cannot change the tenth), and
+    ``round`` itself for the few that are."""
+    y = x * 10
+    out = np.rint(y) / 10
+    near = np.abs(y - np.floor(y) - 0.5) < 1e-6
+    if near.any():
+        flat, source = out.reshape(-1), x.reshape(-1)
+        for i in np.flatnonzero(near):
+            flat[i] = round(float(source[i]), 1)
+    return out
+
+
+def _per_rank(p, recipe: Recipe, state: Optional[str], measured_rank: Optional[int]):
+    """(rank -> the dry-run figure or None, rank -> the MiB added for the optimizer's state or 0,
+    and each of them for a list of ranks as an array, nan for None), remembered and shared by every
+    profile of the recipe (every remainder, the widenings, the optimizers for the figure).
+    ``state``: that optimizer's whole state is added (None where none is known); else
+    ``measured_rank``: the stock optimizer's growth past it."""
+    memo = p.rank_bounds
+    figure_key = ("figure", recipe)
+    raws = memo.get(figure_key)
+    if raws is None:
+        figure = p.table.rank_figure(recipe)
+        seen: dict[int, Optional[float]] = {}
+        raw_columns: dict[tuple, np.ndarray] = {}
+
+        def raw_at(rank: int) -> Optional[float]:
+            if rank not in seen:
+                seen[rank] = figure(rank)[0]
+            return seen[rank]
+
+        def raw_column(ranks: list[int]) -> np.ndarray:
+            key = tuple(ranks)
+            if key not in raw_columns:
+                raw_columns[key] = np.array([raw_at(r) for r in ranks], dtype=float)
+            return raw_columns[key]
+        raws = memo[figure_key] = raw_at, raw_column
+    state_key = ("state", recipe.model, recipe.targets, recipe.dora, state, measured_rank)
+    adds = memo.get(state_key)
+    if adds is None:
+        added: dict[int, float] = {}
+        added_columns: dict[tuple, np.ndarray] = {}
+        model, targets, dora = recipe.model, recipe.targets, recipe.dora
+
+        def added_at(rank: int) -> float:
+            if rank not in added:
+                if state is not None:
+                    s = state_mib(model, rank, targets, dora, state)
+                    added[rank] = 0.0 if s is None else s
+                elif measured_rank and rank > measured_rank:
+                    added[rank] = growth_mib(model, rank, targets, dora, measured_rank)
+                else:
+                    added[rank] = 0.0
+            return added[rank]
+
+        def added_column(ranks: list[int]) -> np.ndarray:
+            key = tuple(ranks)
+            if key not in added_columns:
+                added_columns[key] = np.array([added_at(r) for r in ranks], dtype=float)
+            return added_columns[key]
+        adds = memo[state_key] = added_at, added_column
+    return raws[0], adds[0], raws[1], adds[1]

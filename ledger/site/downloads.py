@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
+from operator import attrgetter
 
 from ..models import Ledger, Measurement
 from .index_page import fixes_text
@@ -67,15 +68,23 @@ def measurements_csv(ledger: Ledger) -> str:
 
 
 def fits_csv(fits) -> str:
-    """The fit table as CSV (``ledger.fits.CSV_FIELDS``), text cells spreadsheet-safe."""
-    import csv
-    import io
-
+    """The fit table as CSV (``ledger.fits.CSV_FIELDS``), text cells spreadsheet-safe. The table
+    repeats a few texts (models, cards, settings) some 70,000 times: each is made safe once."""
     from ..fits import CSV_FIELDS
 
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(CSV_FIELDS)
+    safe: dict[tuple[type, object], object] = {}
+
+    def v(value: object) -> object:
+        key = (type(value), value)  # True and 1 are equal keys otherwise
+        found = safe.get(key)
+        if found is None:
+            found = safe[key] = _v(value)
+        return found
+    text_fields = [k != "measured" for k in CSV_FIELDS]
+    getters = [attrgetter(k) for k in CSV_FIELDS]
     for c in fits.cells:
-        w.writerow([_v(" ".join(c.measured) if k == "measured" else getattr(c, k)) for k in CSV_FIELDS])
+        w.writerow([v(get(c)) if plain else _v(" ".join(c.measured)) for get, plain in zip(getters, text_fields)])
     return buf.getvalue()

@@ -12,7 +12,7 @@ from ..dry_runs import load_dry_runs
 from ..fits import fit_table, fits_document, ledger_grids
 from ..models import Ledger
 from ..held_out import shared_predictor
-from ..results import FitCard, FitCellResult, Fits
+from ..results import FitCard, FitCellResult, Fits, constructed
 
 #: Above this many rows the whole ladder per cell (and leave-one-out) is too slow for a build.
 LOO_LIMIT = 1000
@@ -40,7 +40,7 @@ def fit_table_doc(ledger: Ledger) -> tuple[Optional[Fits], list]:
     # Made from the table's own typed cells: built without validating each of some 70,000 again
     # (the published vram.json is checked against its schema all the same).
     return Fits.model_construct(**{**doc, "cards": [FitCard.model_construct(**c) for c in doc["cards"]],
-                                   "cells": [FitCellResult.model_construct(**c) for c in doc["cells"]]}), grids
+                                   "cells": constructed(FitCellResult, doc["cells"])}), grids
 
 
 #: The picker's stock cells beside the fit table's own (micro-batch 1, the default optimizer,

@@ -1,0 +1,157 @@
+"""The build's fast paths give exactly what the plain code gives: Python's rounding on arrays
+(``rank_judge.round1``), the fit table's ceilings by bisecting a profile's interval ends made once
+(``rank_judge.ceiling_of``) against the scan's own bisection, and typed cells made without
+``model_construct``'s per-field work (``results.constructed``)."""
+
+from __future__ import annotations
+
+import random
+from decimal import Decimal
+
+import numpy as np
+import pytest
+
+from ledger.rank_judge import _Profile, ceiling_of, round1
+from ledger.results import FitCard, FitCellResult, Fits, constructed
+
+
+def test_round1_is_pythons_round():
+    rng = random.Random(5)
+    values = [rng.uniform(-1e5, 1e5) for _ in range(20000)] + [rng.uniform(0, 50) for _ in range(20000)]
+    # Exact and near ties: x.x5 written in decimal (binary just above or below the half), exact binary
+    # halves of a tenth (0.25, 0.75, ...), figures already rounded, and rounding's own results scaled.
+    values += [float(Decimal(k) / 100) for k in range(-2000, 20000, 5)]
+    values += [k / 4 for k in range(-400, 4000)] + [k / 10 for k in range(-1000, 100000)]
+    values += [round(v * 0.9417, 1) * 1.0388 for v in values[:5000]] + [0.0, -0.0, 1e-9, -1e-9, 0.05, 0.15, 2.675]
+    arr = np.array(values)
+    got = round1(arr)
+    want = [round(v, 1) for v in values]
+    assert got.tolist() == want
+    assert [str(x) for x in got.tolist()] == [str(x) for x in want]  # -0.0 kept as Python keeps it
+    assert np.isnan(round1(np.array([np.nan, 1.0])))[0]
+
+
+def _synthetic_profile(rng: random.Random, step: int, max_rank: int) -> _Profile:
+    """A profile whose derived ranks' ends rise with the rank (with a stretch the table does not
+    reach at the top, sometimes), exact ranks off the line, and both ways of asking it."""
+    base, slope = rng.uniform(500, 20000), rng.uniform(0.5, 80)
+    width = rng.uniform(0.0, 0.08)
+    exact = set(rng.sample(range(step, max_rank + 1, step), k=rng.randint(0, 3)))
+    reach = max_rank if rng.random() < 0.6 else rng.randrange(step, max_rank + 1, step)
+
+    def bounds(rank: int):
+        if rank > reach:
+            return None
+        mib = base + slope * rank + (rng_fixed[rank] if rank in exact else 0.0)
+        w = width / 3 if rank in exact else width
+        return round(mib * (1 - w), 1), round(mib * (1 + w), 1)
+    rng_fixed = {r: rng.uniform(-200, 200) for r in exact}
+
+    return _Profile(bounds, exact, _column_of(bounds))
+
+
+def _column_of(bounds):
+    """What a profile's column gives: the ends by rank, or None where they do not rise."""
+    def column(ranks):
+        got = [bounds(r) for r in ranks]
+        ends = [[np.inf if b is None else b[0] for b in got], [np.inf if b is None else b[1] for b in got]]
+        return None if any(a > b for e in ends for a, b in zip(e, e[1:])) else tuple(ends)
+    return column
+
+
+class _Bisecting(_Profile):
+    """The same profile asked rank by rank: the scan's bisection, as before the columns."""
+
+    def columns(self, step, max_rank):
+        return None
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_columns_ceiling_is_the_scans(seed):
+    rng = random.Random(seed)
+    step, max_rank = 8, 512
+    for _ in range(300):
+        profile = _synthetic_profile(rng, step, max_rank)
+        plain = _Bisecting(profile.bounds, profile.exact, profile._column)
+        assert profile.columns(step, max_rank) is not None
+        top = profile.bounds(step)
+        for _ in range(8):
+            low = rng.uniform(0, (top[1] if top else 10000) * 6) if rng.random() < 0.9 else None
+            high = None if low is None or rng.random() < 0.2 else low * rng.uniform(1.0, 1.06)
+            assert ceiling_of(profile, low, high, step, max_rank) == ceiling_of(plain, low, high, step, max_rank)
+
+
+def test_a_profile_that_does_not_rise_is_bisected_rank_by_rank():
+    ends = {r: (1000.0 + r, 1010.0 + r) for r in range(8, 513, 8)}
+    ends[200] = None  # a rank the table cannot reach between two it can
+
+    column = _column_of(ends.get)
+    profile = _Profile(ends.get, set(), column)
+    assert profile.columns(8, 512) is None
+    plain = _Bisecting(ends.get, set(), column)
+    for low in (900.0, 1100.0, 1250.0, 1400.0):
+        assert ceiling_of(profile, low, low, 8, 512) == ceiling_of(plain, low, low, 8, 512)
+
+
+def _cell(i: int) -> dict:
+    return {"model": f"m{i % 3}", "gpu": "rtx-3060-12gb", "quant": "4bit", "fixes": "none", "setting": "plain",
+            "seq_len": 512 * (1 + i % 4), "fits_rank": None if i % 5 == 0 else 8 * i, "tight_rank": 16 * i,
+            "status": "ok", "at_least": bool(i % 2), "method": "dry run", "measured": [f"p{i}"] if i % 7 else [],
+            "label": str(8 * i), "run": "real", "optimizer": None if i % 3 else "adamw_torch",
+            "checkpointing": bool(i % 4)}
+
+
+def test_constructed_cells_are_model_constructs():
+    rows = [_cell(i) for i in range(50)]
+    fast = constructed(FitCellResult, [dict(r) for r in rows])
+    slow = [FitCellResult.model_construct(**dict(r)) for r in rows]
+    for a, b in zip(fast, slow):
+        assert a == b
+        assert a.__dict__ == b.__dict__ and list(a.__dict__) == list(b.__dict__)
+        assert a.model_fields_set == b.model_fields_set
+        assert a.model_dump_json(exclude_unset=True) == b.model_dump_json(exclude_unset=True)
+    # A row that does not give every field goes through model_construct (its defaults filled in).
+    short = {k: v for k, v in rows[1].items() if k not in ("run", "optimizer", "checkpointing")}
+    got, = constructed(FitCellResult, [short])
+    assert got.model_fields_set == FitCellResult.model_construct(**short).model_fields_set
+    assert got.run == "real" and got.checkpointing is True
+    # Inside the table: the same JSON as the table made of model_construct's cells.
+    card = FitCard.model_construct(key="rtx-3060-12gb", name="RTX 3060 12GB", usable_mib=11000.0, limit_low_mib=10000.0,
+                                   limit_high_mib=10100.0, in_ledger=False, source="card table", common=True)
+    doc = {"lengths": [512], "models": ["m0"], "cards": [card], "dry_run_median_abs_err_pct": 1.0,
+           "dry_run_max_abs_err_pct": 2.0, "dry_run_n": 3, "dry_run_fitted_on": []}
+    assert Fits.model_construct(**doc, cells=fast).model_dump_json(exclude_unset=True) == \
+        Fits.model_construct(**doc, cells=slow).model_dump_json(exclude_unset=True)
+
+
+def test_a_profiles_columns_are_its_bounds():
+    """The arrays' arithmetic (``_bounds``' column) gives each derived rank's bounds exactly, for
+    the fit table's recipes of three models on every remainder, probe and training run, with and
+    without a micro-batch's widening and an optimizer's state."""
+    from ledger.dry_runs import load_dry_runs
+    from ledger.fits import LENGTHS, SETTINGS, cards
+    from ledger.paths import DEFAULT_LEDGER
+    from ledger.predictor import Predictor
+    from ledger.rank_judge import _profile_at, card_limits
+    from ledger.recipe import Recipe
+    from ledger import store
+
+    p = Predictor(store.load(DEFAULT_LEDGER), load_dry_runs())
+    rems = sorted({rem for rem, _, _ in card_limits(p, list(cards(p).items()), None, "real")})
+    checked = 0
+    for model in ("qwen2.5-0.5b", "gemma-3-4b-it", "llama-3.1-8b"):
+        for quant in ("4bit", "bf16"):
+            for fixes in ("none", "all"):
+                for _, dropout, dora in SETTINGS:
+                    for seq in (*LENGTHS, 3000, 40000):
+                        recipe = Recipe(model=model, quant=quant, fixes=fixes, dropout=dropout, dora=dora, seq_len=seq)
+                        for rem in rems:
+                            for widened, run, optimizer in ((0.0, "probe", None), (0.0, "real", "adamw_torch"),
+                                                            (0.0421, "real", "adamw_8bit"), (0.0, "real", None)):
+                                profile = _profile_at(p, recipe, rem, widened, run, optimizer)
+                                derived, _ = profile.ranks(8, 512)
+                                got = profile.columns(8, 512)
+                                want = _column_of(profile.bounds)(derived)
+                                assert got == want, (recipe, rem, widened, run, optimizer)
+                                checked += got is not None
+    assert checked > 1000
