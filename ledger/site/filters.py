@@ -8,6 +8,7 @@ http(s), relative and in-page links allowed.
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 from typing import Optional
 
 from markdown_it import MarkdownIt
@@ -131,7 +132,13 @@ def md_text(value: object) -> str:
     nothing else can become a link, an image or HTML."""
     if value is None:
         return ""
-    text, out, pos = clip(str(value)), [], 0
+    return _md_text(str(value))
+
+
+@lru_cache(maxsize=16384)
+def _md_text(value: str) -> str:
+    # Remembered: the fit table's Markdown repeats a few hundred labels some 70,000 times.
+    text, out, pos = clip(value), [], 0
     for m in _MD_SAFE_LINK.finditer(text):
         out.append(_md_plain(text[pos:m.start()]))
         out.append(f"[{_md_plain(m.group(1))}]({m.group(2)})")
@@ -142,8 +149,19 @@ def md_text(value: object) -> str:
 
 def md_cell(value: object) -> str:
     """Ledger text for a Markdown table cell: as ``md_text``, on one line, pipes escaped."""
-    text = "" if value is None else str(value).replace("\r", " ").replace("\n", " ")
-    return md_text(text).replace("|", "\\|")
+    return "" if value is None else _md_cell(str(value))
+
+
+@lru_cache(maxsize=16384)
+def _md_cell(value: str) -> str:
+    return _md_text(value.replace("\r", " ").replace("\n", " ")).replace("|", "\\|")
+
+
+def md_fit_cells(cells) -> str:
+    """A fit-table row's cells for fits.md: each cell's label and its measured rows, as
+    `` label (ledger: ids) |`` (the table's 70,000 cells joined here, not one by one in the template)."""
+    return "".join(f" {_md_cell(c.label)}{_md_cell(' (ledger: ' + ', '.join(c.measured) + ')') if c.measured else ''} |"
+                   for c in cells)
 
 
 def anchor(text: object) -> str:
@@ -164,5 +182,6 @@ FILTERS = {
     "signed_pct": signed_pct,
     "yesno": yesno,
     "md_cell": md_cell,
+    "md_fit_cells": md_fit_cells,
     "md_text": md_text,
 }
