@@ -12,6 +12,7 @@ committed dry-run rows per cell.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from operator import attrgetter
 from typing import Iterable, Optional
 
 from .models import Gpu
@@ -343,9 +344,10 @@ def fits_document(p: Predictor, cells: Optional[list[FitCell]] = None, ladder: b
                           "limit_low_mib": low, "limit_high_mib": high, "in_ledger": key in p.ledger.gpus,
                           "source": source, "common": key in common})
     acc = p.dry_loo
+    fields = attrgetter(*CSV_FIELDS)
     return {"lengths": sorted({c.seq_len for c in cells}), "models": list(dict.fromkeys(c.model for c in cells)),
             "cards": card_rows,
-            "cells": [{**{k: getattr(c, k) for k in CSV_FIELDS}, "measured": list(c.measured), "label": c.label()}
+            "cells": [{**dict(zip(CSV_FIELDS, fields(c))), "measured": list(c.measured), "label": c.label()}
                       for c in cells],
             "dry_run_median_abs_err_pct": acc["median_abs_err_pct"], "dry_run_max_abs_err_pct": acc["max_abs_err_pct"],
             "dry_run_n": acc["n"], "dry_run_fitted_on": p.dry_fitted_on,

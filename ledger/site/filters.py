@@ -36,8 +36,9 @@ _BIDI_TABLE = {ord(c): f"[U+{ord(c):04X}]" for c in BIDI_CONTROLS}
 def neutral(text: str) -> str:
     """Text with every bidirectional control written out as ``[U+202E]``: shown, never obeyed.
     Applied to every page, Markdown file, CSV, feed and image the build writes (vram.json keeps
-    the text as it is: it is the data)."""
-    return text.translate(_BIDI_TABLE)
+    the text as it is: it is the data). A text without any (nearly all: the site is some 50 MB)
+    is only searched, not copied."""
+    return text.translate(_BIDI_TABLE) if any(c in text for c in BIDI_CONTROLS) else text
 
 
 #: Characters of one ledger text a page shows; the whole text is in vram.json.

@@ -108,7 +108,7 @@ def model_slug(model: str) -> str:
 def fit_models(fits: Fits, batches: Optional[dict] = None) -> list[FitModel]:
     """Every model of the fit table, smallest first within its family, with its page's data (the
     cells of ``batches``, (micro-batch, optimizer, checkpointing) -> fit cells, keyed with them:
-    ``picker_key``)."""
+    ``_picker_suffix``)."""
     from ..model_configs import load_arch, max_length
 
     by_row = fits.by_row()
@@ -117,8 +117,9 @@ def fit_models(fits: Fits, batches: Optional[dict] = None) -> list[FitModel]:
     # The picker's other tables' cells, by model (each model's data reads only its own).
     others: dict[str, list] = {}
     for (batch, optim, ckpt), cells in (batches or {}).items():
+        suffix = _picker_suffix(batch, optim, ckpt)
         for c in cells:
-            others.setdefault(c.model, []).append((batch, optim, ckpt, c))
+            others.setdefault(c.model, []).append((suffix, c))
     out = []
     for model in fits.models:
         arch = load_arch(model)
@@ -131,9 +132,8 @@ def fit_models(fits: Fits, batches: Optional[dict] = None) -> list[FitModel]:
             headline.append((size, key, cell.label if cell else "unknown"))
         rows = {"|".join(k[1:]): [_cell(c, c.label) for c in cells] for k, cells in by_row.items()
                 if k[0] == model and k[4] in cards}
-        for batch, optim, ckpt, c in others.get(model, ()):
-            rows.setdefault(picker_key(c.quant, c.fixes, c.setting, c.gpu, batch, optim, ckpt), []).append(
-                _cell(c, c.label()))
+        for suffix, c in others.get(model, ()):
+            rows.setdefault(f"{c.quant}|{c.fixes}|{c.setting}|{c.gpu}{suffix}", []).append(_cell(c, c.label()))
         lengths = sorted({s for (m, _, _), seqs in heads.items() if m == model for s in seqs})
         data = {"model": model, "lengths": lengths, "ranks": list(VIEW_RANKS),
                 "cards": [{"key": c.key, "name": c.name, "limit_low_mib": c.limit_low_mib,
@@ -147,12 +147,12 @@ def fit_models(fits: Fits, batches: Optional[dict] = None) -> list[FitModel]:
     return sorted(out, key=lambda m: (order[m.family], m.params_b or 0, m.name))
 
 
-def picker_key(quant: str, fixes: str, setting: str, gpu: str, batch: int = 1, optimizer: Optional[str] = None,
-               checkpointing: bool = True) -> str:
-    """A row of a model's picker data, as picker.js spells it: the default micro-batch (1),
-    optimizer (None: the recipe's default) and checkpointing (on) leave their part out."""
-    return "|".join([quant, fixes, setting, gpu] + ([str(batch)] if batch != 1 or optimizer else [])
-                    + ([optimizer] if optimizer else []) + ([] if checkpointing else ["nockpt"]))
+def _picker_suffix(batch: int, optimizer: Optional[str], checkpointing: bool) -> str:
+    """A row of a model's picker data is keyed as picker.js spells it, ``quant|fixes|setting|card``
+    and then this: the default micro-batch (1), optimizer (None: the recipe's default) and
+    checkpointing (on) leave their part out. Every cell of one table shares it."""
+    return "".join("|" + part for part in ([str(batch)] if batch != 1 or optimizer else [])
+                   + ([optimizer] if optimizer else []) + ([] if checkpointing else ["nockpt"]))
 
 
 def _cell(c, label: str) -> list:
