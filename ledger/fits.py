@@ -11,9 +11,8 @@ committed dry-run rows per cell.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 from operator import attrgetter
-from typing import Iterable, Optional
+from typing import Iterable, NamedTuple, Optional
 
 from .models import Gpu
 from .cards import card_table
@@ -57,8 +56,9 @@ SETTINGS = (("plain", False, False), ("dropout", True, False), ("DoRA", False, T
 STEP, MAX_RANK = 8, 512
 
 
-@dataclass(frozen=True)
-class FitCell:
+class FitCell(NamedTuple):
+    """One cell of the fit table (a named tuple: the site's tables make some 200,000)."""
+
     model: str
     gpu: str
     quant: str
@@ -302,8 +302,8 @@ def monotone(cells: list[FitCell]) -> list[FitCell]:
     def raise_to(i: int, floor: Optional[int]) -> None:
         c = cells[i]
         if floor is not None and (c.fits_rank is None or c.fits_rank < floor):
-            cells[i] = replace(c, fits_rank=floor, tight_rank=max(floor, c.tight_rank or 0), status="ok",
-                               at_least=True)
+            cells[i] = c._replace(fits_rank=floor, tight_rank=max(floor, c.tight_rank or 0), status="ok",
+                                  at_least=True)
 
     for key, i in index.items():
         if key[4] == "plain":
