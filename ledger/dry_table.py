@@ -9,6 +9,8 @@ from bisect import bisect_left
 from functools import cached_property
 from typing import Callable, Optional
 
+import numpy as np
+
 from .model_configs import model_name
 from .models import Measurement
 from .recipe import Recipe, fixes_key, recipe_of
@@ -110,7 +112,7 @@ class DryTable:
         return found
 
     def _rank_figure(self, recipe: Recipe) -> Callable[[int], tuple[Optional[float], list[str]]]:
-        none = lambda rank: (None, [])  # noqa: E731
+        none = _unreached()
         if recipe.seq_len is None:
             return none
         name, seq = model_name(recipe.model), recipe.seq_len
@@ -148,6 +150,19 @@ class DryTable:
                     d1, d2 = y1 - p1, y2 - p2
                     return p0 + d1 + (d2 - d1) * (seq - s1) / (s2 - s1), i0 + i1 + i2
             return y1 + (y2 - y1) * (seq - s1) / (s2 - s1), i1 + i2
+
+        def column(ranks: np.ndarray) -> np.ndarray:
+            y1, y2 = f1.column(ranks), f2.column(ranks)
+            if with_cost:
+                p0, p1, p2 = g0.column(ranks), g1.column(ranks), g2.column(ranks)
+                d1, d2 = y1 - p1, y2 - p2
+                out = np.where(np.isnan(p0) | np.isnan(p1) | np.isnan(p2),
+                               y1 + (y2 - y1) * (seq - s1) / (s2 - s1), p0 + d1 + (d2 - d1) * (seq - s1) / (s2 - s1))
+            else:
+                out = y1 + (y2 - y1) * (seq - s1) / (s2 - s1)
+            out[np.isnan(y1) | np.isnan(y2)] = np.nan
+            return _with_exact(out, ranks, exact)
+        figure.column = column
         return figure
 
     def _cell_figure(self, table: dict, seq: int, slope_table: dict) -> Callable[[int], tuple[Optional[float], list[str]]]:
@@ -155,7 +170,7 @@ class DryTable:
         (or along) its two nearest ranks, else its one rank along the slope per rank."""
         cell = table.get(seq)
         if not cell:
-            return lambda rank: (None, [])
+            return _unreached()
         ranks = sorted(cell)
         if len(ranks) >= 2:
             def interpolated(rank: int) -> tuple[float, list[str]]:
@@ -166,6 +181,15 @@ class DryTable:
                     else (ranks[-2], ranks[-1])
                 (ya, ia), (yb, ib) = cell[a], cell[b]
                 return ya + (yb - ya) * (rank - a) / (b - a), [ia, ib]
+
+            known = np.array(ranks, dtype=float)
+            ys = np.array([cell[r][0] for r in ranks])
+
+            def column(at: np.ndarray) -> np.ndarray:
+                i = np.clip(np.searchsorted(known, at, "left"), 1, len(ranks) - 1)
+                a, b, ya, yb = known[i - 1], known[i], ys[i - 1], ys[i]
+                return _with_exact(ya + (yb - ya) * (at - a) / (b - a), at, cell)
+            interpolated.column = column
             return interpolated
         slope = self._slope(table, seq)
         if slope is None:
@@ -177,6 +201,12 @@ class DryTable:
             if rank == r0:
                 return y0, [i0]
             return (None, []) if slope is None else (y0 + slope * (rank - r0), [i0])
+
+        def column(at: np.ndarray) -> np.ndarray:
+            out = np.full(len(at), np.nan) if slope is None else y0 + slope * (at - r0)
+            out[at == r0] = y0
+            return out
+        along.column = column
         return along
 
     def exact_ranks(self, recipe: Recipe) -> set:
@@ -231,3 +261,18 @@ class DryTable:
         if found and found["n"] >= MIN_KIND_ROWS:
             return found["max_abs_err_pct"], found["n"], kind
         return d["max_abs_err_pct"], len(d["errors_pct"]), None
+
+
+def _unreached() -> Callable[[int], tuple[Optional[float], list[str]]]:
+    """A figure the table does not reach at any rank (with its ``column``: nan at every rank)."""
+    def none(rank: int) -> tuple[Optional[float], list[str]]:
+        return None, []
+    none.column = lambda ranks: np.full(len(ranks), np.nan)
+    return none
+
+
+def _with_exact(out: np.ndarray, ranks: np.ndarray, cell: dict) -> np.ndarray:
+    """``out`` with each rank a row has of itself set to that row's figure."""
+    for rank, (y, _) in cell.items():
+        out[ranks == rank] = y
+    return out

@@ -263,7 +263,9 @@ def _per_rank(p, recipe: Recipe, state: Optional[str], measured_rank: Optional[i
         def raw_column(ranks: list[int]) -> np.ndarray:
             key = tuple(ranks)
             if key not in raw_columns:
-                raw_columns[key] = np.array([raw_at(r) for r in ranks], dtype=float)
+                column = getattr(figure, "column", None)  # the table's own arithmetic on an array of ranks
+                raw_columns[key] = (column(np.array(ranks, dtype=float)) if column is not None
+                                    else np.array([raw_at(r) for r in ranks], dtype=float))
             return raw_columns[key]
         raws = memo[figure_key] = raw_at, raw_column
     state_key = ("state", recipe.model, recipe.targets, recipe.dora, state, measured_rank)

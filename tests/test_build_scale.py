@@ -155,3 +155,32 @@ def test_a_profiles_columns_are_its_bounds():
                                 assert got == want, (recipe, rem, widened, run, optimizer)
                                 checked += got is not None
     assert checked > 1000
+
+
+def test_the_dry_tables_columns_are_its_figures():
+    """``DryTable.rank_figure``'s array of ranks (what the fit table's profiles read) is its figure
+    rank by rank, bit for bit: every shipped model's committed rows, both weights and presets, the
+    three settings, with and without checkpointing, at grid lengths, between them and past them."""
+    from ledger.dry_runs import load_dry_runs
+    from ledger.dry_table import DryTable
+    from ledger.fits import GRID_MODELS, LENGTHS, SETTINGS
+    from ledger.recipe import Recipe
+
+    table = DryTable(load_dry_runs())
+    ranks = [*range(1, 9), *range(8, 513, 8), 100, 1000]
+    at = np.array(ranks, dtype=float)
+    reached = 0
+    for model in GRID_MODELS:
+        for quant in ("4bit", "bf16"):
+            for fixes in ("none", "all"):
+                for _, dropout, dora in SETTINGS:
+                    for checkpointing in (True, False):
+                        for seq in (*LENGTHS, 300, 1000, 3000, 12000, 50000, 200000):
+                            recipe = Recipe(model=model, quant=quant, fixes=fixes, dropout=dropout, dora=dora,
+                                            seq_len=seq, checkpointing=checkpointing)
+                            figure = table.rank_figure(recipe)
+                            want = [figure(r)[0] for r in ranks]
+                            got = figure.column(at).tolist()
+                            assert [None if g != g else g for g in got] == want, (recipe, got, want)
+                            reached += want[8] is not None
+    assert reached > 3000
