@@ -7,6 +7,8 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict
 
+from .results import maker
+
 Verdict = Literal["fits", "tight", "won't fit", "unknown"]
 Run = Literal["probe", "real"]
 METHODS = ("measured real run", "measured probe", "interpolated", "dry run", "transferred",
@@ -22,11 +24,14 @@ class Interval(BaseModel):
     high_mib: Optional[float]
 
 
+_interval = maker(Interval)
+
+
 def interval(mib: Optional[float], low: Optional[float], high: Optional[float]) -> Interval:
     """An interval of figures this project computed, each rounded to 0.1 MiB (made without
     re-validating: a ceiling's scan makes tens of thousands of these)."""
     r = lambda x: None if x is None else float(round(x, 1))  # noqa: E731
-    return Interval.model_construct(mib=r(mib), low_mib=r(low), high_mib=r(high))
+    return _interval({"mib": r(mib), "low_mib": r(low), "high_mib": r(high)})
 
 
 def around(mib: float, width: float) -> Interval:

@@ -5,7 +5,7 @@ that could not be computed is null."""
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Union
+from typing import Callable, Iterable, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
@@ -14,31 +14,35 @@ class _Result(BaseModel):
     model_config = ConfigDict(extra="forbid", serialize_by_alias=True, validate_by_name=True)
 
 
-def constructed(cls: type[BaseModel], rows: Iterable[dict]) -> list:
-    """``[cls.model_construct(**row) for row in rows]`` for rows that each give every field of
-    ``cls`` by its name and nothing else (a typed table's own cells: the fit table's some 70,000,
-    made by the build from typed values): the same objects, without ``model_construct``'s per-field
-    alias and default lookups (a tenth of its cost). A row that does not give exactly the fields, or
-    a model with aliases or a post-init hook, goes through ``model_construct`` itself;
-    ``tests/test_build_scale.py`` compares the two."""
+def maker(cls: type[BaseModel]) -> Callable[[dict], BaseModel]:
+    """A function making ``cls.model_construct(**values)`` from a dict that gives every field of
+    ``cls`` by its name and nothing else (values the project computed and typed itself: the fit
+    table's some 70,000 cells, a ceiling scan's intervals): the same object, without
+    ``model_construct``'s per-field alias and default lookups (a tenth of its cost). A dict that
+    does not give exactly the fields, or a model with aliases or a post-init hook, goes through
+    ``model_construct`` itself; ``tests/test_build_scale.py`` compares the two."""
     fields = cls.__pydantic_fields__
     names = list(fields)
     plain = not cls.__pydantic_post_init__ and not cls.__pydantic_root_model__ and all(
         f.alias is None and f.validation_alias is None for f in fields.values())
     keys = set(names)
     new, set_attr = cls.__new__, object.__setattr__
-    out = []
-    for row in rows:
-        if not plain or row.keys() != keys:
-            out.append(cls.model_construct(**row))
-            continue
+
+    def make(values: dict) -> BaseModel:
+        if not plain or values.keys() != keys:
+            return cls.model_construct(**values)
         m = new(cls)
-        set_attr(m, "__dict__", {n: row[n] for n in names})
+        set_attr(m, "__dict__", {n: values[n] for n in names})
         set_attr(m, "__pydantic_fields_set__", set(names))
         set_attr(m, "__pydantic_extra__", None)
         set_attr(m, "__pydantic_private__", None)
-        out.append(m)
-    return out
+        return m
+    return make
+
+
+def constructed(cls: type[BaseModel], rows: Iterable[dict]) -> list:
+    """``[cls.model_construct(**row) for row in rows]``, each made by ``maker(cls)``."""
+    return list(map(maker(cls), rows))
 
 
 # -- calibration -------------------------------------------------------------------------------

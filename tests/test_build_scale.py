@@ -184,3 +184,17 @@ def test_the_dry_tables_columns_are_its_figures():
                             assert [None if g != g else g for g in got] == want, (recipe, got, want)
                             reached += want[8] is not None
     assert reached > 3000
+
+
+def test_intervals_are_model_constructs():
+    """``answers.interval`` makes its Interval with ``results.maker``: the object model_construct makes."""
+    from ledger.answers import Interval, interval
+
+    for mib, low, high in ((1234.56, 1200.04, None), (None, None, None), (7.25, 7.15, 7.35), (0, -0.04, 1e6)):
+        got = interval(mib, low, high)
+        r = lambda x: None if x is None else float(round(x, 1))  # noqa: E731
+        want = Interval.model_construct(mib=r(mib), low_mib=r(low), high_mib=r(high))
+        assert got == want and got.model_fields_set == want.model_fields_set
+        assert got.model_dump_json() == want.model_dump_json() and repr(got) == repr(want)
+        got.mib = 1.0  # each its own fields set: assignment works as on a model_construct
+        assert got.model_fields_set == want.model_fields_set
