@@ -96,7 +96,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
                    "optimizers": {f: optimizer_for(f, args.optim) for f in fixes}, "limit_low_mib": low, "limit_high_mib": high, "limit_source": source,
                    "dry_run_median_abs_err_pct": p.dry_loo["median_abs_err_pct"],
                    "dry_run_max_abs_err_pct": p.dry_loo["max_abs_err_pct"], "stale": stale,
-                   "cells": [{**c.__dict__, "measured": list(c.measured), "label": c.label()} for c in cells]})
+                   "cells": [{**c._asdict(), "measured": list(c.measured), "label": c.label()} for c in cells]})
         return 0
     print(f"{name} on {gpu}" + (f", micro-batch {args.batch_size} (sequences each padded to the length; the "
                                 "program's preset's from dry runs of that micro-batch)" if args.batch_size != 1 else "")
