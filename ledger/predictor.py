@@ -88,7 +88,8 @@ class Predictor:
         #: The fit table's dry-run ceilings by judged recipe, card, budget and widening (a micro-batch
         #: of B x L tokens and one of B' x L' with the same total are one question).
         self.dry_ceilings: dict = {}
-        #: The fit table's intervals by rank, per recipe and remainder (``rank_judge``).
+        #: The fit table's intervals by rank, per recipe and remainder, and the dry-run figure and
+        #: optimizer state by rank they share (``rank_judge``).
         self.rank_bounds: dict = {}
         # What other parts ask of a predictor, by the names they know.
         self.card_limit, self.reserved_ratio = self.limits.card_limit, self.limits.reserved_ratio
