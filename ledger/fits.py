@@ -20,7 +20,7 @@ from .model_configs import model_name
 from .optimizers import optimizer_for
 from .dry_table import MIN_KIND_ROWS
 from .predictor import Predictor
-from .rank_judge import card_limits, dry_ceilings
+from .rank_judge import card_limits, dry_ceilings_many
 from .recipe import Recipe, recipe_of, row_keys_cached
 from .response_span import answerable, batch_err
 from .recipe import fixes_key
@@ -194,19 +194,20 @@ def _entry_key(entry: Optional[Gpu]):
     return None if entry is None else (entry.name, entry.vendor, entry.total_mib, entry.usable_gib_torch)
 
 
-def _dry_cells(p: Predictor, one: Optional[Recipe], widened: float, cards_key: tuple,
-               limits: list[tuple], run: str, optimizer: Optional[str]) -> list[tuple]:
-    """The dry run's ceilings of one recipe on each card of ``limits`` (``rank_judge.card_limits``
-    of the cards ``cards_key`` names, with the budget), in their order."""
-    if one is None:
-        return [(None, None, "unknown", False)] * len(limits)
-    # B sequences of L tokens and B' of L' with B x L = B' x L' are one question: asked once per fit.
+def _dry_cells(p: Predictor, asks: list[tuple[Optional[Recipe], float, Optional[str]]], cards_key: tuple,
+               limits: list[tuple], run: str) -> list[list[tuple]]:
+    """The dry run's ceilings of each of ``asks`` ((recipe as asked, widening, optimizer)) on each
+    card of ``limits`` (``rank_judge.card_limits`` of the cards ``cards_key`` names, with the
+    budget), in their order; the ones not yet known computed together (``dry_ceilings_many``)."""
     memo = p.dry_ceilings
-    key = (one, cards_key, widened, run, optimizer)
-    found = memo.get(key)
-    if found is None:
-        found = memo[key] = dry_ceilings(p, one, limits, widened, run, optimizer, STEP, MAX_RANK)
-    return found
+    unknown = [(None, None, "unknown", False)] * len(limits)
+    # B sequences of L tokens and B' of L' with B x L = B' x L' are one question: asked once per fit.
+    keys = [None if one is None else (one, cards_key, widened, run, optimizer) for one, widened, optimizer in asks]
+    todo = list(dict.fromkeys(k for k in keys if k is not None and k not in memo))
+    for key, found in zip(todo, dry_ceilings_many(p, [(k[0], k[2], k[4]) for k in todo], limits, run,
+                                                   STEP, MAX_RANK)):
+        memo[key] = found
+    return [unknown if k is None else memo[k] for k in keys]
 
 
 @row_keys_cached()
@@ -256,8 +257,8 @@ def fit_table(p: Predictor, *, models: Optional[Iterable[str]] = None, gpus: Opt
                           if not (ladder and checkpointing and (g, model) in measured_models))
         cards_key = (tuple((g, _entry_key(e)) for g, e in dry_cards), budget_mib)
         limits = card_limits(p, list(dry_cards), budget_mib, run)
-        dry = [_dry_cells(p, one, widened, cards_key, limits, run, optim)
-               for _, _, optim, _, _, _, _, _, one, widened in recipes]
+        dry = _dry_cells(p, [(one, widened, optim) for _, _, optim, _, _, _, _, _, one, widened in recipes],
+                         cards_key, limits, run)
         column = {g: i for i, (g, _) in enumerate(dry_cards)}
         known = sorted(spellings.get(model, ())) if len(dry_cards) < len(gpus) else []
         for gpu in gpus:

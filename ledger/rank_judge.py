@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from math import inf
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
@@ -172,10 +172,24 @@ def _profile_at(p, recipe: Recipe, rem: float, widened: float, run: Run, optimiz
     return found
 
 
-def _bounds(p, recipe: Recipe, rem: float, widened: float, run: Run, optimizer: Optional[str]):
-    """(rank -> (bottom, top) of the judged interval, or None where the table does not reach; the
-    ranks dry-run exactly), each rank's computed once. The dry-run figure and the state added
-    at a rank do not depend on the card: made once per recipe (``_per_rank``) for every remainder."""
+class _Spec(NamedTuple):
+    """What a recipe's judged interval at each rank is made of, besides the card's remainder:
+    the dry-run figure and the optimizer's state by rank, the widths, the over-estimate of a
+    calibrated real run and the widening of a derived answer."""
+
+    exact: set
+    narrow: float
+    wide: float
+    over: Optional[tuple[float, float]]
+    off: Optional[float]
+    widened: float
+    raw_at: Callable
+    added_at: Callable
+    raw_column: Callable
+    added_column: Callable
+
+
+def _spec(p, recipe: Recipe, widened: float, run: Run, optimizer: Optional[str]) -> _Spec:
     exact = p.table.exact_ranks(recipe)
     narrow, wide = p.dry_cal.width_fraction(False), p.dry_cal.width_fraction(True, recipe)
     over = off = None
@@ -185,7 +199,15 @@ def _bounds(p, recipe: Recipe, rem: float, widened: float, run: Run, optimizer: 
         over = (1 - o.high_pct / 100, 1 - o.low_pct / 100)
     state = optimizer if run == "real" and recipe.model else None
     measured_rank = p.over.max_rank if over is not None and state is None else None
-    raw_at, added_at, raw_column, added_column = _per_rank(p, recipe, state, measured_rank)
+    return _Spec(exact, narrow, wide, over, off, widened, *_per_rank(p, recipe, state, measured_rank))
+
+
+def _bounds(p, recipe: Recipe, rem: float, widened: float, run: Run, optimizer: Optional[str]):
+    """(rank -> (bottom, top) of the judged interval, or None where the table does not reach; the
+    ranks dry-run exactly), each rank's computed once. The dry-run figure and the state added
+    at a rank do not depend on the card: made once per recipe (``_per_rank``) for every remainder."""
+    exact, narrow, wide, over, off, widened, raw_at, added_at, raw_column, added_column = _spec(
+        p, recipe, widened, run, optimizer)
     cache: dict[int, Optional[tuple[float, float]]] = {}
 
     def bounds(rank: int) -> Optional[tuple[float, float]]:
@@ -224,6 +246,97 @@ def _bounds(p, recipe: Recipe, rem: float, widened: float, run: Run, optimizer: 
             return None
         return ends[0].tolist(), ends[1].tolist()
     return bounds, exact, column
+
+
+def dry_ceilings_many(p, asks: list[tuple[Recipe, float, Optional[str]]],
+                      limits: list[tuple[float, Optional[float], Optional[float]]], run: Run, step: int,
+                      max_rank: int) -> list[list[tuple]]:
+    """``dry_ceilings`` of each of ``asks`` ((recipe, widened, optimizer)) on each card of
+    ``limits``, every recipe of a fit-table row at once: the judged intervals of all of them at
+    every rank of the scan's grid are one array per card remainder (the same arithmetic as
+    ``bounds``, element by element), and each card's ceilings are the first grid ranks that are
+    not "fits" and that stop the scan. A recipe whose derived ranks' ends do not rise with the
+    rank is judged by ``dry_ceilings`` (rank by rank)."""
+    grid = list(range(step, max_rank + 1, step))
+    last = max_rank - max_rank % step
+    specs = [_spec(p, recipe, widened, run, optimizer) for recipe, widened, optimizer in asks]
+    n, k = len(specs), len(grid)
+    out: list[list] = [[None] * len(limits) for _ in range(n)]
+    if not n:
+        return out
+    raw = np.stack([s.raw_column(grid) for s in specs])
+    added = np.stack([s.added_column(grid) for s in specs])
+    exact = np.zeros((n, k), dtype=bool)
+    for i, s in enumerate(specs):
+        for r in s.exact:
+            if r % step == 0 and step <= r <= max_rank:
+                exact[i, r // step - 1] = True
+    width = np.where(exact, np.array([[s.narrow] for s in specs]), np.array([[s.wide] for s in specs]))
+    with_over = np.array([s.over is not None for s in specs])
+    over_lo = np.array([[s.over[0] if s.over else 1.0] for s in specs])
+    over_hi = np.array([[s.over[1] if s.over else 1.0] for s in specs])
+    off = np.array([[s.off or 0.0] for s in specs])
+    with_widened = np.array([bool(s.widened) for s in specs])
+    widened = np.array([[s.widened] for s in specs])
+    unreached = np.isnan(raw)
+    at_least_from = np.isnan(np.concatenate((raw[:, 1:], np.zeros((n, 1))), axis=1))  # rank + step unreached
+    by_rem: dict[float, list[int]] = {}
+    for j, (rem, _, _) in enumerate(limits):
+        by_rem.setdefault(rem, []).append(j)
+    for rem, cards in by_rem.items():
+        mib = raw + rem
+        bottom, top = round1(mib * (1 - width)), round1(mib * (1 + width))
+        if with_over.any():
+            bottom = np.where(with_over[:, None], round1(round1(bottom - off) * over_lo), bottom)
+            top = np.where(with_over[:, None], round1(round1(top - off) * over_hi), top)
+        bottom, top = round1(bottom + added), round1(top + added)
+        if with_widened.any():
+            bottom = np.where(with_widened[:, None], round1(bottom * (1 - widened)), bottom)
+            top = np.where(with_widened[:, None], round1(top * (1 + widened)), top)
+        bottom[np.isnan(bottom)] = inf
+        top[np.isnan(top)] = inf
+        # The derived ranks' ends rise with the rank where each equals the running maximum of the
+        # derived ends before it (the exact ranks left out of the maximum).
+        rising = np.ones(n, dtype=bool)
+        for ends in (bottom, top):
+            derived = np.where(exact, -inf, ends)
+            rising &= ((derived == np.maximum.accumulate(derived, axis=1)) | exact).all(axis=1)
+        lows = np.array([limits[j][1] if limits[j][1] is not None else np.nan for j in cards])
+        overs = np.array([(limits[j][2] if limits[j][2] is not None else limits[j][1])
+                          if limits[j][1] is not None else np.nan for j in cards])
+        # Not "fits": the top above the limit's low end; stops the scan: also the bottom above its top end.
+        not_fits = top[:, None, :] > lows[None, :, None]
+        stops = not_fits & (bottom[:, None, :] > overs[None, :, None])
+        first_bad = np.where(not_fits.any(axis=2), not_fits.argmax(axis=2), -1).tolist()
+        first_stop = np.where(stops.any(axis=2), stops.argmax(axis=2), -1).tolist()
+        more = at_least_from.tolist()
+        start_unreached = unreached[:, 0].tolist()
+        rising_l = rising.tolist()
+        for i in range(n):
+            if start_unreached[i]:
+                for j in cards:
+                    out[i][j] = (None, None, "unknown", False)
+                continue
+            if not rising_l[i]:
+                recipe, w, optimizer = asks[i]
+                profile = _profile_at(p, recipe, rem, w, run, optimizer)
+                for j in cards:
+                    out[i][j] = ceiling_of(profile, limits[j][1], limits[j][2], step, max_rank)
+                continue
+            bad_i, stop_i, more_i = first_bad[i], first_stop[i], more[i]
+            for c, j in enumerate(cards):
+                if limits[j][1] is None:
+                    out[i][j] = (None, None, "unknown", False)
+                    continue
+                b, s_ = bad_i[c], stop_i[c]
+                tight = last if s_ < 0 else (grid[s_ - 1] if s_ > 0 else None)
+                fits = last if b < 0 else (grid[b - 1] if b > 0 else None)
+                if fits is not None and tight is not None:
+                    fits = min(fits, tight)
+                top_rank = tight or fits
+                at_least = top_rank is not None and top_rank + step <= max_rank and more_i[top_rank // step - 1]
+                out[i][j] = (fits, tight, "ok" if (fits or tight) else "none-fits", at_least)
+    return out
 
 
 def round1(x: np.ndarray) -> np.ndarray:

@@ -198,3 +198,73 @@ def test_intervals_are_model_constructs():
         assert got.model_dump_json() == want.model_dump_json() and repr(got) == repr(want)
         got.mib = 1.0  # each its own fields set: assignment works as on a model_construct
         assert got.model_fields_set == want.model_fields_set
+
+
+def test_many_recipes_ceilings_at_once_are_each_recipes_own():
+    """``dry_ceilings_many`` (every recipe of a fit-table row on arrays) gives each recipe's
+    ceilings on each card exactly as ``dry_ceilings`` (one recipe, its profile bisected per card):
+    three models' recipes at grid and other lengths, probe and training runs, AdamW and 8-bit
+    states, micro-batch widenings, the cards' own limits and made-up ones (no top end, no limit,
+    limits on and between the interval ends), figures that do not rise with the rank and figures
+    the table does not reach between ranks it does."""
+    import random
+
+    from ledger.dry_runs import load_dry_runs
+    from ledger.fits import LENGTHS, SETTINGS, cards
+    from ledger.paths import DEFAULT_LEDGER
+    from ledger.predictor import Predictor
+    from ledger.rank_judge import card_limits, dry_ceilings, dry_ceilings_many
+    from ledger.recipe import Recipe
+    from ledger import store
+
+    class Bumpy:
+        """The dry-run table, but some recipes' figures dip past rank 200 or are unreached between
+        ranks 96 and 160 (a profile that does not rise, one the table does not reach throughout)."""
+
+        def __init__(self, table):
+            self.table = table
+
+        def __getattr__(self, name):
+            return getattr(self.table, name)
+
+        def rank_figure(self, recipe):
+            figure = self.table.rank_figure(recipe)
+            kind = recipe.seq_len % 3
+            if kind == 0:
+                return figure
+
+            def bumpy(rank):
+                raw, ids = figure(rank)
+                if raw is None:
+                    return raw, ids
+                if kind == 1 and rank > 200:
+                    return raw - 300.0, ids
+                return (None, ids) if 96 <= rank <= 160 else (raw, ids)
+            return bumpy
+
+    rng = random.Random(7)
+    for bumpy in (False, True):
+        p = Predictor(store.load(DEFAULT_LEDGER), load_dry_runs())
+        if bumpy:
+            p.table = Bumpy(p.table)
+        for run in ("real", "probe"):
+            limits = card_limits(p, list(cards(p).items()), None, run)
+            rems = sorted({rem for rem, _, _ in limits})
+            made_up = [(rng.choice(rems), low, rng.choice([None, low, low + rng.uniform(0, 900)]))
+                       for low in (rng.uniform(300, 90000) for _ in range(40))]
+            made_up += [(rems[0], None, None), (rems[-1], 5000.0, None), (rems[0], 8000.0, 8000.0)]
+            for model in ("qwen2.5-0.5b", "gemma-3-4b-it", "llama-3.1-8b"):
+                asks = []
+                for quant in ("4bit", "bf16"):
+                    for fixes in ("none", "all"):
+                        for _, dropout, dora in SETTINGS:
+                            for seq in (*LENGTHS, 3000, 40000, 1001):
+                                recipe = Recipe(model=model, quant=quant, fixes=fixes, dropout=dropout, dora=dora,
+                                                seq_len=seq)
+                                asks += [(recipe, widened, optimizer) for widened, optimizer in
+                                         ((0.0, None), (0.0421, "adamw_8bit"), (0.0, "adamw_torch"))]
+                for lim in (limits, made_up):
+                    got = dry_ceilings_many(p, asks, lim, run, 8, 512)
+                    want = [dry_ceilings(p, recipe, lim, widened, run, optimizer, 8, 512)
+                            for recipe, widened, optimizer in asks]
+                    assert got == want, model
