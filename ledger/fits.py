@@ -11,7 +11,6 @@ committed dry-run rows per cell.
 
 from __future__ import annotations
 
-from operator import attrgetter
 from typing import Iterable, NamedTuple, Optional
 
 from .models import Gpu
@@ -262,65 +261,70 @@ def fit_table(p: Predictor, *, models: Optional[Iterable[str]] = None, gpus: Opt
         column = {g: i for i, (g, _) in enumerate(dry_cards)}
         known = sorted(spellings.get(model, ())) if len(dry_cards) < len(gpus) else []
         for gpu in gpus:
+            if gpu in column:  # the dry run answers (every measured row has checkpointing on: without it, always)
+                at = column[gpu]
+                for (quant, fixes, optim, setting, _, _, seq, _, _, _), found in zip(recipes, dry):
+                    fits, tight, status, more = found[at]
+                    out.append(FitCell(model, gpu, quant, fixes, setting, seq, fits, tight, status,
+                                       more or (fits is not None and fits + STEP > MAX_RANK), "dry run", (), run,
+                                       optim, checkpointing))
+                continue
             entry = all_cards.get(gpu)
-            # Every measured row has checkpointing on: without it the dry run alone answers.
-            use_ladder = gpu not in column
-            for i, (quant, fixes, optim, setting, dropout, dora, seq, recipe, one, widened) in enumerate(recipes):
-                if use_ladder:
-                    asked = recipe.replace(model=known[0], optimizer=optim)
-                    # A micro-batch is asked as its one sequence of B x L tokens: the same
-                    # total from another batch and length is one question (asked once).
-                    one = one and one.replace(model=asked.model, optimizer=optim)
-                    key = ("ladder", one if recipe.batch != 1 else asked, recipe.batch != 1, gpu,
-                           budget_mib, run)
-                    if key not in p.dry_ceilings:
-                        c = p.ceiling(asked, gpu, entry=entry, budget_mib=budget_mib, run=run)
-                        p.dry_ceilings[key] = (c.fits_rank, c.tight_rank, c.status, c.at_least)
-                    fits, tight, status, more = p.dry_ceilings[key]
-                    lower = max([s for s in lengths if s < seq], default=0)
-                    rows = tuple(sorted({m.id for m in p.ms if m.gpu == gpu and m.kind == "probe"
-                                         and m.lora and model_name(m.model) == model and m.quant == quant
-                                         and fixes_key(m.memory_fixes) == fixes and m.seq_len
-                                         and lower < m.seq_len <= seq
-                                         and bool(m.lora.dropout) == dropout
-                                         and bool(m.lora.dora) == dora}))
-                else:
-                    fits, tight, status, more = dry[i][column[gpu]]
-                    rows = ()
-                out.append(FitCell(model=model, gpu=gpu, quant=quant, fixes=fixes, setting=setting,
-                                   seq_len=seq, fits_rank=fits, tight_rank=tight, status=status,
-                                   at_least=more or (fits is not None and fits + STEP > MAX_RANK),
-                                   method="ledger" if use_ladder else "dry run", measured=rows,
-                                   run=run, optimizer=optim, checkpointing=checkpointing))
+            for quant, fixes, optim, setting, dropout, dora, seq, recipe, one, widened in recipes:  # the whole ladder
+                asked = recipe.replace(model=known[0], optimizer=optim)
+                # A micro-batch is asked as its one sequence of B x L tokens: the same
+                # total from another batch and length is one question (asked once).
+                one = one and one.replace(model=asked.model, optimizer=optim)
+                key = ("ladder", one if recipe.batch != 1 else asked, recipe.batch != 1, gpu,
+                       budget_mib, run)
+                if key not in p.dry_ceilings:
+                    c = p.ceiling(asked, gpu, entry=entry, budget_mib=budget_mib, run=run)
+                    p.dry_ceilings[key] = (c.fits_rank, c.tight_rank, c.status, c.at_least)
+                fits, tight, status, more = p.dry_ceilings[key]
+                lower = max([s for s in lengths if s < seq], default=0)
+                rows = tuple(sorted({m.id for m in p.ms if m.gpu == gpu and m.kind == "probe"
+                                     and m.lora and model_name(m.model) == model and m.quant == quant
+                                     and fixes_key(m.memory_fixes) == fixes and m.seq_len
+                                     and lower < m.seq_len <= seq
+                                     and bool(m.lora.dropout) == dropout
+                                     and bool(m.lora.dora) == dora}))
+                out.append(FitCell(model, gpu, quant, fixes, setting, seq, fits, tight, status,
+                                   more or (fits is not None and fits + STEP > MAX_RANK), "ledger", rows, run,
+                                   optim, checkpointing))
     return monotone(out)
 
 
 def monotone(cells: list[FitCell]) -> list[FitCell]:
     """What fits a harder recipe fits an easier one: a cell is raised (and says "at least") to the
     ceiling of a longer sequence, and the plain recipe's to its dropout's or DoRA's, same card."""
-    index = {(c.model, c.gpu, c.quant, c.fixes, c.setting, c.seq_len): i for i, c in enumerate(cells)}
+    index = {c[:6]: i for i, c in enumerate(cells)}  # (model, gpu, quant, fixes, setting, seq_len)
+    fits = [c.fits_rank for c in cells]
+    raised: set[int] = set()
 
     def raise_to(i: int, floor: Optional[int]) -> None:
-        c = cells[i]
-        if floor is not None and (c.fits_rank is None or c.fits_rank < floor):
-            cells[i] = c._replace(fits_rank=floor, tight_rank=max(floor, c.tight_rank or 0), status="ok",
-                                  at_least=True)
+        if floor is not None and (fits[i] is None or fits[i] < floor):
+            fits[i] = floor
+            raised.add(i)
 
-    for key, i in index.items():
-        if key[4] == "plain":
+    for (model, gpu, quant, fixes, setting, seq), i in index.items():
+        if setting == "plain":
             for other in ("dropout", "DoRA"):
-                j = index.get((*key[:4], other, key[5]))
+                j = index.get((model, gpu, quant, fixes, other, seq))
                 if j is not None:
-                    raise_to(i, cells[j].fits_rank)
-    groups: dict[tuple, list[int]] = {}
-    for k in index:
-        groups.setdefault(k[:5], []).append(k[5])
-    for g, seqs in sorted(groups.items()):
+                    raise_to(i, fits[j])
+    groups: dict[tuple, list[tuple[int, int]]] = {}
+    for key, i in index.items():
+        groups.setdefault(key[:5], []).append((key[5], i))
+    for members in groups.values():
+        members.sort(reverse=True)  # the longest sequence first
         floor = None
-        for seq in sorted(seqs, reverse=True):
-            i = index[(*g, seq)]
+        for _, i in members:
             raise_to(i, floor)
-            floor = cells[i].fits_rank if cells[i].fits_rank is not None else floor
+            floor = fits[i] if fits[i] is not None else floor
+    for i in raised:
+        c = cells[i]
+        cells[i] = c._replace(fits_rank=fits[i], tight_rank=max(fits[i], c.tight_rank or 0), status="ok",
+                              at_least=True)
     return cells
 
 
@@ -329,8 +333,9 @@ CSV_FIELDS = ("model", "gpu", "quant", "fixes", "setting", "seq_len", "fits_rank
 
 
 def fits_document(p: Predictor, cells: Optional[list[FitCell]] = None, ladder: bool = True) -> dict:
-    """The fit table as ``results.Fits`` validates it (derived.fits in vram.json): by default every
-    card (the ledger's and the card table's), the common ones (``page_cards``) marked."""
+    """The fit table as ``results.Fits`` validates it (derived.fits in vram.json), its cells still
+    ``FitCell``s (``cell_results`` types them): by default every card (the ledger's and the card
+    table's), the common ones (``page_cards``) marked."""
     all_cards = cards(p)
     cells = cells if cells is not None else fit_table(p, ladder=ladder, gpus=list(all_cards))
     used = list(dict.fromkeys(c.gpu for c in cells))
@@ -345,11 +350,8 @@ def fits_document(p: Predictor, cells: Optional[list[FitCell]] = None, ladder: b
                           "limit_low_mib": low, "limit_high_mib": high, "in_ledger": key in p.ledger.gpus,
                           "source": source, "common": key in common})
     acc = p.dry_loo
-    fields = attrgetter(*CSV_FIELDS)
     return {"lengths": sorted({c.seq_len for c in cells}), "models": list(dict.fromkeys(c.model for c in cells)),
-            "cards": card_rows,
-            "cells": [{**dict(zip(CSV_FIELDS, fields(c))), "measured": list(c.measured), "label": c.label()}
-                      for c in cells],
+            "cards": card_rows, "cells": cells,
             "dry_run_median_abs_err_pct": acc["median_abs_err_pct"], "dry_run_max_abs_err_pct": acc["max_abs_err_pct"],
             "dry_run_n": acc["n"], "dry_run_fitted_on": p.dry_fitted_on,
             "derivation_max_abs_err_pct": p.dry_derivation["max_abs_err_pct"],
@@ -357,6 +359,19 @@ def fits_document(p: Predictor, cells: Optional[list[FitCell]] = None, ladder: b
             "derivation_by_kind": {k: v["max_abs_err_pct"] for k, v in p.dry_derivation["by_kind"].items()
                                    if v["n"] >= MIN_KIND_ROWS},
             "stale": stale_rows(p.dry), "derive": p.limits.derive_rule()}
+
+
+def cell_results(cells: list[FitCell]) -> list:
+    """The cells as ``results.FitCellResult`` (vram.json's derived.fits.cells): made from the
+    project's own typed cells without validating each of some 70,000 again (``results.maker``;
+    the published vram.json is checked against its schema all the same)."""
+    from .results import FitCellResult, maker
+
+    make = maker(FitCellResult)
+    names = list(FitCellResult.model_fields)
+    at = CSV_FIELDS.index("measured")
+    assert names == [*CSV_FIELDS[:at + 1], "label", *CSV_FIELDS[at + 1:]], names
+    return [make(dict(zip(names, (*c[:at], list(c.measured), c.label(), *c[at + 1:])))) for c in cells]
 
 
 def stale_rows(rows) -> list[str]:

@@ -91,6 +91,10 @@ class Predictor:
         #: The fit table's intervals by rank, per recipe and remainder, and the dry-run figure and
         #: optimizer state by rank they share (``rank_judge``).
         self.rank_bounds: dict = {}
+        #: ``predict``'s answers before the optimizer, widenings and limit, by recipe of one
+        #: sequence, card, vendor and run (``_core``): a micro-batch of B sequences of L tokens and
+        #: a recipe of B x L tokens share one, and so do every optimizer's.
+        self.cores: dict = {}
         # What other parts ask of a predictor, by the names they know.
         self.card_limit, self.reserved_ratio = self.limits.card_limit, self.limits.reserved_ratio
         self.remainder, self.dry_raw, self.dry_exact = self.dry_cal.remainder, self.table.raw, self.table.exact
@@ -188,20 +192,13 @@ class Predictor:
             known = self.fit.models_named.get(model_name(recipe.model))
             if known:
                 recipe = recipe.replace(model=known)
-        probe, method, text, evidence = self.probe_figure(recipe, gpu, entry.vendor if entry else None)
-        if method != "dry run":
-            probe, span_text = self.span.longer_span(recipe, probe, evidence)
-            text = f"{text}; {span_text}" if span_text else text
-        # Measured rows all have checkpointing on: none bounds a recipe without it.
-        probe, dom_ids, dom_text = (self.dominance.clamp(recipe, gpu, "probe", probe)
-                                    if recipe.checkpointing and recipe.batch == 1 else (probe, [], ""))
-        if dom_text:
-            text = f"{text}; {dom_text}" if text else dom_text
-            evidence += [i for i in dom_ids if i not in evidence]
-            method = method or "bounded by measured rows"
-        real = None
+        key = (recipe, gpu, entry.vendor if entry else None, run)
+        found = self.cores.get(key)
+        if found is None:
+            found = self.cores[key] = self._core(recipe, gpu, entry.vendor if entry else None, run)
+        probe, method, text, evidence, real, basis = found
+        evidence = list(evidence)
         if run == "real":
-            real, method, text, evidence, basis = self._real(recipe, gpu, probe, method, text, evidence)
             if optimizer:
                 real, text = with_optimizer_state(real, recipe.replace(targets=asked.targets), optimizer, text,
                                                   from_real_runs=basis != "steady state")
@@ -248,6 +245,27 @@ class Predictor:
                       probe_allocated=probe, real_allocated=real, reserved=reserved, method=method or None,
                       method_text=text, evidence=evidence, limit_low_mib=low, limit_high_mib=high, limit_source=lsrc,
                       margin_mib=margin_mib, verdict=verdict, why=why)
+
+    def _core(self, recipe: Recipe, gpu: str, vendor: Optional[str], run: Run) -> tuple:
+        """What ``predict`` answers a recipe of one sequence (its micro-batch and fewer targets
+        already made one, its optimizer taken off) on a card of ``vendor``, before the optimizer's
+        state, the widenings and the card's limit: (probe interval, method, text, evidence ids,
+        real-run interval, its basis), the last two None for a probe."""
+        probe, method, text, evidence = self.probe_figure(recipe, gpu, vendor)
+        if method != "dry run":
+            probe, span_text = self.span.longer_span(recipe, probe, evidence)
+            text = f"{text}; {span_text}" if span_text else text
+        # Measured rows all have checkpointing on: none bounds a recipe without it.
+        probe, dom_ids, dom_text = (self.dominance.clamp(recipe, gpu, "probe", probe)
+                                    if recipe.checkpointing and recipe.batch == 1 else (probe, [], ""))
+        if dom_text:
+            text = f"{text}; {dom_text}" if text else dom_text
+            evidence += [i for i in dom_ids if i not in evidence]
+            method = method or "bounded by measured rows"
+        real = basis = None
+        if run == "real":
+            real, method, text, evidence, basis = self._real(recipe, gpu, probe, method, text, evidence)
+        return probe, method, text, tuple(evidence), real, basis
 
     def _real(self, recipe: Recipe, gpu: str, probe: Optional[Interval], method: str, text: str, evidence: list[str]):
         """A real run's figure: measured real runs of the recipe, else the probe's through the

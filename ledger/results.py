@@ -5,7 +5,7 @@ that could not be computed is null."""
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional, Union
+from typing import Callable, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
@@ -38,11 +38,6 @@ def maker(cls: type[BaseModel]) -> Callable[[dict], BaseModel]:
         set_attr(m, "__pydantic_private__", None)
         return m
     return make
-
-
-def constructed(cls: type[BaseModel], rows: Iterable[dict]) -> list:
-    """``[cls.model_construct(**row) for row in rows]``, each made by ``maker(cls)``."""
-    return list(map(maker(cls), rows))
 
 
 # -- calibration -------------------------------------------------------------------------------

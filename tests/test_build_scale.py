@@ -1,7 +1,7 @@
 """The build's fast paths give exactly what the plain code gives: Python's rounding on arrays
 (``rank_judge.round1``), the fit table's ceilings by bisecting a profile's interval ends made once
 (``rank_judge.ceiling_of``) against the scan's own bisection, and typed cells made without
-``model_construct``'s per-field work (``results.constructed``)."""
+``model_construct``'s per-field work (``results.maker``, ``fits.cell_results``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ledger.rank_judge import _Profile, ceiling_of, round1
-from ledger.results import FitCard, FitCellResult, Fits, constructed
+from ledger.results import FitCard, FitCellResult, Fits, maker
 
 
 def test_round1_is_pythons_round():
@@ -103,7 +103,7 @@ def _cell(i: int) -> dict:
 
 def test_constructed_cells_are_model_constructs():
     rows = [_cell(i) for i in range(50)]
-    fast = constructed(FitCellResult, [dict(r) for r in rows])
+    fast = list(map(maker(FitCellResult), [dict(r) for r in rows]))
     slow = [FitCellResult.model_construct(**dict(r)) for r in rows]
     for a, b in zip(fast, slow):
         assert a == b
@@ -112,7 +112,7 @@ def test_constructed_cells_are_model_constructs():
         assert a.model_dump_json(exclude_unset=True) == b.model_dump_json(exclude_unset=True)
     # A row that does not give every field goes through model_construct (its defaults filled in).
     short = {k: v for k, v in rows[1].items() if k not in ("run", "optimizer", "checkpointing")}
-    got, = constructed(FitCellResult, [short])
+    got = maker(FitCellResult)(short)
     assert got.model_fields_set == FitCellResult.model_construct(**short).model_fields_set
     assert got.run == "real" and got.checkpointing is True
     # Inside the table: the same JSON as the table made of model_construct's cells.
@@ -122,6 +122,14 @@ def test_constructed_cells_are_model_constructs():
            "dry_run_max_abs_err_pct": 2.0, "dry_run_n": 3, "dry_run_fitted_on": []}
     assert Fits.model_construct(**doc, cells=fast).model_dump_json(exclude_unset=True) == \
         Fits.model_construct(**doc, cells=slow).model_dump_json(exclude_unset=True)
+    # The fit table's own cells (named tuples) made into typed ones: the same objects.
+    from ledger.fits import FitCell, cell_results
+
+    tuples = [FitCell(**{k: (tuple(v) if k == "measured" else v) for k, v in r.items() if k != "label"})
+              for r in rows]
+    for a, b, t in zip(cell_results(tuples), slow, tuples):
+        assert a.__dict__ == {**b.__dict__, "label": t.label()} and list(a.__dict__) == list(b.__dict__)
+        assert a.model_fields_set == b.model_fields_set
 
 
 def test_a_profiles_columns_are_its_bounds():

@@ -67,24 +67,30 @@ def measurements_csv(ledger: Ledger) -> str:
     return buf.getvalue()
 
 
+class _SafeColumn(dict):
+    """One column's texts made spreadsheet-safe, each distinct value once (a column holds one
+    kind of value: True and 1 never meet in one)."""
+
+    def __missing__(self, value: object) -> object:
+        found = self[value] = _v(value)
+        return found
+
+
 def fits_csv(fits) -> str:
     """The fit table as CSV (``ledger.fits.CSV_FIELDS``), text cells spreadsheet-safe. The table
-    repeats a few texts (models, cards, settings) some 70,000 times: each is made safe once."""
+    repeats a few texts (models, cards, settings) some 70,000 times: each is made safe once per
+    column."""
     from ..fits import CSV_FIELDS
 
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(CSV_FIELDS)
-    safe: dict[tuple[type, object], object] = {}
-
-    def v(value: object) -> object:
-        key = (type(value), value)  # True and 1 are equal keys otherwise
-        found = safe.get(key)
-        if found is None:
-            found = safe[key] = _v(value)
-        return found
-    text_fields = [k != "measured" for k in CSV_FIELDS]
-    getters = [attrgetter(k) for k in CSV_FIELDS]
+    at = CSV_FIELDS.index("measured")
+    columns = [_SafeColumn() for _ in CSV_FIELDS]
+    fields = attrgetter(*CSV_FIELDS)
     for c in fits.cells:
-        w.writerow([v(get(c)) if plain else _v(" ".join(c.measured)) for get, plain in zip(getters, text_fields)])
+        values = list(fields(c))
+        values[at] = " ".join(c.measured)
+        row = [column[value] for column, value in zip(columns, values)]
+        w.writerow(row)
     return buf.getvalue()

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..dry_runs import load_dry_runs
-from ..fits import fit_table, fits_document, ledger_grids
+from ..fits import FitCell, cell_results, fit_table, fits_document, ledger_grids
 from ..models import Ledger
 from ..held_out import shared_predictor
-from ..results import FitCard, FitCellResult, Fits, constructed
+from ..results import FitCard, Fits
 
 #: Above this many rows the whole ladder per cell (and leave-one-out) is too slow for a build.
 LOO_LIMIT = 1000
@@ -27,20 +27,35 @@ PICKER_BATCHES = (2, 4, 8)
 PICKER_OPTIMIZERS = ("adamw_8bit",)
 
 
-def fit_table_doc(ledger: Ledger) -> tuple[Optional[Fits], list]:
-    """The fit table (site/fits.html) from the committed dry-run rows (None without any) and the
-    first section's grids of the ledger's own cards (none above LOO_LIMIT rows)."""
+def fit_table_doc(ledger: Ledger) -> tuple[Optional[dict], list]:
+    """The fit table (site/fits.html) from the committed dry-run rows (``fits.fits_document``, None
+    without any; ``fits_of`` types it) and the first section's grids of the ledger's own cards
+    (none above LOO_LIMIT rows)."""
     p = shared_predictor(ledger, load_dry_runs())
     small = len(ledger.measurements) <= LOO_LIMIT
     grids = ledger_grids(p) if small else []
     if not p.dry:
         return None, grids
     # Above LOO_LIMIT rows the whole ladder per cell is too slow for a build: the dry run answers.
-    doc = fits_document(p, ladder=small)
-    # Made from the table's own typed cells: built without validating each of some 70,000 again
-    # (the published vram.json is checked against its schema all the same).
+    return fits_document(p, ladder=small), grids
+
+
+def fits_of(doc: Optional[dict]) -> Optional[Fits]:
+    """``fit_table_doc``'s document as ``results.Fits`` (None for none)."""
+    if doc is None:
+        return None
     return Fits.model_construct(**{**doc, "cards": [FitCard.model_construct(**c) for c in doc["cards"]],
-                                   "cells": constructed(FitCellResult, doc["cells"])}), grids
+                                   "cells": cell_results(doc["cells"])})
+
+
+def as_tuples(cells: list) -> list[tuple]:
+    """Fit-table cells as plain tuples, to send between processes (a tenth of the cost of pickling
+    them as named tuples, a hundredth of pickling them typed); ``as_cells`` makes them cells again."""
+    return [tuple(c) for c in cells]
+
+
+def as_cells(rows: list[tuple]) -> list[FitCell]:
+    return list(map(FitCell._make, rows))
 
 
 #: The picker's stock cells beside the fit table's own (micro-batch 1, the default optimizer,
@@ -120,6 +135,10 @@ def fit_models(fits: Fits, batches: Optional[dict] = None) -> list[FitModel]:
         suffix = _picker_suffix(batch, optim, ckpt)
         for c in cells:
             others.setdefault(c.model, []).append((suffix, c))
+    own: dict[str, dict[str, list]] = {}  # each model's rows of the common cards
+    for k, cells in by_row.items():
+        if k[4] in cards:
+            own.setdefault(k[0], {})["|".join(k[1:])] = [_cell(c, c.label) for c in cells]
     out = []
     for model in fits.models:
         arch = load_arch(model)
@@ -130,8 +149,7 @@ def fit_models(fits: Fits, batches: Optional[dict] = None) -> list[FitModel]:
             cells = by_row.get((model, "4bit", "none", "plain", key), [])
             cell = next((c for c in cells if c.seq_len == HEADLINE_LEN), None)
             headline.append((size, key, cell.label if cell else "unknown"))
-        rows = {"|".join(k[1:]): [_cell(c, c.label) for c in cells] for k, cells in by_row.items()
-                if k[0] == model and k[4] in cards}
+        rows = own.get(model, {})
         for suffix, c in others.get(model, ()):
             rows.setdefault(f"{c.quant}|{c.fixes}|{c.setting}|{c.gpu}{suffix}", []).append(_cell(c, c.label()))
         lengths = sorted({s for (m, _, _), seqs in heads.items() if m == model for s in seqs})

@@ -34,7 +34,8 @@ from ..store import gc_paused
 from . import filters
 from .context import all_tables, build_context, fitted
 from .estimators_page import estimator_plot, estimator_scoreboard
-from .fits_page import PICKER_SHARES, data_script, fit_models, fit_table_doc, picker_tables
+from .fits_page import (PICKER_SHARES, as_cells, as_tuples, data_script, fit_models, fit_table_doc, fits_of,
+                        picker_tables)
 from .index_page import canonical_json, ledger_hash, training_gpu_key
 from .plot_data import make_plots
 from .views import SiteContext
@@ -261,12 +262,17 @@ def _fitted_scoreboard_plots(plots: list) -> tuple:
     return fitted(_WORKER_LEDGER), board, board_plot, _svgs([*plots, *([board_plot] if board_plot else [])])
 
 
-def _fits():
-    return fit_table_doc(_WORKER_LEDGER)
-
-
-def _picker(which):
-    return picker_tables(_WORKER_LEDGER, which)
+def _fit_tables() -> tuple[dict[str, float], tuple]:
+    """The fit table and the picker's other tables, in one process: they ask the predictor many
+    of the same questions (a micro-batch of B x L tokens is the recipe of B x L tokens before its
+    widening; every optimizer's answer is the same answer before its state), asked once."""
+    took, (doc, grids) = _timed("fit table", fit_table_doc, _WORKER_LEDGER)
+    others = {}
+    for i, share in enumerate(PICKER_SHARES):
+        spent, tables = _timed(f"picker share {i}", picker_tables, _WORKER_LEDGER, share)
+        took.update(spent)
+        others.update({k: as_tuples(cells) for k, cells in tables.items()})
+    return took, (doc and {**doc, "cells": as_tuples(doc["cells"])}, grids, others)
 
 
 class _Inline:
@@ -291,9 +297,9 @@ class _Inline:
 
 def compute_site(ledger: Ledger, out: Path, *, build_date: Optional[str], base_url: Optional[str],
                  previous: Optional[str], dirs: list[Path], stages: Optional[dict] = None) -> SiteContext:
-    """Phase one: everything the outputs show, in one frozen SiteContext. The calibration, the
-    scoreboard and the plot images are computed in a second process while this one computes the
-    rest (two cores: a third of the build time at 100k rows). ``stages`` gets each stage's CPU seconds."""
+    """Phase one: everything the outputs show, in one frozen SiteContext. Two worker processes
+    (two cores) compute, one the fit tables and the other the calibration, the scoreboard and the
+    plot images, while this one serialises the ledger. ``stages`` gets each stage's CPU seconds."""
     stages = {} if stages is None else stages
     prev_doc, prev_history = load_previous(previous, out.resolve())
     plot_list = make_plots(ledger)
@@ -311,10 +317,7 @@ def compute_site(ledger: Ledger, out: Path, *, build_date: Optional[str], base_u
     else:
         pool = _Inline(ledger)
     try:
-        # Longest first, so the two workers end about together.
-        jobs = {"fits": pool.submit(_timed, "fit table", _fits),
-                **{f"picker {i}": pool.submit(_timed, f"picker share {i}", _picker, share)
-                   for i, share in reversed(list(enumerate(PICKER_SHARES)))},
+        jobs = {"fits": pool.submit(_fit_tables),
                 "fitted": pool.submit(_timed, "calibration, scoreboard and plots", _fitted_scoreboard_plots, plot_list)}
         t0 = time.process_time()
         ledger_json = canonical_json(ledger)
@@ -329,8 +332,9 @@ def compute_site(ledger: Ledger, out: Path, *, build_date: Optional[str], base_u
         ctx = build_context(ledger, build_date=build_date, ledger_sha256=sha, plots=plot_list,
                             fitted_doc=fitted_doc, scoreboard_doc=scoreboard_doc)
         images = dict(zip([p.file for p in ctx.plots] + ([board_plot.file] if board_plot else []), svgs))
-        fits, grids = done["fits"]
-        others = {k: v for i in range(len(PICKER_SHARES)) for k, v in done[f"picker {i}"].items()}
+        doc, grids, others = done["fits"]
+        fits = fits_of(doc and {**doc, "cells": as_cells(doc["cells"])})
+        others = {k: as_cells(rows) for k, rows in others.items()}
         ctx = replace(ctx, fits=fits, fit_grids=grids, fit_models=fit_models(fits, others) if fits else [])
     finally:
         pool.shutdown(cancel_futures=True)
