@@ -365,13 +365,11 @@ def cell_results(cells: list[FitCell]) -> list:
     """The cells as ``results.FitCellResult`` (vram.json's derived.fits.cells): made from the
     project's own typed cells without validating each of some 70,000 again (``results.maker``;
     the published vram.json is checked against its schema all the same)."""
-    from .results import FitCellResult, maker
+    from .results import FitCellResult, typed_rows
 
-    make = maker(FitCellResult)
-    names = list(FitCellResult.model_fields)
     at = CSV_FIELDS.index("measured")
-    assert names == [*CSV_FIELDS[:at + 1], "label", *CSV_FIELDS[at + 1:]], names
-    return [make(dict(zip(names, (*c[:at], list(c.measured), c.label(), *c[at + 1:])))) for c in cells]
+    assert list(FitCellResult.model_fields) == [*CSV_FIELDS[:at + 1], "label", *CSV_FIELDS[at + 1:]]
+    return typed_rows(FitCellResult, [(*c[:at], list(c.measured), c.label(), *c[at + 1:]) for c in cells])
 
 
 def stale_rows(rows) -> list[str]:

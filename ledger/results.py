@@ -40,6 +40,29 @@ def maker(cls: type[BaseModel]) -> Callable[[dict], BaseModel]:
     return make
 
 
+def typed_rows(cls: type[BaseModel], rows) -> list:
+    """``maker(cls)`` of each row given as a tuple of every field's value in the model's order
+    (the fit table's 70,000 cells: no dict of names to look each value up in)."""
+    fields = cls.__pydantic_fields__
+    names = tuple(fields)
+    make = maker(cls)
+    if cls.__pydantic_post_init__ or cls.__pydantic_root_model__ or any(
+            f.alias is not None or f.validation_alias is not None for f in fields.values()):
+        return [make(dict(zip(names, row))) for row in rows]
+    new, set_attr, fields_set = cls.__new__, object.__setattr__, frozenset(names)
+    out = []
+    for row in rows:
+        if len(row) != len(names):
+            raise ValueError(f"{cls.__name__}: {len(row)} values for {len(names)} fields")
+        m = new(cls)
+        set_attr(m, "__dict__", dict(zip(names, row)))
+        set_attr(m, "__pydantic_fields_set__", set(fields_set))
+        set_attr(m, "__pydantic_extra__", None)
+        set_attr(m, "__pydantic_private__", None)
+        out.append(m)
+    return out
+
+
 # -- calibration -------------------------------------------------------------------------------
 
 

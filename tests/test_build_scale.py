@@ -130,6 +130,10 @@ def test_constructed_cells_are_model_constructs():
     for a, b, t in zip(cell_results(tuples), slow, tuples):
         assert a.__dict__ == {**b.__dict__, "label": t.label()} and list(a.__dict__) == list(b.__dict__)
         assert a.model_fields_set == b.model_fields_set
+    from ledger.results import typed_rows
+
+    with pytest.raises(ValueError):  # a row without every field is refused, never half made
+        typed_rows(FitCellResult, [tuple(rows[0].values())[:-1]])
 
 
 def test_a_profiles_columns_are_its_bounds():
@@ -276,3 +280,31 @@ def test_many_recipes_ceilings_at_once_are_each_recipes_own():
                     want = [dry_ceilings(p, recipe, lim, widened, run, optimizer, 8, 512)
                             for recipe, widened, optimizer in asks]
                     assert got == want, model
+
+
+def test_a_model_pages_cells_are_the_templates_cells():
+    """``filters.html_fit_cells`` writes a row's cells exactly as the template wrote them cell by
+    cell under autoescape, hostile ids and names included (escaped, never markup)."""
+    from types import SimpleNamespace
+
+    from ledger.site.render import environment
+
+    cell_by_cell = ('{% for c in cs %}<td class="num fit-{{ \'tight\' if c.fits_rank is none and c.tight_rank else '
+                    'c.status }}" title="{{ model }} {{ quant }} fixes {{ fixes }} {{ setting }} {{ c.seq_len }} tokens '
+                    'on {{ card }}: {{ c.method }}{% if c.measured %}; measured nearby: {{ c.measured | join(\', \') }}'
+                    '{% endif %}">{{ c.label }}<span class="meta"> {{ c.method }}</span>{% if c.measured %}<br><span '
+                    'class="meta">{% for i in c.measured %}<a href="{{ root }}index.html#m-{{ i }}">{{ i }}</a> '
+                    '{% endfor %}</span>{% endif %}</td>{% endfor %}')
+    joined = "{{ cs | html_fit_cells(model, quant, fixes, setting, card, root) }}"
+    env = environment()
+    cells = [SimpleNamespace(fits_rank=None, tight_rank=16, status="ok", seq_len=512, method="ledger",
+                             measured=['p"><script>alert(1)</script>', "p&2"], label="none (tight ≤ 16)"),
+             SimpleNamespace(fits_rank=64, tight_rank=72, status="ok", seq_len=2048, method="dry run", measured=[],
+                             label="≥ 64 (tight ≤ 72)"),
+             SimpleNamespace(fits_rank=None, tight_rank=None, status="unknown", seq_len=4096, method="dry run",
+                             measured=["it's"], label="unknown")]
+    values = {"cs": cells, "model": "m<1>", "quant": "4bit", "fixes": "none", "setting": "DoRA",
+              "card": "card\"'&", "root": "../"}
+    for template in (env.from_string(cell_by_cell), env.from_string(joined)):
+        assert "<script>" not in template.render(**values)
+    assert env.from_string(joined).render(**values) == env.from_string(cell_by_cell).render(**values)

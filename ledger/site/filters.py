@@ -12,7 +12,7 @@ from functools import lru_cache
 from typing import Optional
 
 from markdown_it import MarkdownIt
-from markupsafe import Markup
+from markupsafe import Markup, escape
 
 _SCHEME = re.compile(r"^\s*([a-z][a-z0-9+.-]*):", re.I)
 
@@ -165,6 +165,27 @@ def md_fit_cells(cells) -> str:
                    for c in cells)
 
 
+def html_fit_cells(cells, model: str, quant: str, fixes: str, setting: str, card: str, root: str) -> Markup:
+    """A fit-table row's cells for a model's page, each ``<td>`` with its class, its title (the
+    recipe, the method, the measured rows nearby), its label and method and links to those rows:
+    what the template wrote cell by cell, escaped as its autoescape escapes (the pages' some
+    20,000 cells joined here)."""
+    where = f"{escape(model)} {escape(quant)} fixes {escape(fixes)} {escape(setting)} "
+    on = f" tokens on {escape(card)}: "
+    root = escape(root)
+    out = []
+    for c in cells:
+        kind = escape("tight" if c.fits_rank is None and c.tight_rank else c.status)
+        method = escape(c.method)
+        measured = c.measured
+        nearby = f"; measured nearby: {', '.join(map(escape, measured))}" if measured else ""
+        links = ("<br><span class=\"meta\">" + "".join(f'<a href="{root}index.html#m-{escape(i)}">{escape(i)}</a> '
+                                                     for i in measured) + "</span>") if measured else ""
+        out.append(f'<td class="num fit-{kind}" title="{where}{escape(c.seq_len)}{on}{method}{nearby}">'
+                   f'{escape(c.label)}<span class="meta"> {method}</span>{links}</td>')
+    return Markup("".join(out))
+
+
 def anchor(text: object) -> str:
     """An HTML id fragment from any text: lower case, a-z0-9 and '-'."""
     import re
@@ -184,5 +205,6 @@ FILTERS = {
     "yesno": yesno,
     "md_cell": md_cell,
     "md_fit_cells": md_fit_cells,
+    "html_fit_cells": html_fit_cells,
     "md_text": md_text,
 }

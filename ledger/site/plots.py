@@ -1,17 +1,16 @@
-"""Plots as deterministic SVG (matplotlib, Agg): fixed hash salt, no date, text kept as text."""
+"""Plots as deterministic SVG (matplotlib's object API: no pyplot, so no global figure registry to
+leak into or a backend to select): fixed hash salt, no date, text kept as text."""
 
 from __future__ import annotations
 
 import io
 import re
 
-import matplotlib
+from matplotlib import rc_context
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 
-matplotlib.use("Agg")
-
-import matplotlib.pyplot as plt  # noqa: E402
-
-from .views import Plot  # noqa: E402
+from .views import Plot
 
 _STYLE = {
     "svg.hashsalt": "vram-ledger",  # ids in the SVG come from this salt, not from random state
@@ -40,74 +39,72 @@ def render_svg(plot: Plot) -> str:
     card line, its real value written beside it, so it neither reads as a fit nor squashes the
     other series."""
     titles: dict[str, str] = {}
-    with plt.rc_context(_STYLE):
-        fig, ax = plt.subplots(figsize=(7.5, 4.2))
-        try:
-            limit = plot.limit_mib
-            fits_y = [p.y for s in plot.series for p in s.points if p.status not in ("oom", "spilled")]
-            band = None
-            if limit and any(p.status == "spilled" and p.y > limit for s in plot.series for p in s.points):
-                band = max([limit, *fits_y]) * 1.06
-            handles, labels = [], []
-            n = 0
-            for i, series in enumerate(plot.series):
-                marker = _MARKERS[i % len(_MARKERS)]
-                fit = [p for p in series.points if p.status not in ("oom", "spilled") and not p.exceeded]
-                line = ax.plot([p.x for p in fit], [p.y for p in fit], marker="none",
-                               linewidth=0 if plot.markers_only else 1.2)[0]
-                color = line.get_color()
-                for pt in series.points:
-                    gid = f"{plot.id}-pt{n}"
-                    n += 1
-                    titles[gid] = _point_title(pt)
-                    if pt.status == "oom" or pt.exceeded:
-                        ax.plot([pt.x], [pt.y], marker="x", markersize=7, markeredgewidth=2, color=_OOM_COLOR,
-                                linestyle="none", gid=gid, zorder=4)
-                    elif pt.status == "spilled" and band is not None and pt.y > limit:
-                        ax.plot([pt.x], [band], marker="^", markersize=7, color=_SPILL_COLOR, linestyle="none",
-                                gid=gid, zorder=4)
-                        ax.annotate(f"spilled: {pt.y:,.0f} MiB", xy=(pt.x, band), xytext=(6, -3),
-                                    textcoords="offset points", fontsize=8, color=_SPILL_COLOR)
-                    else:
-                        ax.plot([pt.x], [pt.y], marker=marker, markersize=5, color=color, linestyle="none", gid=gid,
-                                zorder=3)
-                shown_marker = marker if fit else ("x" if any(p.status == "oom" for p in series.points) else "^")
-                handles.append(plt.Line2D([], [], marker=shown_marker, color=color if fit else (
-                    _OOM_COLOR if shown_marker == "x" else _SPILL_COLOR), linewidth=0 if plot.markers_only or not fit
-                    else 1.2))
-                labels.append(series.label)
-            if plot.log:
-                ax.set_xscale("log")
-                ax.set_yscale("log")
-            if plot.diagonal:
-                values = [v for s in plot.series for pt in s.points for v in (pt.x, pt.y)]
-                lo, hi = min(values) * 0.9, max(values) * 1.1
-                handles.append(ax.plot([lo, hi], [lo, hi], linestyle="--", color="#555555", linewidth=1)[0])
-                labels.append("estimate = measured")
-            if limit:
-                handles.append(ax.axhline(limit, color=_OOM_COLOR, linestyle="--", linewidth=1))
-                labels.append(f"{plot.limit_label}: {limit:,.0f} MiB")
-                if any(p.status == "oom" or p.exceeded for s in plot.series for p in s.points):
-                    handles.append(plt.Line2D([], [], marker="x", color=_OOM_COLOR, linewidth=0, markeredgewidth=2))
-                    labels.append("× ran out of memory")
-                if band is not None:
-                    handles.append(plt.Line2D([], [], marker="^", color=_SPILL_COLOR, linewidth=0))
-                    labels.append("▲ spilled past the card (value written beside it)")
-                    bottom = ax.get_ylim()[0]
-                    ax.set_ylim(bottom, band * 1.04)
-            ax.set_xlabel(plot.xlabel)
-            ax.set_ylabel(plot.ylabel)
-            ax.set_title(plot.title, fontsize=10)
-            if handles:
-                if len(handles) > _LEGEND_MAX:  # every series is still in vram.json
-                    extra = len(handles) - _LEGEND_MAX
-                    handles, labels = handles[:_LEGEND_MAX], labels[:_LEGEND_MAX] + [f"+ {extra} more (see vram.json)"]
-                    handles.append(plt.Line2D([], [], linestyle="none"))
-                ax.legend(handles, labels, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
-            buf = io.StringIO()
-            fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None, "Creator": None, "Format": None, "Type": None})
-        finally:
-            plt.close(fig)
+    with rc_context(_STYLE):
+        fig = Figure(figsize=(7.5, 4.2))
+        ax = fig.subplots()
+        limit = plot.limit_mib
+        fits_y = [p.y for s in plot.series for p in s.points if p.status not in ("oom", "spilled")]
+        band = None
+        if limit and any(p.status == "spilled" and p.y > limit for s in plot.series for p in s.points):
+            band = max([limit, *fits_y]) * 1.06
+        handles, labels = [], []
+        n = 0
+        for i, series in enumerate(plot.series):
+            marker = _MARKERS[i % len(_MARKERS)]
+            fit = [p for p in series.points if p.status not in ("oom", "spilled") and not p.exceeded]
+            line = ax.plot([p.x for p in fit], [p.y for p in fit], marker="none",
+                           linewidth=0 if plot.markers_only else 1.2)[0]
+            color = line.get_color()
+            for pt in series.points:
+                gid = f"{plot.id}-pt{n}"
+                n += 1
+                titles[gid] = _point_title(pt)
+                if pt.status == "oom" or pt.exceeded:
+                    ax.plot([pt.x], [pt.y], marker="x", markersize=7, markeredgewidth=2, color=_OOM_COLOR,
+                            linestyle="none", gid=gid, zorder=4)
+                elif pt.status == "spilled" and band is not None and pt.y > limit:
+                    ax.plot([pt.x], [band], marker="^", markersize=7, color=_SPILL_COLOR, linestyle="none",
+                            gid=gid, zorder=4)
+                    ax.annotate(f"spilled: {pt.y:,.0f} MiB", xy=(pt.x, band), xytext=(6, -3),
+                                textcoords="offset points", fontsize=8, color=_SPILL_COLOR)
+                else:
+                    ax.plot([pt.x], [pt.y], marker=marker, markersize=5, color=color, linestyle="none", gid=gid,
+                            zorder=3)
+            shown_marker = marker if fit else ("x" if any(p.status == "oom" for p in series.points) else "^")
+            handles.append(Line2D([], [], marker=shown_marker, color=color if fit else (
+                _OOM_COLOR if shown_marker == "x" else _SPILL_COLOR), linewidth=0 if plot.markers_only or not fit
+                else 1.2))
+            labels.append(series.label)
+        if plot.log:
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+        if plot.diagonal:
+            values = [v for s in plot.series for pt in s.points for v in (pt.x, pt.y)]
+            lo, hi = min(values) * 0.9, max(values) * 1.1
+            handles.append(ax.plot([lo, hi], [lo, hi], linestyle="--", color="#555555", linewidth=1)[0])
+            labels.append("estimate = measured")
+        if limit:
+            handles.append(ax.axhline(limit, color=_OOM_COLOR, linestyle="--", linewidth=1))
+            labels.append(f"{plot.limit_label}: {limit:,.0f} MiB")
+            if any(p.status == "oom" or p.exceeded for s in plot.series for p in s.points):
+                handles.append(Line2D([], [], marker="x", color=_OOM_COLOR, linewidth=0, markeredgewidth=2))
+                labels.append("× ran out of memory")
+            if band is not None:
+                handles.append(Line2D([], [], marker="^", color=_SPILL_COLOR, linewidth=0))
+                labels.append("▲ spilled past the card (value written beside it)")
+                bottom = ax.get_ylim()[0]
+                ax.set_ylim(bottom, band * 1.04)
+        ax.set_xlabel(plot.xlabel)
+        ax.set_ylabel(plot.ylabel)
+        ax.set_title(plot.title, fontsize=10)
+        if handles:
+            if len(handles) > _LEGEND_MAX:  # every series is still in vram.json
+                extra = len(handles) - _LEGEND_MAX
+                handles, labels = handles[:_LEGEND_MAX], labels[:_LEGEND_MAX] + [f"+ {extra} more (see vram.json)"]
+                handles.append(Line2D([], [], linestyle="none"))
+            ax.legend(handles, labels, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+        buf = io.StringIO()
+        fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None, "Creator": None, "Format": None, "Type": None})
     return _add_titles(buf.getvalue(), titles)
 
 
