@@ -6,8 +6,9 @@ confusion at each card's capacity."""
 from __future__ import annotations
 
 import statistics
-from collections import defaultdict
 from typing import Iterable, Optional
+
+import numpy as np
 
 from .estimators import ESTIMATORS, MIB, Canifinetune, Estimate, Estimator, scored_recipe
 from .model_configs import Arch, load_arch
@@ -145,43 +146,59 @@ def scoreboard(ledger: Ledger, estimators: Optional[list[Estimator]] = None, kee
         "card's effective limit, and 'tight' or 'won't fit' count as not fitting; the costly mistake is 'fits' for "
         "a row that ran out of memory")}
     keep = len(addressable) <= keep_rows
+    # What every estimator's scoring reads of a row, made once: its outcome, its measured figure
+    # for each quantity an estimator predicts, and its slices (as codes, for the medians per slice).
+    oks = [m.outcome.status == "ok" for m, *_ in addressable]
+    measured_as = {q: [_measured(m, q) if ok else (None, None) for (m, *_), ok in zip(addressable, oks)]
+                   for q in {est.predicts for est in estimators}}
+    slice_names = list(addressable[0][4]) if addressable else []
+    slice_labels: dict[str, list] = {}
+    slice_codes: dict[str, np.ndarray] = {}
+    for k in slice_names:
+        labels: dict = {}
+        slice_codes[k] = np.array([labels.setdefault(a[4][k], len(labels)) for a in addressable], dtype=np.int64)
+        slice_labels[k] = list(labels)
     for est in estimators:
         entry = {"name": est.name, "predicts": est.predicts, "leaves_out": est.leaves_out,
                  "available": not (isinstance(est, Canifinetune) and not est.available()), "skipped": None}
-        if isinstance(est, VramLedger) and len(ledger.measurements) > HELD_OUT_LIMIT:
+        ours, dry = isinstance(est, VramLedger), isinstance(est, DryRunRows)
+        if ours and len(ledger.measurements) > HELD_OUT_LIMIT:
             entry.update(skipped=f"held-out scoring refits once per row; skipped above {HELD_OUT_LIMIT} rows",
                          n=0, median_abs_err_pct=None, median_signed_err_pct=None, slices={}, confusion=None, rows=[],
                          rows_kept=False)
             out["estimators"].append(entry)
             continue
-        cache: dict[tuple, Optional[Estimate]] = {}
-        rows, errors = [], []
-        by_slice: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+        cache: dict[tuple, tuple[Optional[Estimate], Optional[float]]] = {}
+        rows, errors, scored = [], [], []
         confusion = {"fits_and_fit": 0, "fits_but_oom": 0, "oom_but_fit": 0, "oom_and_oom": 0}
-        for m, r, arch, card, slices in addressable:
+        measured_of = measured_as[est.predicts]
+        for i, (m, r, arch, card, slices) in enumerate(addressable):
             answer = None
-            if isinstance(est, VramLedger):
+            if ours:
                 answer = est.answer(ledger, m) if modelled(m) else None
                 fig = answer.allocated if answer else None
                 pred = fig.mib if fig is not None else None
                 e = None if pred is None else Estimate(est.name, pred * MIB, est.predicts,
                                                        low_bytes=(fig.low_mib or 0) * MIB or None,
                                                        high_bytes=(fig.high_mib or 0) * MIB or None)
-            elif isinstance(est, DryRunRows):
+                estimate_mib = None if e is None else e.mib
+            elif dry:
                 pred = est.predict_row(m)
                 e = None if pred is None else Estimate(est.name, pred * MIB, est.predicts)
+                estimate_mib = None if e is None else e.mib
             else:
                 key = (arch.name, r.quant, r.rank, r.seq_len, r.dropout_rate, r.dora, r.batch, card)
-                if key not in cache:
-                    cache[key] = est.estimate(arch, r, card)
-                e = cache[key]
+                found = cache.get(key)
+                if found is None:
+                    e = est.estimate(arch, r, card)
+                    found = cache[key] = (e, None if e is None else e.mib)
+                e, estimate_mib = found
             if e is None:
                 continue
-            ok = m.outcome.status == "ok"
-            measured, quantity = _measured(m, est.predicts) if ok else (None, None)
-            estimate_mib = e.mib
+            ok = oks[i]
+            measured, quantity = measured_of[i]
             err = round((estimate_mib - measured) / measured * 100, 1) if measured else None
-            if isinstance(est, VramLedger):
+            if ours:
                 # This project's verdict, as `vram ceiling` gives it (an OOM is decided by reserved
                 # memory and the card's effective limit, not by its capacity).
                 fits = None if answer is None or answer.verdict == "unknown" else answer.verdict == "fits"
@@ -189,8 +206,7 @@ def scoreboard(ledger: Ledger, estimators: Optional[list[Estimator]] = None, kee
                 fits = (estimate_mib <= card) if card else None
             if err is not None:
                 errors.append(err)
-                for k, v in slices.items():
-                    by_slice[k][v].append(abs(err))
+                scored.append(i)
             if fits is not None:
                 key = ("fits_and_fit" if ok else "fits_but_oom") if fits else ("oom_but_fit" if ok else "oom_and_oom")
                 confusion[key] += 1
@@ -207,12 +223,33 @@ def scoreboard(ledger: Ledger, estimators: Optional[list[Estimator]] = None, kee
             n=len(errors),
             median_abs_err_pct=round(statistics.median(abs(x) for x in errors), 1) if errors else None,
             median_signed_err_pct=round(statistics.median(errors), 1) if errors else None,
-            slices={k: {v: {"median_abs_err_pct": round(statistics.median(xs), 1), "n": len(xs)}
-                        for v, xs in sorted(groups.items(), key=lambda kv: _sort_key(kv[0]))}
-                    for k, groups in by_slice.items()},
+            slices=_slice_medians(errors, scored, slice_codes, slice_labels),
             confusion=confusion, rows=rows, rows_kept=keep,
         )
         out["estimators"].append(entry)
+    return out
+
+
+def _slice_medians(errors: list[float], scored: list[int], codes: dict[str, np.ndarray],
+                   labels: dict[str, list]) -> dict:
+    """Per slice and label, the median absolute error of the scored rows (``scored``: their
+    positions among the addressable rows, whose labels ``codes`` holds as indices into
+    ``labels``) and how many, labels in ``_sort_key``'s order. Each median is
+    ``statistics.median``'s: the middle value, or the mean of the two middle ones."""
+    if not errors:
+        return {}
+    abs_errs = np.abs(np.array(errors, dtype=float))
+    at = np.array(scored, dtype=np.int64)
+    out = {}
+    for k, all_codes in codes.items():
+        c = all_codes[at]
+        order = np.argsort(c, kind="stable")
+        sorted_codes = c[order]
+        starts = np.flatnonzero(np.r_[True, sorted_codes[1:] != sorted_codes[:-1]])
+        ends = np.r_[starts[1:], len(sorted_codes)]
+        groups = {labels[k][sorted_codes[a]]: abs_errs[order[a:b]] for a, b in zip(starts.tolist(), ends.tolist())}
+        out[k] = {v: {"median_abs_err_pct": round(float(np.median(xs)), 1), "n": len(xs)}
+                  for v, xs in sorted(groups.items(), key=lambda kv: _sort_key(kv[0]))}
     return out
 
 

@@ -308,3 +308,35 @@ def test_a_model_pages_cells_are_the_templates_cells():
     for template in (env.from_string(cell_by_cell), env.from_string(joined)):
         assert "<script>" not in template.render(**values)
     assert env.from_string(joined).render(**values) == env.from_string(cell_by_cell).render(**values)
+
+
+def test_the_scoreboards_slice_medians_are_statistics_medians():
+    """``scoreboard._slice_medians`` (numpy, over codes made once per build) gives each slice's
+    labels, order, counts and medians exactly as grouping the rows' absolute errors and taking
+    ``statistics.median`` of each did: odd and even groups, ties, numeric and text labels."""
+    import statistics
+
+    from ledger.scoreboard import _slice_medians, _sort_key
+
+    rng = random.Random(11)
+    names = {"seq_len": ["<= 2048", "<= 4096", "> 16384"], "rank": ["8", "16", "128", "1024"],
+             "gpu": ["", "rtx-3060-12gb", "a100-80gb"], "dropout": ["yes", "no"]}
+    rows = [{k: rng.choice(v) for k, v in names.items()} for _ in range(3000)]
+    scored = sorted(rng.sample(range(len(rows)), 2100))
+    errors = [round(rng.choice([rng.uniform(-80, 80), 12.5, -12.5, 0.0]), 1) for _ in scored]
+    labels, codes = {}, {}
+    for k in names:
+        seen: dict = {}
+        codes[k] = np.array([seen.setdefault(r[k], len(seen)) for r in rows], dtype=np.int64)
+        labels[k] = list(seen)
+    want = {}
+    for k in names:
+        groups: dict = {}
+        for i, err in zip(scored, errors):
+            groups.setdefault(rows[i][k], []).append(abs(err))
+        want[k] = {v: {"median_abs_err_pct": round(statistics.median(xs), 1), "n": len(xs)}
+                   for v, xs in sorted(groups.items(), key=lambda kv: _sort_key(kv[0]))}
+    got = _slice_medians(errors, scored, codes, labels)
+    assert got == want and [list(v) for v in got.values()] == [list(v) for v in want.values()]
+    assert all(type(c["median_abs_err_pct"]) is float and type(c["n"]) is int for v in got.values() for c in v.values())
+    assert _slice_medians([], [], codes, labels) == {}
