@@ -327,17 +327,19 @@ def compute_site(ledger: Ledger, out: Path, *, build_date: Optional[str], base_u
         for name, job in jobs.items():
             took, done[name] = job.result()
             stages.update(took)
-        fitted_doc, scoreboard_doc, board_plot, svgs = done["fitted"]
-        t0 = time.process_time()
-        ctx = build_context(ledger, build_date=build_date, ledger_sha256=sha, plots=plot_list,
-                            fitted_doc=fitted_doc, scoreboard_doc=scoreboard_doc)
-        images = dict(zip([p.file for p in ctx.plots] + ([board_plot.file] if board_plot else []), svgs))
-        doc, grids, others = done["fits"]
-        fits = fits_of(doc and {**doc, "cells": as_cells(doc["cells"])})
-        others = {k: as_cells(rows) for k, rows in others.items()}
-        ctx = replace(ctx, fits=fits, fit_grids=grids, fit_models=fit_models(fits, others) if fits else [])
     finally:
+        # The workers end before this process builds anything more: while a forked child lives,
+        # every page this one writes is copied first (seconds of system time for a large ledger).
         pool.shutdown(cancel_futures=True)
+    fitted_doc, scoreboard_doc, board_plot, svgs = done["fitted"]
+    t0 = time.process_time()
+    ctx = build_context(ledger, build_date=build_date, ledger_sha256=sha, plots=plot_list,
+                        fitted_doc=fitted_doc, scoreboard_doc=scoreboard_doc)
+    images = dict(zip([p.file for p in ctx.plots] + ([board_plot.file] if board_plot else []), svgs))
+    doc, grids, others = done["fits"]
+    fits = fits_of(doc and {**doc, "cells": as_cells(doc["cells"])})
+    others = {k: as_cells(rows) for k, rows in others.items()}
+    ctx = replace(ctx, fits=fits, fit_grids=grids, fit_models=fit_models(fits, others) if fits else [])
     stages["page tables"] = time.process_time() - t0
     t0 = time.process_time()
 
