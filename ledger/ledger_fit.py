@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime as dt
 from collections import Counter
 from functools import cached_property
+from operator import is_
 from typing import Iterable, Optional
 
 from .calibration import LimitRows, Overestimate, key_pairs, overestimate, pair_rows, sorted_pairs
@@ -18,6 +19,11 @@ from .recipe import GroupKey, Recipe, group_key, recipe_key, recipe_of, seq_len_
 
 def m_group(m: Measurement) -> GroupKey:
     return group_key(m)
+
+
+def same_rows(a: list, b: list) -> bool:
+    """Whether two lists hold the very same row objects, in the same order."""
+    return a is b or (len(a) == len(b) and all(map(is_, a, b)))
 
 
 class LedgerFit:
@@ -33,10 +39,17 @@ class LedgerFit:
         self.ms = ([m for m in base.ms if m.id not in self.exclude] if shared
                    else before(ledger.measurements, as_of, self.exclude))
         # Dry runs are computations, not observations: any of them could have been run on any date,
-        # so only the measured rows their remainder is fitted on are limited to ``as_of``.
-        self.dry = [m for m in dry_runs if m.id not in self.exclude
-                    and m.kind == "dry_run" and m.lora is not None and m.outcome.status == "ok"
-                    and m.outcome.peak_allocated_mib is not None and m.seq_len and dry_readable(m)]
+        # so only the measured rows their remainder is fitted on are limited to ``as_of``. A fit
+        # started from another of the very same dry-run rows (leave-one-out asks one per row) keeps
+        # the other's, less the extra ones left out.
+        self.dry_source = dry_runs
+        if shared and same_rows(base.dry_source, dry_runs):
+            extra = self.exclude - base.exclude
+            self.dry = [m for m in base.dry if m.id not in extra] if extra & base.dry_ids else base.dry
+        else:
+            self.dry = [m for m in dry_runs if m.id not in self.exclude
+                        and m.kind == "dry_run" and m.lora is not None and m.outcome.status == "ok"
+                        and m.outcome.peak_allocated_mib is not None and m.seq_len and dry_readable(m)]
         # ``base``: the same ledger's fit with fewer rows excluded (leave-one-out): its peak model is
         # shared less the extra rows (the same figures as a fresh one, at the cost of their groups).
         self.base = base if base is not None and base.shares(ledger, as_of, self.exclude) else None
@@ -198,6 +211,10 @@ class LedgerFit:
     def spellings(self) -> Counter:
         """How many rows spell each model name as they do."""
         return Counter(m.model for m in self.ms if m.model)
+
+    @cached_property
+    def dry_ids(self) -> set[str]:
+        return {m.id for m in self.dry}
 
     @cached_property
     def by_id(self) -> dict[str, Measurement]:

@@ -51,7 +51,7 @@ from .answers import Answer, CeilingAnswer, Interval, Run, around, decide, scale
 from .dominance import Dominance
 from .dry_calibration import DryCalibration
 from .dry_table import DryTable
-from .ledger_fit import LedgerFit
+from .ledger_fit import LedgerFit, same_rows
 from .limits import CardLimits
 from .model_configs import model_name
 from .models import Gpu, Ledger, Measurement
@@ -72,10 +72,14 @@ class Predictor:
                  exclude: Iterable[str] = (), base: Optional["Predictor"] = None):
         """``base``: a predictor of the same ledger and dry runs with fewer rows excluded (leave-one-out
         asks one per row); what does not depend on the extra rows is shared with it."""
-        self.fit = LedgerFit(ledger, list(dry_runs), as_of, exclude, base=base.fit if base else None)
+        rows = dry_runs if isinstance(dry_runs, list) else list(dry_runs)
+        self.fit = LedgerFit(ledger, rows, as_of, exclude, base=base.fit if base else None)
         self.ledger, self.ms, self.dry, self.over = ledger, self.fit.ms, self.fit.dry, self.fit.over
-        # The dry-run table is a function of the dry-run rows alone.
-        same_dry = base is not None and [d.id for d in base.dry] == [d.id for d in self.dry]
+        # The dry-run table is a function of the dry-run rows alone (kept from the base's rows, the
+        # same rows when as many).
+        same_dry = base is not None and (
+            len(base.dry) == len(self.dry) if self.fit.base is base.fit and same_rows(base.fit.dry_source, rows)
+            else [d.id for d in base.dry] == [d.id for d in self.dry])
         self.table = base.table if same_dry else DryTable(self.dry)
         self.dry_cal = DryCalibration(self.fit, self.table)
         self.limits = CardLimits(self.fit)

@@ -86,6 +86,7 @@ def test_a_predictor_started_from_the_full_one_answers_as_a_fresh_one():
             assert started.fit.over == fresh.fit.over and started.fit.lims == fresh.fit.lims
             assert started.fit.real_seq == fresh.fit.real_seq
             assert started.dominance._rows == fresh.dominance._rows
+            assert [d.id for d in started.dry] == [d.id for d in fresh.dry]
             r = recipe_of(m)
             for recipe in (r, replace(r, rank=r.rank * 2), replace(r, dropout=not r.dropout)):
                 if recipe.seq_len is None:
@@ -93,6 +94,27 @@ def test_a_predictor_started_from_the_full_one_answers_as_a_fresh_one():
                 for run in ("probe", "real"):
                     a, b = started.predict(recipe, m.gpu, run=run), fresh.predict(recipe, m.gpu, run=run)
                     assert a.model_dump() == b.model_dump(), (m.id, recipe, run)
+
+
+def test_a_held_out_fit_keeps_the_bases_dry_rows_less_the_ones_left_out():
+    """A fit started from another of the very same dry-run rows keeps the other's (the same list
+    while none of them is left out), less any left out; other rows are filtered afresh."""
+    from ledger.dry_runs import load_dry_runs
+    from ledger.predictor import Predictor
+
+    dry = load_dry_runs()
+    lg = store.load(DEFAULT_LEDGER)
+    full = Predictor(lg, dry)
+    probe = next(m for m in lg.measurements if m.kind == "probe")
+    started = Predictor(lg, dry, exclude=[probe.id], base=full)
+    assert started.dry is full.dry and started.table is full.table
+    gone = full.dry[5].id
+    without = Predictor(lg, dry, exclude=[gone], base=full)
+    assert [d.id for d in without.dry] == [d.id for d in full.dry if d.id != gone]
+    assert [d.id for d in without.dry] == [d.id for d in Predictor(lg, dry, exclude=[gone]).dry]
+    assert without.table is not full.table
+    other = Predictor(lg, list(reversed(dry)), exclude=[probe.id], base=full)  # not the base's rows
+    assert [d.id for d in other.dry] == [d.id for d in reversed(full.dry)]
 
 
 def test_the_fit_tables_rank_figures_are_the_dry_tables():
