@@ -363,7 +363,7 @@ def fits_document(p: Predictor, cells: Optional[list[FitCell]] = None, ladder: b
 
 def cell_results(cells: list[FitCell]) -> list:
     """The cells as ``results.FitCellResult`` (vram.json's derived.fits.cells): made from the
-    project's own typed cells without validating each of some 70,000 again (``results.maker``;
+    project's own typed cells without validating each of some 70,000 again (``results.typed_rows``;
     the published vram.json is checked against its schema all the same)."""
     from .results import FitCellResult, typed_rows
 

@@ -21,7 +21,7 @@ def m_group(m: Measurement) -> GroupKey:
     return group_key(m)
 
 
-def same_rows(a: list, b: list) -> bool:
+def _same_rows(a: list, b: list) -> bool:
     """Whether two lists hold the very same row objects, in the same order."""
     return a is b or (len(a) == len(b) and all(map(is_, a, b)))
 
@@ -43,7 +43,7 @@ class LedgerFit:
         # started from another of the very same dry-run rows (leave-one-out asks one per row) keeps
         # the other's, less the extra ones left out.
         self.dry_source = dry_runs
-        if shared and same_rows(base.dry_source, dry_runs):
+        if shared and _same_rows(base.dry_source, dry_runs):
             extra = self.exclude - base.exclude
             self.dry = [m for m in base.dry if m.id not in extra] if extra & base.dry_ids else base.dry
         else:

@@ -51,7 +51,7 @@ from .answers import Answer, CeilingAnswer, Interval, Run, around, decide, scale
 from .dominance import Dominance
 from .dry_calibration import DryCalibration
 from .dry_table import DryTable
-from .ledger_fit import LedgerFit, same_rows
+from .ledger_fit import LedgerFit
 from .limits import CardLimits
 from .model_configs import model_name
 from .models import Gpu, Ledger, Measurement
@@ -75,11 +75,9 @@ class Predictor:
         rows = dry_runs if isinstance(dry_runs, list) else list(dry_runs)
         self.fit = LedgerFit(ledger, rows, as_of, exclude, base=base.fit if base else None)
         self.ledger, self.ms, self.dry, self.over = ledger, self.fit.ms, self.fit.dry, self.fit.over
-        # The dry-run table is a function of the dry-run rows alone (kept from the base's rows, the
-        # same rows when as many).
-        same_dry = base is not None and (
-            len(base.dry) == len(self.dry) if self.fit.base is base.fit and same_rows(base.fit.dry_source, rows)
-            else [d.id for d in base.dry] == [d.id for d in self.dry])
+        # The dry-run table is a function of the dry-run rows alone (a fit started from the base's
+        # rows keeps their very list while none of them is left out).
+        same_dry = base is not None and (self.dry is base.dry or [d.id for d in base.dry] == [d.id for d in self.dry])
         self.table = base.table if same_dry else DryTable(self.dry)
         self.dry_cal = DryCalibration(self.fit, self.table)
         self.limits = CardLimits(self.fit)
@@ -199,7 +197,7 @@ class Predictor:
         key = (recipe, gpu, entry.vendor if entry else None, run)
         found = self.cores.get(key)
         if found is None:
-            found = self.cores[key] = self._core(recipe, gpu, entry.vendor if entry else None, run)
+            found = self.cores[key] = self._core(*key)
         probe, method, text, evidence, real, basis = found
         evidence = list(evidence)
         if run == "real":

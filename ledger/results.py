@@ -14,6 +14,13 @@ class _Result(BaseModel):
     model_config = ConfigDict(extra="forbid", serialize_by_alias=True, validate_by_name=True)
 
 
+def _plain(cls: type[BaseModel]) -> bool:
+    """Whether a model's object is its fields' values and nothing more (no aliases, no post-init
+    hook, not a root model): what ``maker`` and ``typed_rows`` may build without ``model_construct``."""
+    return not cls.__pydantic_post_init__ and not cls.__pydantic_root_model__ and all(
+        f.alias is None and f.validation_alias is None for f in cls.__pydantic_fields__.values())
+
+
 def maker(cls: type[BaseModel]) -> Callable[[dict], BaseModel]:
     """A function making ``cls.model_construct(**values)`` from a dict that gives every field of
     ``cls`` by its name and nothing else (values the project computed and typed itself: the fit
@@ -21,10 +28,8 @@ def maker(cls: type[BaseModel]) -> Callable[[dict], BaseModel]:
     ``model_construct``'s per-field alias and default lookups (a tenth of its cost). A dict that
     does not give exactly the fields, or a model with aliases or a post-init hook, goes through
     ``model_construct`` itself; ``tests/test_build_scale.py`` compares the two."""
-    fields = cls.__pydantic_fields__
-    names = list(fields)
-    plain = not cls.__pydantic_post_init__ and not cls.__pydantic_root_model__ and all(
-        f.alias is None and f.validation_alias is None for f in fields.values())
+    names = list(cls.__pydantic_fields__)
+    plain = _plain(cls)
     keys = set(names)
     new, set_attr = cls.__new__, object.__setattr__
 
@@ -43,20 +48,18 @@ def maker(cls: type[BaseModel]) -> Callable[[dict], BaseModel]:
 def typed_rows(cls: type[BaseModel], rows) -> list:
     """``maker(cls)`` of each row given as a tuple of every field's value in the model's order
     (the fit table's 70,000 cells: no dict of names to look each value up in)."""
-    fields = cls.__pydantic_fields__
-    names = tuple(fields)
-    make = maker(cls)
-    if cls.__pydantic_post_init__ or cls.__pydantic_root_model__ or any(
-            f.alias is not None or f.validation_alias is not None for f in fields.values()):
+    names = tuple(cls.__pydantic_fields__)
+    if not _plain(cls):
+        make = maker(cls)
         return [make(dict(zip(names, row))) for row in rows]
-    new, set_attr, fields_set = cls.__new__, object.__setattr__, frozenset(names)
+    new, set_attr = cls.__new__, object.__setattr__
     out = []
     for row in rows:
         if len(row) != len(names):
             raise ValueError(f"{cls.__name__}: {len(row)} values for {len(names)} fields")
         m = new(cls)
         set_attr(m, "__dict__", dict(zip(names, row)))
-        set_attr(m, "__pydantic_fields_set__", set(fields_set))
+        set_attr(m, "__pydantic_fields_set__", set(names))
         set_attr(m, "__pydantic_extra__", None)
         set_attr(m, "__pydantic_private__", None)
         out.append(m)
