@@ -59,17 +59,19 @@ def render_svg(plot: Plot) -> str:
                 gid = f"{plot.id}-pt{n}"
                 n += 1
                 titles[gid] = _point_title(pt)
+                # Each point a Line2D added as it is (what ax.plot makes of one point with its colour
+                # given, without parsing its arguments: a large ledger's plots have thousands).
                 if pt.status == "oom" or pt.exceeded:
-                    ax.plot([pt.x], [pt.y], marker="x", markersize=7, markeredgewidth=2, color=_OOM_COLOR,
-                            linestyle="none", gid=gid, zorder=4)
+                    ax.add_line(Line2D([pt.x], [pt.y], marker="x", markersize=7, markeredgewidth=2,
+                                       color=_OOM_COLOR, linestyle="none", gid=gid, zorder=4))
                 elif pt.status == "spilled" and band is not None and pt.y > limit:
-                    ax.plot([pt.x], [band], marker="^", markersize=7, color=_SPILL_COLOR, linestyle="none",
-                            gid=gid, zorder=4)
+                    ax.add_line(Line2D([pt.x], [band], marker="^", markersize=7, color=_SPILL_COLOR,
+                                       linestyle="none", gid=gid, zorder=4))
                     ax.annotate(f"spilled: {pt.y:,.0f} MiB", xy=(pt.x, band), xytext=(6, -3),
                                 textcoords="offset points", fontsize=8, color=_SPILL_COLOR)
                 else:
-                    ax.plot([pt.x], [pt.y], marker=marker, markersize=5, color=color, linestyle="none", gid=gid,
-                            zorder=3)
+                    ax.add_line(Line2D([pt.x], [pt.y], marker=marker, markersize=5, color=color, linestyle="none",
+                                       gid=gid, zorder=3))
             shown_marker = marker if fit else ("x" if any(p.status == "oom" for p in series.points) else "^")
             handles.append(Line2D([], [], marker=shown_marker, color=color if fit else (
                 _OOM_COLOR if shown_marker == "x" else _SPILL_COLOR), linewidth=0 if plot.markers_only or not fit
