@@ -260,7 +260,9 @@ def fit_table(p: Predictor, *, models: Optional[Iterable[str]] = None, gpus: Opt
                          cards_key, limits, run)
         column = {g: i for i, (g, _) in enumerate(dry_cards)}
         known = sorted(spellings.get(model, ())) if len(dry_cards) < len(gpus) else []
+        plan = monotone_plan([(quant, fixes, setting, seq) for quant, fixes, _, setting, _, _, seq, *_ in recipes])
         for gpu in gpus:
+            start = len(out)  # the card's cells, one per recipe in order: made monotone together
             if gpu in column:  # the dry run answers (every measured row has checkpointing on: without it, always)
                 at = column[gpu]
                 for (quant, fixes, optim, setting, _, _, seq, _, _, _), found in zip(recipes, dry):
@@ -268,6 +270,7 @@ def fit_table(p: Predictor, *, models: Optional[Iterable[str]] = None, gpus: Opt
                     out.append(FitCell(model, gpu, quant, fixes, setting, seq, fits, tight, status,
                                        more or (fits is not None and fits + STEP > MAX_RANK), "dry run", (), run,
                                        optim, checkpointing))
+                raise_block(out, range(start, len(out)), plan)
                 continue
             entry = all_cards.get(gpu)
             for quant, fixes, optim, setting, dropout, dora, seq, recipe, one, widened in recipes:  # the whole ladder
@@ -291,41 +294,57 @@ def fit_table(p: Predictor, *, models: Optional[Iterable[str]] = None, gpus: Opt
                 out.append(FitCell(model, gpu, quant, fixes, setting, seq, fits, tight, status,
                                    more or (fits is not None and fits + STEP > MAX_RANK), "ledger", rows, run,
                                    optim, checkpointing))
-    return monotone(out)
+            raise_block(out, range(start, len(out)), plan)
+    return out
 
 
 def monotone(cells: list[FitCell]) -> list[FitCell]:
     """What fits a harder recipe fits an easier one: a cell is raised (and says "at least") to the
     ceiling of a longer sequence, and the plain recipe's to its dropout's or DoRA's, same card."""
-    index = {c[:6]: i for i, c in enumerate(cells)}  # (model, gpu, quant, fixes, setting, seq_len)
-    fits = [c.fits_rank for c in cells]
-    raised: set[int] = set()
-
-    def raise_to(i: int, floor: Optional[int]) -> None:
-        if floor is not None and (fits[i] is None or fits[i] < floor):
-            fits[i] = floor
-            raised.add(i)
-
-    for (model, gpu, quant, fixes, setting, seq), i in index.items():
-        if setting == "plain":
-            for other in ("dropout", "DoRA"):
-                j = index.get((model, gpu, quant, fixes, other, seq))
-                if j is not None:
-                    raise_to(i, fits[j])
-    groups: dict[tuple, list[tuple[int, int]]] = {}
-    for key, i in index.items():
-        groups.setdefault(key[:5], []).append((key[5], i))
-    for members in groups.values():
-        members.sort(reverse=True)  # the longest sequence first
-        floor = None
-        for _, i in members:
-            raise_to(i, floor)
-            floor = fits[i] if fits[i] is not None else floor
-    for i in raised:
-        c = cells[i]
-        cells[i] = c._replace(fits_rank=fits[i], tight_rank=max(fits[i], c.tight_rank or 0), status="ok",
-                              at_least=True)
+    blocks: dict[tuple, list[int]] = {}  # a card's cells of one model: every raise stays inside one
+    for i, c in enumerate(cells):
+        blocks.setdefault(c[:2], []).append(i)
+    for at in blocks.values():
+        raise_block(cells, at, monotone_plan([cells[i][2:6] for i in at]))
     return cells
+
+
+def monotone_plan(keys: list[tuple]) -> tuple[list[tuple[int, int]], list[list[int]]]:
+    """How ``monotone`` raises one card's cells of one model, given their (quant, fixes, setting,
+    seq_len) in order (the last of equal keys is the one that counts): the plain cells to raise to
+    a dropout or DoRA cell of the same length, as (plain, other) positions, then each recipe's
+    cells from its longest sequence down. A fit table's cards share one plan per model."""
+    index = {k: j for j, k in enumerate(keys)}
+    pairs = [(j, index[other]) for (quant, fixes, setting, seq), j in index.items() if setting == "plain"
+             for other in ((quant, fixes, "dropout", seq), (quant, fixes, "DoRA", seq)) if other in index]
+    groups: dict[tuple, list[tuple[int, int]]] = {}
+    for key, j in index.items():
+        groups.setdefault(key[:3], []).append((key[3], j))
+    return pairs, [[j for _, j in sorted(members, reverse=True)] for members in groups.values()]
+
+
+def raise_block(cells: list[FitCell], at, plan) -> None:
+    """``monotone`` on the cells at positions ``at`` (one card, one model), by ``monotone_plan``
+    of their keys, in place."""
+    pairs, chains = plan
+    fits = [cells[i].fits_rank for i in at]
+    raised: set[int] = set()
+    for j, k in pairs:  # the dropout and DoRA cells are not raised here: their own ceilings count
+        if fits[k] is not None and (fits[j] is None or fits[j] < fits[k]):
+            fits[j] = fits[k]
+            raised.add(j)
+    for chain in chains:  # the longest sequence first
+        floor = None
+        for j in chain:
+            if floor is not None and (fits[j] is None or fits[j] < floor):
+                fits[j] = floor
+                raised.add(j)
+            floor = fits[j] if fits[j] is not None else floor
+    for j in raised:
+        i = at[j]
+        c = cells[i]
+        cells[i] = c._replace(fits_rank=fits[j], tight_rank=max(fits[j], c.tight_rank or 0), status="ok",
+                              at_least=True)
 
 
 CSV_FIELDS = ("model", "gpu", "quant", "fixes", "setting", "seq_len", "fits_rank", "tight_rank", "status", "at_least",
