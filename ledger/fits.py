@@ -79,14 +79,31 @@ class FitCell(NamedTuple):
     checkpointing: bool = True
 
     def label(self) -> str:
-        if self.status == "unknown":
-            return "unknown"
-        if self.fits_rank is None:
-            return "none" + (f" (tight ≤ {self.tight_rank})" if self.tight_rank else "")
-        text = ("≥ " if self.at_least else "") + str(self.fits_rank)
-        if self.tight_rank and self.tight_rank != self.fits_rank:
-            text += f" (tight ≤ {self.tight_rank})"
-        return text
+        return cell_label(self.status, self.fits_rank, self.tight_rank, self.at_least)
+
+
+def cell_label(status: str, fits_rank: Optional[int], tight_rank: Optional[int], at_least: bool) -> str:
+    """A cell's words: its ceiling, "≥" when it is at least that, the tight ceiling beside it."""
+    if status == "unknown":
+        return "unknown"
+    if fits_rank is None:
+        return "none" + (f" (tight ≤ {tight_rank})" if tight_rank else "")
+    text = ("≥ " if at_least else "") + str(fits_rank)
+    if tight_rank and tight_rank != fits_rank:
+        text += f" (tight ≤ {tight_rank})"
+    return text
+
+
+class CellLabels(dict):
+    """Cells' words by (status, fits, tight, at least), each made once: a table of 70,000 cells
+    has a few hundred. Indexed by a cell (a ``FitCell`` or its plain tuple)."""
+
+    def of(self, c: tuple) -> str:
+        key = (c[8], c[6], c[7], c[9])
+        found = self.get(key)
+        if found is None:
+            found = self[key] = cell_label(*key)
+        return found
 
 
 def model_lengths(model: str, lengths: Iterable[int] = LENGTHS) -> list[int]:
@@ -380,15 +397,16 @@ def fits_document(p: Predictor, cells: Optional[list[FitCell]] = None, ladder: b
             "stale": stale_rows(p.dry), "derive": p.limits.derive_rule()}
 
 
-def cell_results(cells: list[FitCell]) -> list:
-    """The cells as ``results.FitCellResult`` (vram.json's derived.fits.cells): made from the
+def cell_results(cells: list) -> list:
+    """The cells (``FitCell``s or their plain tuples) as ``results.FitCellResult`` (vram.json's derived.fits.cells): made from the
     project's own typed cells without validating each of some 70,000 again (``results.typed_rows``;
     the published vram.json is checked against its schema all the same)."""
     from .results import FitCellResult, typed_rows
 
     at = CSV_FIELDS.index("measured")
     assert list(FitCellResult.model_fields) == [*CSV_FIELDS[:at + 1], "label", *CSV_FIELDS[at + 1:]]
-    return typed_rows(FitCellResult, [(*c[:at], list(c.measured), c.label(), *c[at + 1:]) for c in cells])
+    labels = CellLabels()
+    return typed_rows(FitCellResult, [(*c[:at], list(c[at]), labels.of(c), *c[at + 1:]) for c in cells])
 
 
 def stale_rows(rows) -> list[str]:

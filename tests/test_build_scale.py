@@ -130,10 +130,28 @@ def test_constructed_cells_are_model_constructs():
     for a, b, t in zip(cell_results(tuples), slow, tuples):
         assert a.__dict__ == {**b.__dict__, "label": t.label()} and list(a.__dict__) == list(b.__dict__)
         assert a.model_fields_set == b.model_fields_set
+    # ...and from the plain tuples the build's workers send: the same cells, words and all.
+    assert [c.__dict__ for c in cell_results([tuple(t) for t in tuples])] == [c.__dict__ for c in cell_results(tuples)]
+
     from ledger.results import typed_rows
 
     with pytest.raises(ValueError):  # a row without every field is refused, never half made
         typed_rows(FitCellResult, [tuple(rows[0].values())[:-1]])
+
+
+def test_remembered_cell_words_are_each_cells_own():
+    from itertools import product
+
+    from ledger.fits import CellLabels, FitCell
+
+    labels = CellLabels()
+    cells = [FitCell("m", "g", "4bit", "none", "plain", 512, f, t, s, a, "dry run", ())
+             for f, t, s, a in product((None, 8, 64, 512), (None, 8, 64, 512), ("ok", "none-fits", "unknown"),
+                                       (False, True))]
+    for c in cells + cells:  # the second time from memory
+        assert labels.of(c) == labels.of(tuple(c)) == c.label()
+    assert len(labels) == len(cells)
+    assert {c.label() for c in cells} >= {"unknown", "none", "none (tight ≤ 64)", "≥ 512", "8 (tight ≤ 64)", "64"}
 
 
 def test_a_profiles_columns_are_its_bounds():

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..dry_runs import load_dry_runs
-from ..fits import FitCell, cell_results, fit_table, fits_document, ledger_grids
+from ..fits import CellLabels, cell_results, fit_table, fits_document, ledger_grids
 from ..models import Ledger
 from ..held_out import shared_predictor
 from ..results import FitCard, Fits
@@ -50,12 +50,9 @@ def fits_of(doc: Optional[dict]) -> Optional[Fits]:
 
 def as_tuples(cells: list) -> list[tuple]:
     """Fit-table cells as plain tuples, to send between processes (a tenth of the cost of pickling
-    them as named tuples, a hundredth of pickling them typed); ``as_cells`` makes them cells again."""
+    them as named tuples, a hundredth of pickling them typed); ``fits_of`` and ``fit_models`` read
+    them by position as they are."""
     return [tuple(c) for c in cells]
-
-
-def as_cells(rows: list[tuple]) -> list[FitCell]:
-    return list(map(FitCell._make, rows))
 
 
 #: The picker's stock cells beside the fit table's own (micro-batch 1, the default optimizer,
@@ -129,16 +126,18 @@ def fit_models(fits: Fits, batches: Optional[dict] = None) -> list[FitModel]:
     by_row = fits.by_row()
     heads = fits.table_lengths()
     cards = {c.key: c for c in fits.common_cards()}  # the page's and the picker's; every card in fits.md / .csv
-    # The picker's other tables' cells, by model (each model's data reads only its own).
+    # The picker's other tables' cells (``FitCell``s or their plain tuples: read by position), by
+    # model (each model's data reads only its own).
     others: dict[str, list] = {}
     for (batch, optim, ckpt), cells in (batches or {}).items():
         suffix = _picker_suffix(batch, optim, ckpt)
         for c in cells:
-            others.setdefault(c.model, []).append((suffix, c))
+            others.setdefault(c[0], []).append((suffix, c))
     own: dict[str, dict[str, list]] = {}  # each model's rows of the common cards
     for k, cells in by_row.items():
         if k[4] in cards:
             own.setdefault(k[0], {})["|".join(k[1:])] = [_cell(c, c.label) for c in cells]
+    labels = CellLabels()
     out = []
     for model in fits.models:
         arch = load_arch(model)
@@ -150,8 +149,10 @@ def fit_models(fits: Fits, batches: Optional[dict] = None) -> list[FitModel]:
             cell = next((c for c in cells if c.seq_len == HEADLINE_LEN), None)
             headline.append((size, key, cell.label if cell else "unknown"))
         rows = own.get(model, {})
-        for suffix, c in others.get(model, ()):
-            rows.setdefault(f"{c.quant}|{c.fixes}|{c.setting}|{c.gpu}{suffix}", []).append(_cell(c, c.label()))
+        for suffix, c in others.get(model, ()):  # (model, gpu, quant, fixes, setting, seq_len, fits, tight,
+            # status, at least, method, measured, ...)
+            rows.setdefault(f"{c[2]}|{c[3]}|{c[4]}|{c[1]}{suffix}", []).append(
+                [c[5], c[6], c[7], c[8], c[9], c[10], labels.of(c), list(c[11])])
         lengths = sorted({s for (m, _, _), seqs in heads.items() if m == model for s in seqs})
         data = {"model": model, "lengths": lengths, "ranks": list(VIEW_RANKS),
                 "cards": [{"key": c.key, "name": c.name, "limit_low_mib": c.limit_low_mib,

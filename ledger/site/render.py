@@ -34,7 +34,7 @@ from ..store import gc_paused
 from . import filters
 from .context import all_tables, build_context, fitted
 from .estimators_page import estimator_plot, estimator_scoreboard
-from .fits_page import (PICKER_SHARES, as_cells, as_tuples, data_script, fit_models, fit_table_doc, fits_of,
+from .fits_page import (PICKER_SHARES, as_tuples, data_script, fit_models, fit_table_doc, fits_of,
                         picker_tables)
 from .index_page import canonical_json, ledger_hash, training_gpu_key
 from .plot_data import make_plots
@@ -337,8 +337,7 @@ def compute_site(ledger: Ledger, out: Path, *, build_date: Optional[str], base_u
                         fitted_doc=fitted_doc, scoreboard_doc=scoreboard_doc)
     images = dict(zip([p.file for p in ctx.plots] + ([board_plot.file] if board_plot else []), svgs))
     doc, grids, others = done["fits"]
-    fits = fits_of(doc and {**doc, "cells": as_cells(doc["cells"])})
-    others = {k: as_cells(rows) for k, rows in others.items()}
+    fits = fits_of(doc)  # the cells as they came, plain tuples: typed once, for vram.json and the pages
     ctx = replace(ctx, fits=fits, fit_grids=grids, fit_models=fit_models(fits, others) if fits else [])
     stages["page tables"] = time.process_time() - t0
     t0 = time.process_time()
