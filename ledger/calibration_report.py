@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import datetime as dt
 import statistics
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from typing import Iterable, Optional
 
 from .calibration import (calibration_hash, costs, kept_positions, key_pairs, overestimate, pair_rows, predict_real,
@@ -86,6 +86,26 @@ def loo(ledger: Ledger, ms: list[Measurement], dry_runs: Iterable[Measurement] =
     }
 
 
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def _record(obj) -> dict:
+    """``dataclasses.asdict`` of a report's record, its common case first: fields of plain values
+    and lists of them are copied as they are (asdict copies each item of each list: a pair of a
+    large ledger lists thousands of real runs); anything else is asdict's."""
+    out = {}
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if type(value) is list:
+            if not all(type(x) in _PLAIN for x in value):
+                return asdict(obj)
+            value = list(value)
+        elif type(value) not in _PLAIN:
+            return asdict(obj)
+        out[f.name] = value
+    return out
+
+
 @row_keys_cached()
 def calibrate(ledger: Ledger, *, as_of: Optional[dt.date] = None, exclude: Iterable[str] = (),
               with_loo: bool = True, with_ceilings: bool = False, dry_runs: Iterable[Measurement] = ()) -> dict:
@@ -99,11 +119,11 @@ def calibrate(ledger: Ledger, *, as_of: Optional[dt.date] = None, exclude: Itera
         "as_of": as_of.isoformat() if as_of else None,
         "excluded": sorted(exclude),
         "calibration_hash": calibration_hash(ms),
-        "anchors": [asdict(a) for a in over.anchors],
-        "pairs": [asdict(p) for p in over.pairs],
+        "anchors": [_record(a) for a in over.anchors],
+        "pairs": [_record(p) for p in over.pairs],
         "overestimate_pct": {"median": over.pct, "low": over.low_pct, "high": over.high_pct,
                              "kept_positions_max": over.keep_max},
         "costs": costs(ms, peaks),
-        "limits": [asdict(lim) for lim in lims],
+        "limits": [_record(lim) for lim in lims],
         "loo": loo(ledger, ms, dry_runs) if with_loo else None,
     }

@@ -358,3 +358,64 @@ def test_the_scoreboards_slice_medians_are_statistics_medians():
     assert got == want and [list(v) for v in got.values()] == [list(v) for v in want.values()]
     assert all(type(c["median_abs_err_pct"]) is float and type(c["n"]) is int for v in got.values() for c in v.values())
     assert _slice_medians([], [], codes, labels) == {}
+
+
+def test_a_rows_recipe_is_the_dataclasss_own():
+    """A row's recipe made without the frozen dataclass's ``__init__`` (``recipe._whole``) is the
+    one ``Recipe(...)`` makes: equal, the same hash and the same fields in the same order, for the
+    bundled rows and the dry-run rows (every quant, fixes, batch, targets and checkpointing)."""
+    from dataclasses import fields
+
+    from ledger import store
+    from ledger.dry_runs import load_dry_runs
+    from ledger.paths import DEFAULT_LEDGER
+    from ledger.recipe import Recipe, _recipe_of, _whole
+
+    rows = store.load(DEFAULT_LEDGER).measurements + load_dry_runs()
+    made = 0
+    for m in rows:
+        r = _recipe_of(m)
+        if r is None:
+            continue
+        plain = Recipe(**{f.name: getattr(r, f.name) for f in fields(Recipe)})
+        assert r == plain and hash(r) == hash(plain) and list(r.__dict__.items()) == list(plain.__dict__.items())
+        made += 1
+    assert made > 1000
+    # Values that do not name every field go through __init__ (its defaults, its refusal).
+    assert _whole(model="m", rank=8) == Recipe(model="m", rank=8)
+    with pytest.raises(TypeError):
+        _whole(model="m", colour="red")
+
+
+def test_a_reports_records_are_asdicts():
+    """The calibration report's records (``calibration_report._record``) are ``asdict``'s: the
+    same dicts, with lists that are copies, for the bundled ledger's pairs, anchors and limits and
+    a record holding what is not a plain value (asdict's own)."""
+    from dataclasses import asdict, dataclass
+
+    from ledger import store
+    from ledger.calibration_report import _record
+    from ledger.held_out import shared_predictor
+    from ledger.paths import DEFAULT_LEDGER
+
+    fit = shared_predictor(store.load(DEFAULT_LEDGER), []).fit
+    records = [*fit.over.anchors, *fit.over.pairs, *fit.lims]
+    assert len(records) >= 8 and any(getattr(r, "reals", None) for r in records)
+    for r in records:
+        got = _record(r)
+        assert got == asdict(r) and list(got) == list(asdict(r))
+        for k, v in got.items():
+            if isinstance(v, list):
+                assert v is not getattr(r, k)
+
+    @dataclass
+    class Inner:
+        x: int
+
+    @dataclass
+    class Outer:
+        a: list
+        b: Inner
+
+    for r in (Outer([1, "x", None], Inner(2)), Outer([Inner(1)], Inner(2)), Outer([(1, 2)], Inner(3))):
+        assert _record(r) == asdict(r)
