@@ -92,10 +92,22 @@ class DryCalibration:
         return None, "no measured probe has a dry run"
 
     def _sorted_differences(self, key: tuple, ok) -> list[float]:
-        """measured - dry run over the pairs of a scope, sorted (computed once per scope)."""
+        """measured - dry run over the pairs of a scope, sorted (computed once per scope; a card's
+        from its own pairs, not a pass over every pair per card: a build asks all 38 cards')."""
         if key not in self._scopes:
-            self._scopes[key] = sorted(p - d for m, p, d in self.pairs if ok(m.gpu))
+            if key[0] == "card":
+                self._scopes[key] = sorted(self._differences_by_card.get(key[1], ()))
+            else:
+                self._scopes[key] = sorted(p - d for m, p, d in self.pairs if ok(m.gpu))
         return self._scopes[key]
+
+    @cached_property
+    def _differences_by_card(self) -> dict[str, list[float]]:
+        """measured - dry run of each card's pairs, in the pairs' order."""
+        out: dict[str, list[float]] = {}
+        for m, p, d in self.pairs:
+            out.setdefault(m.gpu, []).append(p - d)
+        return out
 
     @cached_property
     def _differences_of(self) -> dict[str, list[tuple[str, float]]]:

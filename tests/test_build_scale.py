@@ -419,3 +419,25 @@ def test_a_reports_records_are_asdicts():
 
     for r in (Outer([1, "x", None], Inner(2)), Outer([Inner(1)], Inner(2)), Outer([(1, 2)], Inner(3))):
         assert _record(r) == asdict(r)
+
+
+def test_a_cards_remainder_differences_are_the_filtered_pairs():
+    """A card's sorted measured - dry-run differences (read from its own pairs) are those of
+    every pair filtered by card, in the same order, for each card of a cloned ledger."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from synthetic import realistic_ledger
+
+    from ledger.dry_runs import load_dry_runs
+    from ledger.predictor import Predictor
+
+    p = Predictor(realistic_ledger(600), load_dry_runs())
+    cal = p.dry_cal
+    gpus = {m.gpu for m, _, _ in cal.pairs}
+    assert len(gpus) >= 2
+    for gpu in [*sorted(gpus), "no-such-card"]:
+        got = cal._sorted_differences(("card", gpu), lambda g: g == gpu)
+        want = sorted(pk - d for m, pk, d in cal.pairs if m.gpu == gpu)
+        assert got == want and [str(x) for x in got] == [str(x) for x in want]
