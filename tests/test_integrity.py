@@ -102,6 +102,27 @@ def test_csv_neutralises_each_formula_start():
     assert _v(-3.5) == -3.5 and _v("plain") == "plain"
 
 
+def test_csv_numbers_go_to_the_writer_as_they_are():
+    """vram.csv's numbers and empty cells, passed to the writer without ``_v``, are written as ``_v``
+    would have them: every value of every row through ``_v`` gives the same text (bundled, the
+    hostile ledger and a synthetic one with OOMs, datasets and LoRA settings of every kind)."""
+    import sys
+
+    from conftest import REPO
+    from ledger.paths import DEFAULT_LEDGER
+    from ledger.site.downloads import COLUMNS, _v, csv_row, measurements_csv
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from synthetic import realistic_ledger, synthetic_ledger
+
+    for led in (store.load(DEFAULT_LEDGER), store.load(SMALL), synthetic_ledger(1500), realistic_ledger(300)):
+        buf = io.StringIO()
+        writer = csv.writer(buf, lineterminator="\n")
+        writer.writerow(COLUMNS)
+        writer.writerows([_v(x) for x in csv_row(m)] for m in led.measurements)
+        assert measurements_csv(led) == buf.getvalue()
+
+
 # -- writes that must not damage a ledger ----------------------------------------------------
 
 

@@ -41,19 +41,23 @@ _NO_OOM = ("", "", "", "", "", "", "")
 
 
 def csv_row(m: Measurement) -> list:
-    """One measurement as the COLUMNS (one function per row: the file has 100k rows at scale)."""
+    """One measurement as the COLUMNS (one function per row: the file has 100k rows at scale).
+    Numbers and None go to the writer as they are (it writes None as an empty cell and a number
+    as str() does, which is ``_v``'s result; the models hold a number or None there); texts and
+    booleans through ``_v``."""
     lora, ds, o, p = m.lora, m.dataset, m.outcome, m.provenance
     oom = o.oom
     return [
         _v(m.id), m.kind, _v(m.gpu), _v(m.model), _v(m.quant),
-        *((lora.rank, _v(lora.alpha), _v(lora.rslora), _v(lora.dropout), _v(lora.dora)) if lora else _NO_LORA),
-        _v(m.seq_len), _v(m.response_len), _v(m.batch_size), fixes_text(m), _v(m.logits_to_keep),
-        *((_v(ds.name), _v(ds.examples), _v(ds.longest_example_tokens)) if ds else _NO_DATASET),
-        _v(o.status), _v(o.after_load_mib), _v(o.pre_step_mib), _v(o.peak_allocated_mib), _v(o.peak_reserved_mib),
-        _v(o.peak_delta_mib), _v(o.step_s),
-        *((_v(oom.tried_mib), _v(oom.free_mib), _v(oom.total_mib), _v(oom.in_use_mib), _v(oom.allocated_mib),
-           _v(oom.reserved_unallocated_mib), _v(oom.max_allocated_mib)) if oom else _NO_OOM),
-        _v(o.failed_at_step), _v(m.environment.device if m.environment else None), _v(p.source), p.measured_on.isoformat() if p.measured_on else "", _v(p.inferred),
+        *((lora.rank, lora.alpha, _v(lora.rslora), lora.dropout, _v(lora.dora)) if lora else _NO_LORA),
+        m.seq_len, m.response_len, m.batch_size, fixes_text(m), m.logits_to_keep,
+        *((_v(ds.name), ds.examples, ds.longest_example_tokens) if ds else _NO_DATASET),
+        _v(o.status), o.after_load_mib, o.pre_step_mib, o.peak_allocated_mib, o.peak_reserved_mib,
+        o.peak_delta_mib, o.step_s,
+        *((oom.tried_mib, oom.free_mib, oom.total_mib, oom.in_use_mib, oom.allocated_mib,
+           oom.reserved_unallocated_mib, oom.max_allocated_mib) if oom else _NO_OOM),
+        o.failed_at_step, _v(m.environment.device if m.environment else None), _v(p.source),
+        p.measured_on.isoformat() if p.measured_on else "", _v(p.inferred),
         _v(m.optimizer), _v(m.gradient_checkpointing),
     ]
 
