@@ -149,8 +149,9 @@ def fit_models(fits: Fits, batches: Optional[dict] = None) -> list[FitModel]:
             cell = next((c for c in cells if c.seq_len == HEADLINE_LEN), None)
             headline.append((size, key, cell.label if cell else "unknown"))
         rows = own.get(model, {})
-        for suffix, c in others.get(model, ()):  # (model, gpu, quant, fixes, setting, seq_len, fits, tight,
-            # status, at least, method, measured, ...)
+        # A cell by position: model, gpu, quant, fixes, setting, seq_len, fits, tight, status,
+        # at least, method, measured, ... (``FitCell``'s order).
+        for suffix, c in others.get(model, ()):
             rows.setdefault(f"{c[2]}|{c[3]}|{c[4]}|{c[1]}{suffix}", []).append(
                 [c[5], c[6], c[7], c[8], c[9], c[10], labels.of(c), list(c[11])])
         lengths = sorted({s for (m, _, _), seqs in heads.items() if m == model for s in seqs})
