@@ -164,6 +164,29 @@ def test_the_fit_table_is_monotone_and_says_how_each_cell_is_answered(p):
     assert "sweep-r96-drop" in by[("rtx-3070-ti", "4bit", "all", "dropout", 8192)].measured
 
 
+def test_the_fit_tables_own_raising_is_monotones(p, monkeypatch):
+    """The fit table makes each card's cells monotone as it makes them (one plan per model): the
+    same cells as ``monotone`` of the cells made without it, for the ladder's card and the dry
+    run's, with both presets, at micro-batch 1 and 4, and with the raises it makes counted."""
+    import ledger.fits as F
+
+    def both(**kw):
+        made = fit_table(p, **kw)
+        with monkeypatch.context() as m:
+            m.setattr(F, "raise_block", lambda cells, at, plan: None)
+            p.dry_ceilings.clear(), p.subceilings.clear()
+            raw = fit_table(p, **kw)
+        return made, raw
+
+    raised = 0
+    for kw in ({"fixes_settings": ("none", "all")}, {"batch": 4, "fixes_settings": ("none",)}):
+        made, raw = both(models=["gemma-3-4b-it", "qwen2.5-0.5b"], gpus=["rtx-3070-ti", "rx-7900-xtx", "rtx-4090"],
+                         **kw)
+        assert made == monotone(list(raw))
+        raised += sum(a != b for a, b in zip(made, raw))
+    assert raised > 0
+
+
 def test_monotone_raises_to_a_harder_recipe_and_says_at_least():
     from ledger.fits import FitCell
 
