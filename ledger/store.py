@@ -310,29 +310,126 @@ UNCHANGED = object()
 def update(path: str | os.PathLike, change: Callable[[Ledger], Ledger | None], *, create: bool = False) -> Ledger:
     """Locked read-modify-write: load, apply ``change``, validate, write atomically. ``change``
     edits the ledger (replacing entries, never editing one in place), returns a new one, or
-    returns ``UNCHANGED`` to write nothing."""
+    returns ``UNCHANGED`` to write nothing.
+
+    The file is parsed once and the result serialised once: what ``load`` proves with a dump of
+    its own (that the file is exactly the text ``save`` writes, so the fast parser read what it
+    says) is proved here from the new text when the change appended entries (``_as_written``),
+    and only otherwise by that dump."""
     path = Path(path)
+    name = str(path)
     with locked(path):
+        text = None  # the file as read, while it is not yet proved to be what save writes
         if path.exists():
-            ledger = load(path)
+            text = read_text(path)
+            ledger = _parsed_unchecked(text, name)
+            if ledger is None:
+                ledger, text = parse_ledger(text, name), None
         elif create:
             ledger = empty_ledger()
         else:
-            raise LedgerError(Issue(str(path), "", "no such file"))
+            raise LedgerError(Issue(name, "", "no such file"))
+        before = _entries(ledger)
         old_ids = {m.id for m in ledger.measurements}
-        loaded = list(ledger.measurements)  # validated as loaded; held, so their ids stay theirs
-        result = change(ledger)
+        loaded = before["measurements"]  # validated as loaded; held, so their ids stay theirs
+        try:
+            result = change(ledger)
+        except Exception:
+            if text is not None:
+                _check_as_read(text, name, before)  # a file that is not sound says so first
+            raise
         if result is UNCHANGED:
+            if text is not None:
+                _check_as_read(text, name, before)
             return ledger
         ledger = result if result is not None else ledger
         with gc_paused():
-            _revalidate(ledger, {id(m) for m in loaded}, str(path))
-            text = dumps(ledger)
+            _revalidate(ledger, {id(m) for m in loaded}, name)
+            new_text = dumps(ledger)
+            if text is not None and not _as_written(text, new_text, before, ledger):
+                _check_as_read(text, name, before)
         issues = published_ledger_issues(ledger, path, old_ids)
         if issues:
             raise LedgerError(issues)
-        atomic_write_text(path, text)
+        atomic_write_text(path, new_text)
     return ledger
+
+
+def _parsed_unchecked(text: str, name: str) -> Ledger | None:
+    """``load``'s fast path without its canonical check: the ledger the fast parser reads, with
+    its cross-references and physics checked; None when it refuses the text, the version is not
+    the current one or a cross-reference fails (``parse_ledger`` then says why, located)."""
+    with gc_paused():
+        try:
+            ledger = Ledger.model_validate_json(text, strict=True)
+        except ValueError:  # ValidationError, or a recursion limit
+            return None
+        if ledger.schema_version != SCHEMA_VERSION or ledger_issues(ledger, name):
+            return None
+    return ledger
+
+
+#: A ledger's sections of entries as ``dumps`` writes them: the name, its brackets, and what
+#: separates two entries (entries are objects at an indent of four: only their own closing brace
+#: and the next one's opening start a line there).
+_SECTIONS = (("gpus", "{", "}", '\n    },\n    "'), ("measurements", "[", "]", "\n    },\n    {"),
+             ("findings", "[", "]", "\n    },\n    {"), ("predictions", "[", "]", "\n    },\n    {"))
+
+
+def _entries(ledger: Ledger) -> dict[str, list]:
+    """Each section's entries in order (the cards as (key, card)), copied: what the file held."""
+    return {"schema_version": [ledger.schema_version], "about": [ledger.about],
+            "gpus": list(ledger.gpus.items()), "measurements": list(ledger.measurements),
+            "findings": list(ledger.findings), "predictions": list(ledger.predictions)}
+
+
+def _as_written(old: str, new: str, before: dict[str, list], after: Ledger) -> bool:
+    """Whether ``old`` (the file as read) is exactly what ``save`` writes, proved from ``new``
+    (``dumps(after)``): every section of ``after`` holds the entries ``before`` had, the very
+    objects in the same order, with others appended after them (what an append does), and
+    ``new`` without the appended entries' text is ``old``. That text is then what ``dumps``
+    writes for the ledger of the entries as read, so it has no duplicate key and the fast parser
+    read what it says. False proves nothing either way (an entry replaced or removed, a section's
+    first entry, the header changed, a file not written by ``save``): the caller checks by a dump."""
+    now = _entries(after)
+    if now["schema_version"] != before["schema_version"] or now["about"] != before["about"]:
+        return False
+    kept, at = [], 0
+    for section, opening, closing, sep in _SECTIONS:
+        was, items = before[section], now[section]
+        if len(items) < len(was) or any(a[0] != b[0] or a[1] is not b[1] if section == "gpus" else a is not b
+                                        for a, b in zip(was, items)):
+            return False
+        if len(items) == len(was):
+            continue
+        if not was:
+            return False
+        head = f'\n  "{section}": {opening}\n'
+        start = new.find(head, at)
+        if start < 0:
+            return False
+        start += len(head)
+        end = cut = new.find(f"\n  {closing}", start)
+        if end < 0:
+            return False
+        for _ in range(len(items) - len(was)):  # back over the appended entries
+            cut = new.rfind(sep, start, cut)
+            if cut < 0:
+                return False
+        kept.append((at, cut + 6))  # up to the closing brace of the last entry read ("\n    }")
+        at = end
+    return "".join(new[a:b] for a, b in kept) + new[at:] == old
+
+
+def _check_as_read(text: str, name: str, before: dict[str, list]) -> None:
+    """``load``'s canonical check of the file as read: the ledger of the entries it held,
+    dumped, is the text; otherwise the full parse with its exact messages (raises for a file that
+    is not sound; a sound one that ``save`` did not write passes)."""
+    as_read = Ledger.model_construct(schema_version=before["schema_version"][0], about=before["about"][0],
+                                     gpus=dict(before["gpus"]), measurements=before["measurements"],
+                                     findings=before["findings"], predictions=before["predictions"])
+    if dumps(as_read) != text:
+        parse_ledger(text, name)
 
 
 def _add(section: list, items: Iterable, name: str, what: str) -> int:

@@ -327,3 +327,147 @@ def test_objects_made_while_collection_is_paused_are_not_walked_again(monkeypatc
         assert id(ours) in tracked and id(ours[-1]) in tracked
     finally:
         gc.unfreeze()
+
+
+# -- an append parses the file once and serialises the ledger once ----------------------------
+
+
+def _picked(data, seq: list) -> list:
+    """Some of ``seq``'s entries, in their order."""
+    return [seq[i] for i in sorted(data.draw(st.sets(st.integers(0, max(len(seq) - 1, 0)), max_size=len(seq))))
+            if seq]
+
+
+def _as_ledger(header: tuple, sections: dict) -> Ledger:
+    return Ledger.model_construct(schema_version=header[0], about=header[1], gpus=dict(sections["gpus"]),
+                                  measurements=list(sections["measurements"]), findings=list(sections["findings"]),
+                                  predictions=list(sections["predictions"]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_the_new_text_proves_the_old_one_only_for_appended_entries(data):
+    """``update``'s proof that the file read is what ``save`` writes (``_as_written``) holds
+    exactly when every section kept its entries read, the same objects in order, and appended
+    others to a section that had some, the header unchanged; and then only for that very text: the
+    file with a key written twice, a space more or an entry less is refused (the full check
+    decides). Entries of every section of the small ledger, cards included."""
+    src = store.load(SMALL)
+    pool = {"gpus": list(src.gpus.items()), "measurements": src.measurements, "findings": src.findings,
+            "predictions": src.predictions}
+    was = {k: _picked(data, v) for k, v in pool.items()}
+    header = (SCHEMA_VERSION, data.draw(st.sampled_from([None, src.about, "about *this* ledger"])))
+    old = store.dumps(_as_ledger(header, was))
+    before = store._entries(_as_ledger(header, was))
+    now, provable = {}, True
+    for section, items in was.items():
+        op = data.draw(st.sampled_from(["keep", "append", "replace", "drop"] if items else ["keep", "append"]))
+        new = list(items)
+        if op == "append":
+            more = data.draw(st.integers(1, 3))
+            for j in range(more):
+                if section == "gpus":
+                    key, card = pool["gpus"][j % len(pool["gpus"])]
+                    new.append((f"added-{j}-{key}", card.model_copy()))
+                else:
+                    new.append(pool[section][j % len(pool[section])].model_copy(update={"id": f"added-{j}"}))
+            provable &= bool(items)
+        elif op == "replace":
+            i = data.draw(st.integers(0, len(items) - 1))
+            new[i] = (items[i][0], items[i][1].model_copy()) if section == "gpus" else items[i].model_copy()
+            provable = False
+        elif op == "drop":
+            del new[data.draw(st.integers(0, len(items) - 1))]
+            provable = False
+        now[section] = new
+    about = data.draw(st.sampled_from([header[1], header[1], "another about"]))
+    provable &= about == header[1]
+    after = _as_ledger((SCHEMA_VERSION, about), now)
+    new_text = store.dumps(after)
+    assert store._as_written(old, new_text, before, after) == provable
+    if provable:
+        line = data.draw(st.integers(1, old.count("\n") - 1))
+        lines = old.split("\n")
+        twice = "\n".join([*lines[:line], lines[line], *lines[line:]])  # a line (a key) written twice
+        for bad in (twice, old.replace(": ", ":  ", 1), old.replace("\n", "\n ", 1)):
+            assert not store._as_written(bad, new_text, before, after)
+
+
+def _corpus():
+    from malformed import VALID, cases
+
+    return [*cases(), *VALID]
+
+
+@pytest.mark.parametrize("name,write", _corpus(), ids=[name for name, _ in _corpus()])
+def test_an_append_to_every_corpus_file_says_what_a_load_says(tmp_path, name, write):
+    """An append proves the file sound without load's own dump: on every malformed ledger of the
+    corpus (none of them as ``save`` writes it, one with a key written twice) it refuses with the
+    very issues ``load`` gives and leaves the file as it was; on the valid ones it writes what
+    load, append and save write."""
+    path = tmp_path / "l.json"
+    write(path)
+    as_read = path.read_bytes() if path.is_file() else None
+    try:
+        expected = store.dumps(store.load(path).model_copy(update={"measurements": [
+            *store.load(path).measurements, _m(424242)]}))
+        refused = None
+    except LedgerError as exc:
+        refused = [str(i) for i in exc.issues]
+    if refused is None:
+        assert store.append(path, [_m(424242)]) == 1
+        assert path.read_text(encoding="utf-8") == expected
+        return
+    with pytest.raises(LedgerError) as err:
+        store.append(path, [_m(424242)])
+    assert [str(i) for i in err.value.issues] == refused
+    assert (path.read_bytes() if path.is_file() else None) == as_read
+
+
+@pytest.mark.parametrize("how", ["save's text", "a key twice", "indent 1", "a row replaced"])
+def test_an_append_parses_once_and_serialises_once(tmp_path, monkeypatch, how):
+    """On a file ``save`` wrote, an append parses it once and serialises the whole ledger once
+    (the one text it writes); a file with a key written twice in save's layout is refused as
+    ``load`` refuses it; one in another layout, or a change that replaces a row, pays ``load``'s
+    own check (one dump more) and writes the same."""
+    path = tmp_path / "l.json"
+    ledger = store.load(SMALL)
+    text = store.dumps(ledger)
+    if how == "a key twice":
+        text = text.replace('\n      "kind": "probe",', '\n      "kind": "probe",\n      "kind": "real",', 1)
+    elif how == "indent 1":
+        text = json.dumps(json.loads(text), indent=1, ensure_ascii=False)
+    path.write_text(text, encoding="utf-8")
+    parses, dumps_of_all = [], []
+    real_parse, real_dumps = Ledger.model_validate_json, store.dumps
+
+    def counted_parse(given, *args, **kwargs):
+        if given == text:
+            parses.append(1)
+        return real_parse(given, *args, **kwargs)
+
+    def counted_dumps(lg):
+        if len(lg.measurements) >= len(ledger.measurements):
+            dumps_of_all.append(1)
+        return real_dumps(lg)
+
+    monkeypatch.setattr(Ledger, "model_validate_json", counted_parse)
+    monkeypatch.setattr(store, "dumps", counted_dumps)
+
+    def change(lg: Ledger) -> None:
+        if how == "a row replaced":
+            lg.measurements[0] = lg.measurements[0].model_copy()
+        lg.measurements.append(_m(7))
+
+    if how == "a key twice":
+        with pytest.raises(LedgerError, match="duplicate"):
+            store.update(path, change)
+        assert path.read_text(encoding="utf-8") == text
+        return
+    store.update(path, change)
+    # The file's text parsed, the whole ledger dumped: once; load's check adds a dump, and a file
+    # not in save's layout goes on to load's own slow path (a dump and a strict parse more).
+    assert (len(parses), len(dumps_of_all)) == {"save's text": (1, 1), "a row replaced": (1, 2),
+                                                "indent 1": (3, 3)}[how]
+    assert path.read_text(encoding="utf-8") == real_dumps(ledger.model_copy(update={
+        "measurements": [*ledger.measurements, _m(7)]}))
