@@ -146,28 +146,27 @@ def record_callback(doc: dict, ledger_path: str, spec: RunSpec,
     what was added (nothing when the same record is there already). ``then`` runs on the ledger in
     the same locked write when a row was added (the callback scores predictions with it)."""
     ev = evidence_from_callback(doc)
-    ledger = store.load_or_new(ledger_path)
-    fields = config_fields(spec, ledger)
-    problem = _card_check(ev, ledger, fields.get("gpu"), "probe_kit.callback")
-    if problem:
-        raise UserError(problem)
     text = json.dumps(doc, sort_keys=True)
-    m = spilled_past_card(measurement_from_evidence(
-        ev, fields, source="probe_kit.callback (VramLedgerCallback)",
-        mid=f"real-run-{doc.get('date', 'undated')}-{hashlib.sha256(text.encode('utf-8')).hexdigest()[:8]}"), ledger)
-    bad = impossible(m, ledger, "probe_kit.callback")
-    if bad:
-        raise UserError(bad)
+    mid = f"real-run-{doc.get('date', 'undated')}-{hashlib.sha256(text.encode('utf-8')).hexdigest()[:8]}"
     added: list[Measurement] = []
 
-    def change(lg: Ledger) -> None:
-        if m.gpu:
-            lg.gpus.setdefault(m.gpu, ledger.gpus[m.gpu])
-        if all(x.id != m.id for x in lg.measurements):
-            lg.measurements.append(m)
-            added.append(m)
-            if then is not None:
-                then(lg)
+    def change(lg: Ledger):
+        # The row is made against the ledger as the locked write reads it: the file is parsed once.
+        fields = config_fields(spec, lg)  # a card-table card joins the ledger with the row
+        problem = _card_check(ev, lg, fields.get("gpu"), "probe_kit.callback")
+        if problem:
+            raise UserError(problem)
+        m = spilled_past_card(measurement_from_evidence(
+            ev, fields, source="probe_kit.callback (VramLedgerCallback)", mid=mid), lg)
+        bad = impossible(m, lg, "probe_kit.callback")
+        if bad:
+            raise UserError(bad)
+        if any(x.id == m.id for x in lg.measurements):
+            return store.UNCHANGED
+        lg.measurements.append(m)
+        added.append(m)
+        if then is not None:
+            then(lg)
 
     store.update(ledger_path, change, create=True)
     return added

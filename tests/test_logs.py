@@ -276,3 +276,36 @@ def test_unread_peak_forms_are_warned_about():
         parse_log((DATA / "logs" / "unread-peak.log").read_text(), "unread-peak.log")
     e = parse_log((DATA / "logs" / "peak-plain.log").read_text(), "peak-plain.log")
     assert e.peak_allocated_mib == 6635.5 and e.peak_reserved_mib == 7188.5
+
+
+def test_the_callbacks_record_reads_the_ledger_once(tmp_path, monkeypatch):
+    """A run the callback records is made against the ledger the locked write reads, which is
+    parsed once and written once; the same record again adds nothing and writes nothing; a card
+    of the card table joins the ledger with its row."""
+    from ledger.ingest import RunSpec, record_callback
+    from ledger.models import Ledger
+    from ledger.predictions import score_predictions
+
+    path = tmp_path / "l.json"
+    store.save(store.load(SMALL), path)
+    text = path.read_text()
+    parses = []
+    real_parse = Ledger.model_validate_json
+
+    def counted(given, *args, **kwargs):
+        parses.append(given == path.read_text())
+        return real_parse(given, *args, **kwargs)
+
+    monkeypatch.setattr(Ledger, "model_validate_json", counted)
+    doc = {"date": "2026-11-02", "device": "cuda:0", "event": "train_end", "meter": "allocator",
+           "peak_allocated_mib": 3001.5, "peak_reserved_mib": 3300.0, "step": 40}
+    spec = RunSpec(gpu="rtx-4090", model="unsloth/gemma-3-4b-it", quant="4bit", rank=16)
+    assert "rtx-4090" not in store.load(path).gpus
+    parses.clear()
+    added = record_callback(doc, str(path), spec, then=score_predictions)
+    assert len(added) == 1 and parses.count(True) == 1
+    after = store.load(path)
+    assert after.measurements[-1] == added[0] and added[0].gpu == "rtx-4090" and "rtx-4090" in after.gpus
+    assert path.read_text() != text
+    again = path.read_text()
+    assert record_callback(doc, str(path), spec, then=score_predictions) == [] and path.read_text() == again
