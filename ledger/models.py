@@ -76,6 +76,8 @@ class _Model(BaseModel):
         such a dump). Same class, no extra fields (forbidden): equal when the fields and the
         private attributes are; unequal fields that are all model fields decide at once; anything
         else is BaseModel's to decide (40k such pairs: 0.08 s against BaseModel's 0.09-0.12 s)."""
+        if other is None:  # a model field that may be None, against its default (every dump)
+            return NotImplemented
         if other.__class__ is not self.__class__:
             return super().__eq__(other)
         mine, theirs = self.__dict__, other.__dict__
@@ -85,6 +87,33 @@ class _Model(BaseModel):
         if mine.keys() <= fields.keys() and theirs.keys() <= fields.keys():
             return False
         return super().__eq__(other)
+
+
+def _default_of(cls: type[BaseModel]):
+    """A factory of ``cls``'s default instance that skips validation: a dump without defaults
+    (every save, every load's check, the site's vram.json) makes one per row for each such field
+    to compare with, and validating one costs as much as the rest of the row's dump. The
+    instance is what ``cls()`` makes: the same fields (empty lists new for each), no field set."""
+    made = cls()
+    template = dict(made.__dict__)
+    lists = tuple(k for k, v in template.items() if type(v) is list)
+    if any(template[k] for k in lists) or any(isinstance(v, (dict, set, BaseModel)) for v in template.values()):
+        raise TypeError(f"{cls.__name__}'s defaults are not all immutable or empty lists")
+    new, setattr_ = object.__new__, object.__setattr__
+
+    def default() -> BaseModel:
+        obj = new(cls)
+        values = template.copy()
+        for k in lists:
+            values[k] = []
+        setattr_(obj, "__dict__", values)
+        setattr_(obj, "__pydantic_fields_set__", set())
+        setattr_(obj, "__pydantic_extra__", None)
+        setattr_(obj, "__pydantic_private__", None)
+        return obj
+
+    default.__name__ = default.__qualname__ = f"{cls.__name__}_default"
+    return default
 
 
 class Provenance(_Model):
@@ -107,6 +136,9 @@ class Provenance(_Model):
     notes: list[Text] = Field(default_factory=list, description="Free-text notes, in Markdown (raw HTML is not rendered).")
 
 
+_default_provenance = _default_of(Provenance)
+
+
 class Gpu(_Model):
     """One graphics card the ledger has measurements on."""
 
@@ -127,7 +159,7 @@ class Gpu(_Model):
     aliases: list[Line] = Field(
         default_factory=list, description="Other names that refer to this card (short names, older keys)."
     )
-    provenance: Provenance = Field(default_factory=Provenance, description="Where these facts came from.")
+    provenance: Provenance = Field(default_factory=_default_provenance, description="Where these facts came from.")
 
 
 class Lora(_Model):
@@ -245,6 +277,9 @@ class Outcome(_Model):
     result_text: Optional[Text] = Field(None, description="The result as the source described it.")
 
 
+_default_outcome = _default_of(Outcome)
+
+
 class Environment(_Model):
     """Software and device a probe ran with."""
 
@@ -321,9 +356,9 @@ class Measurement(RecipeFields):
         )
     )
     config_text: Optional[Text] = Field(None, description="The configuration as the source described it.")
-    outcome: Outcome = Field(default_factory=Outcome, description="The outcome: status and measured figures.")
+    outcome: Outcome = Field(default_factory=_default_outcome, description="The outcome: status and measured figures.")
     environment: Optional[Environment] = Field(None, description="Software and device (probes).")
-    provenance: Provenance = Field(default_factory=Provenance, description="Where the figures came from.")
+    provenance: Provenance = Field(default_factory=_default_provenance, description="Where the figures came from.")
 
 
 class Detail(_Model):
@@ -357,7 +392,7 @@ class Finding(_Model):
     status: Literal["measured", "inferred", "superseded"] = Field(
         "measured", description="measured: read off measurements; inferred: derived or estimated; superseded: replaced."
     )
-    provenance: Provenance = Field(default_factory=Provenance, description="Where the finding came from.")
+    provenance: Provenance = Field(default_factory=_default_provenance, description="Where the finding came from.")
 
 
 class PredictionScore(_Model):
@@ -390,7 +425,7 @@ class Prediction(RecipeFields):
         ),
     )
     score: Optional[PredictionScore] = Field(None, description="The score once a matching real run is in the ledger.")
-    provenance: Provenance = Field(default_factory=Provenance, description="Where the prediction came from.")
+    provenance: Provenance = Field(default_factory=_default_provenance, description="Where the prediction came from.")
 
 
 class Ledger(_Model):

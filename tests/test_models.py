@@ -5,12 +5,14 @@ from __future__ import annotations
 import datetime as dt
 import json
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import REPO
 from ledger import store
-from ledger.models import SCHEMA_VERSION, Ledger, Lora, Measurement, Outcome, Provenance, json_schema
+from ledger.models import (SCHEMA_VERSION, Ledger, Lora, Measurement, Outcome, Provenance, _default_outcome,
+                           _default_provenance, json_schema)
 
 ids = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,20}", fullmatch=True)
 mib = st.none() | st.floats(min_value=0, max_value=1e6, allow_nan=False, allow_infinity=False)
@@ -84,11 +86,45 @@ def test_model_equality_is_basemodels(a, b):
     object.__setattr__(extra, "__dict__", {**extra.__dict__, "_remembered": object()})
     pairs = [(a, b), (a, copy), (a, extra), (extra, a), (a.outcome, b.outcome), (a.outcome, Outcome()),
              (a.provenance, Provenance()), (copy.provenance, a.provenance), (a.outcome, a.provenance),
-             (a.lora, b.lora), (a, None), (a, "a"), (Outcome(), Outcome())]
+             (a.lora, b.lora), (a, None), (a, "a"), (Outcome(), Outcome()), (a.outcome, _default_outcome()),
+             (_default_outcome(), Outcome()), (Provenance(), _default_provenance()), (a.lora, None)]
     for x, y in pairs:
         if isinstance(x, BaseModel):
             assert x.__eq__(y) == BaseModel.__eq__(x, y), (x, y)  # NotImplemented for a non-model
             assert (x == y) is (BaseModel.__eq__(x, y) is True), (x, y)
+
+
+def test_the_fast_defaults_are_what_the_models_make():
+    """The default outcome and provenance a row gets (and a dump without defaults compares with)
+    are made without validation: each is what ``Outcome()`` / ``Provenance()`` makes (fields,
+    fields set, private and extra attributes, dump, equality both ways), its lists new for each;
+    a model whose defaults hold anything but immutable values and empty lists is refused."""
+    from pydantic import Field
+
+    from ledger.models import _default_of, _Model
+
+    for cls, fast in ((Outcome, _default_outcome), (Provenance, _default_provenance)):
+        made, slow = fast(), cls()
+        assert type(made) is cls and made == slow and slow == made and made.__dict__ == slow.__dict__
+        assert list(made.__dict__) == list(slow.__dict__)
+        assert (made.model_fields_set, made.__pydantic_private__, made.__pydantic_extra__) == (
+            slow.model_fields_set, slow.__pydantic_private__, slow.__pydantic_extra__)
+        assert made.model_dump_json() == slow.model_dump_json() and made.model_copy() == slow
+        other = fast()
+        for k, v in made.__dict__.items():
+            if isinstance(v, list):
+                v.append("x")
+                assert other.__dict__[k] == [] and fast().__dict__[k] == []
+    row = Measurement(id="m", kind="probe")
+    assert row.outcome == Outcome() and row.provenance == Provenance() and row.provenance.notes is not (
+        Measurement(id="n", kind="probe").provenance.notes)
+    assert Measurement.model_validate_json('{"id": "m", "kind": "probe"}') == row
+
+    class Held(_Model):
+        values: dict[str, int] = Field(default_factory=lambda: {"a": 1})
+
+    with pytest.raises(TypeError):
+        _default_of(Held)
 
 
 @settings(max_examples=60, suppress_health_check=[HealthCheck.too_slow])
