@@ -252,6 +252,14 @@ def fit_table(p: Predictor, *, models: Optional[Iterable[str]] = None, gpus: Opt
     if ladder and checkpointing:
         for m in p.ms:
             spellings.setdefault(model_name(m.model), set()).add(m.model)
+    # The probes a ladder cell cites (the card's rows of its recipe, lengths since the previous
+    # column's): grouped once, not sought among every row for each cell.
+    probes: dict[tuple, list[tuple[int, str]]] = {}
+    if ladder:
+        for m in p.ms:
+            if m.kind == "probe" and m.lora and m.seq_len:
+                probes.setdefault((m.gpu, model_name(m.model), m.quant, fixes_key(m.memory_fixes),
+                                   bool(m.lora.dropout), bool(m.lora.dora)), []).append((m.seq_len, m.id))
     out = []
     if fixes_settings is None:  # the shipped grid has the preset with checkpointing only
         fixes_settings = ("none", "all") if checkpointing else ("none",)
@@ -302,12 +310,8 @@ def fit_table(p: Predictor, *, models: Optional[Iterable[str]] = None, gpus: Opt
                     p.dry_ceilings[key] = (c.fits_rank, c.tight_rank, c.status, c.at_least)
                 fits, tight, status, more = p.dry_ceilings[key]
                 lower = max([s for s in lengths if s < seq], default=0)
-                rows = tuple(sorted({m.id for m in p.ms if m.gpu == gpu and m.kind == "probe"
-                                     and m.lora and model_name(m.model) == model and m.quant == quant
-                                     and fixes_key(m.memory_fixes) == fixes and m.seq_len
-                                     and lower < m.seq_len <= seq
-                                     and bool(m.lora.dropout) == dropout
-                                     and bool(m.lora.dora) == dora}))
+                rows = tuple(sorted({i for length, i in probes.get((gpu, model, quant, fixes, dropout, dora), ())
+                                     if lower < length <= seq}))
                 out.append(FitCell(model, gpu, quant, fixes, setting, seq, fits, tight, status,
                                    more or (fits is not None and fits + STEP > MAX_RANK), "ledger", rows, run,
                                    optim, checkpointing))
