@@ -22,8 +22,11 @@ Run = Literal["probe", "real"]
 class CardLimits:
     """The limits of one ledger's cards, and of the card table's by derivation."""
 
-    def __init__(self, fit: LedgerFit):
+    def __init__(self, fit: LedgerFit, base: Optional["CardLimits"] = None):
+        """``base``: the limits of the fit ``fit`` was started from (leave-one-out), whose
+        reserved/allocated ratios this one shares where the rows it leaves out do not enter them."""
         self.fit = fit
+        self.base = base if base is not None and fit.base is not None and fit.base is base.fit else None
         self._limits: dict = {}
         self._ratios: dict = {}
 
@@ -105,8 +108,40 @@ class CardLimits:
         """(median, min, max) of peak reserved / peak allocated over the card's ok probes, else
         every card's; None when no probe has both."""
         if gpu not in self._ratios:
-            probes = [m for m in self.fit.peaks.probes if ok_peak(m) and m.outcome.peak_reserved_mib]
-            rs = [m.outcome.peak_reserved_mib / ok_peak(m) for m in probes if m.gpu == gpu] or \
-                [m.outcome.peak_reserved_mib / ok_peak(m) for m in probes]
-            self._ratios[gpu] = (statistics.median(rs), min(rs), max(rs)) if rs else None
+            if self._as_base(gpu):
+                self._ratios[gpu] = self.base.reserved_ratio(gpu)
+            else:  # the ratios of the base's probes less the ones left out: the same, in the same order
+                by_card, every, _ = (self.base or self)._ratio_rows
+                gone = self.fit.exclude - self.base.fit.exclude if self.base else ()
+                rs = [r for i, r in by_card.get(gpu, ()) if i not in gone] or [r for i, r in every if i not in gone]
+                self._ratios[gpu] = (statistics.median(rs), min(rs), max(rs)) if rs else None
         return self._ratios[gpu]
+
+    @cached_property
+    def _ratio_rows(self) -> tuple[dict[Optional[str], list[tuple[str, float]]], list[tuple[str, float]], dict]:
+        """Each ok probe's reserved / allocated as (id, ratio), by card and all together, in the
+        probes' order; and each one's card by id."""
+        by_card: dict[Optional[str], list[tuple[str, float]]] = {}
+        every, card_of = [], {}
+        for m in self.fit.peaks.probes:
+            if _has_ratio(m):
+                row = (m.id, m.outcome.peak_reserved_mib / ok_peak(m))
+                by_card.setdefault(m.gpu, []).append(row)
+                every.append(row)
+                card_of[m.id] = m.gpu
+        return by_card, every, card_of
+
+    def _as_base(self, gpu: str) -> bool:
+        """Whether the card's ratio is the base's: none of the rows this fit leaves out besides
+        the base's enters it (not a probe the ratios read; or only other cards' while this card
+        has probes of its own, so the pooled ratio is not the one read)."""
+        if self.base is None:
+            return False
+        by_card, _, card_of = self.base._ratio_rows
+        gone = [card_of[i] for i in self.fit.exclude - self.base.fit.exclude if i in card_of]
+        return not gone or (gpu not in gone and gpu in by_card)
+
+
+def _has_ratio(m) -> bool:
+    """Whether a probe has both peaks the reserved/allocated ratio reads."""
+    return bool(ok_peak(m) and m.outcome.peak_reserved_mib)

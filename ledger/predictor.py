@@ -80,7 +80,7 @@ class Predictor:
         same_dry = base is not None and (self.dry is base.dry or [d.id for d in base.dry] == [d.id for d in self.dry])
         self.table = base.table if same_dry else DryTable(self.dry)
         self.dry_cal = DryCalibration(self.fit, self.table)
-        self.limits = CardLimits(self.fit)
+        self.limits = CardLimits(self.fit, base.limits if base else None)
         self.span = ProbeToReal(self.fit)
         self.dominance = Dominance(self.fit, base.dominance if base else None)
         self.ladder = probe_ladder(self.fit, self.dry_cal)

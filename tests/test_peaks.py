@@ -67,7 +67,8 @@ def test_pooled_slope_is_rank_slope():
 
 def test_a_predictor_started_from_the_full_one_answers_as_a_fresh_one():
     """Leave-one-out starts each predictor from the full one (``Predictor(base=...)``): the answers,
-    limits, over-estimate and widths are those of a predictor fitted from scratch without the row."""
+    limits, reserved/allocated ratios, over-estimate and widths are those of a predictor fitted from
+    scratch without the row."""
     from dataclasses import replace
 
     from ledger.dry_runs import load_dry_runs
@@ -87,6 +88,8 @@ def test_a_predictor_started_from_the_full_one_answers_as_a_fresh_one():
             assert started.fit.real_seq == fresh.fit.real_seq
             assert started.dominance._rows == fresh.dominance._rows
             assert [d.id for d in started.dry] == [d.id for d in fresh.dry]
+            for card in (*lg.gpus, "rtx-4090", ""):  # the card's own ratio, or every card's pooled
+                assert started.reserved_ratio(card) == fresh.reserved_ratio(card), (m.id, card)
             r = recipe_of(m)
             for recipe in (r, replace(r, rank=r.rank * 2), replace(r, dropout=not r.dropout)):
                 if recipe.seq_len is None:
