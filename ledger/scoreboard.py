@@ -158,6 +158,9 @@ def scoreboard(ledger: Ledger, estimators: Optional[list[Estimator]] = None, kee
         labels: dict = {}
         slice_codes[k] = np.array([labels.setdefault(a[4][k], len(labels)) for a in addressable], dtype=np.int64)
         slice_labels[k] = list(labels)
+    # Above ``keep_rows`` rows an estimator that answers from the recipe alone is scored on arrays:
+    # each distinct question asked once, its answer spread over the rows asking it.
+    questions = _questions(addressable) if not keep else None
     for est in estimators:
         entry = {"name": est.name, "predicts": est.predicts, "leaves_out": est.leaves_out,
                  "available": not (isinstance(est, Canifinetune) and not est.available()), "skipped": None}
@@ -166,6 +169,11 @@ def scoreboard(ledger: Ledger, estimators: Optional[list[Estimator]] = None, kee
             entry.update(skipped=f"held-out scoring refits once per row; skipped above {HELD_OUT_LIMIT} rows",
                          n=0, median_abs_err_pct=None, median_signed_err_pct=None, slices={}, confusion=None, rows=[],
                          rows_kept=False)
+            out["estimators"].append(entry)
+            continue
+        if questions is not None and not (ours or dry):
+            entry.update(_scored_on_arrays(est, addressable, questions, oks, measured_as[est.predicts],
+                                           slice_codes, slice_labels))
             out["estimators"].append(entry)
             continue
         cache: dict[tuple, tuple[Optional[Estimate], Optional[float]]] = {}
@@ -187,7 +195,7 @@ def scoreboard(ledger: Ledger, estimators: Optional[list[Estimator]] = None, kee
                 e = None if pred is None else Estimate(est.name, pred * MIB, est.predicts)
                 estimate_mib = None if e is None else e.mib
             else:
-                key = (arch.name, r.quant, r.rank, r.seq_len, r.dropout_rate, r.dora, r.batch, card)
+                key = _question(r, arch, card)
                 found = cache.get(key)
                 if found is None:
                     e = est.estimate(arch, r, card)
@@ -228,6 +236,62 @@ def scoreboard(ledger: Ledger, estimators: Optional[list[Estimator]] = None, kee
         )
         out["estimators"].append(entry)
     return out
+
+
+def _question(r: Recipe, arch: Arch, card: Optional[float]) -> tuple:
+    """What an estimator answering from the recipe alone is asked of a row (its answer's key)."""
+    return (arch.name, r.quant, r.rank, r.seq_len, r.dropout_rate, r.dora, r.batch, card)
+
+
+def _questions(addressable: list) -> tuple[list[int], np.ndarray]:
+    """The distinct questions of the rows (the position of the first row asking each) and each
+    row's question as an index into them."""
+    first: dict[tuple, int] = {}
+    codes = [first.setdefault(_question(r, arch, card), len(first)) for _, r, arch, card, _ in addressable]
+    return _first_rows(codes), np.array(codes, dtype=np.int64)
+
+
+def _first_rows(codes: list[int]) -> list[int]:
+    """The position of the first row of each code (codes numbered in order of first appearance)."""
+    firsts: list[int] = []
+    for i, c in enumerate(codes):
+        if c == len(firsts):
+            firsts.append(i)
+    return firsts
+
+
+def _scored_on_arrays(est: Estimator, addressable: list, questions: tuple[list[int], np.ndarray], oks: list[bool],
+                      measured: list[tuple], slice_codes: dict[str, np.ndarray], slice_labels: dict[str, list]) -> dict:
+    """An analytic estimator's scores, rows not kept: what the per-row loop gives (each question
+    asked of its first row's recipe, the same float arithmetic, Python's ``round`` on each error),
+    computed over arrays."""
+    firsts, codes = questions
+    nan = float("nan")
+    answers = []
+    for i in firsts:
+        _, r, arch, card, _ = addressable[i]
+        e = est.estimate(arch, r, card)
+        answers.append(nan if e is None else e.mib)
+    estimate = np.array(answers, dtype=float)[codes]
+    has = ~np.isnan(estimate)
+    figure = np.array([nan if v is None else v for v, _ in measured], dtype=float)
+    scored_at = np.flatnonzero(has & ~np.isnan(figure) & (figure != 0))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        raw = (estimate[scored_at] - figure[scored_at]) / figure[scored_at] * 100
+    errors = [round(x, 1) for x in raw.tolist()]
+    card = np.array([nan if c is None or not c else c for *_, c, _ in addressable], dtype=float)
+    judged = has & ~np.isnan(card)
+    fits = np.zeros(len(estimate), dtype=bool)
+    fits[judged] = estimate[judged] <= card[judged]
+    ok = np.array(oks, dtype=bool)
+    confusion = {"fits_and_fit": int(np.sum(judged & fits & ok)), "fits_but_oom": int(np.sum(judged & fits & ~ok)),
+                 "oom_but_fit": int(np.sum(judged & ~fits & ok)), "oom_and_oom": int(np.sum(judged & ~fits & ~ok))}
+    scored = scored_at.tolist()
+    return dict(n=len(errors),
+                median_abs_err_pct=round(statistics.median(abs(x) for x in errors), 1) if errors else None,
+                median_signed_err_pct=round(statistics.median(errors), 1) if errors else None,
+                slices=_slice_medians(errors, scored, slice_codes, slice_labels),
+                confusion=confusion, rows=[], rows_kept=False)
 
 
 def _slice_medians(errors: list[float], scored: list[int], codes: dict[str, np.ndarray],

@@ -154,3 +154,42 @@ def test_this_projects_verdict_never_says_fits_for_a_row_that_ran_out_of_memory(
     own = next(e for e in board["estimators"] if e["name"] == "vram-ledger")
     c = own["confusion"]
     assert c["fits_but_oom"] == 0 and c["oom_and_oom"] > 0  # the costly cell is empty; OOMs are caught
+
+
+def test_the_scoreboard_on_arrays_is_the_per_row_loops():
+    """Above ``keep_rows`` rows an estimator that answers from the recipe alone is scored on arrays
+    (each distinct question once): every figure (counts, medians overall and per slice, the
+    confusion) is what the per-row loop gives with the rows kept, on the bundled ledger (every
+    estimator, dry-run rows and ours among them), a synthetic and a cloned one, and a ledger with
+    rows of unknown cards, zero and missing figures and OOMs."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from synthetic import realistic_ledger, synthetic_ledger
+
+    from ledger.estimators import ESTIMATORS
+
+    def figures(board: dict) -> dict:
+        return {**board, "estimators": [{k: v for k, v in e.items() if k not in ("rows", "rows_kept")}
+                                        for e in board["estimators"]]}
+
+    odd = synthetic_ledger(300, seed=4)
+    rows = odd.measurements
+    for i, m in enumerate(rows[:60]):
+        if i % 3 == 0:
+            rows[i] = m.model_copy(update={"gpu": None})
+        elif i % 3 == 1:
+            rows[i] = m.model_copy(update={"outcome": m.outcome.model_copy(update={"peak_allocated_mib": 0.0,
+                                                                                    "peak_reserved_mib": None})})
+        else:
+            rows[i] = m.model_copy(update={"outcome": m.outcome.model_copy(update={"status": "oom"})})
+    cases = [(store.load(BUNDLED), None), (synthetic_ledger(400, seed=1), ESTIMATORS),
+             (realistic_ledger(500), ESTIMATORS), (odd, ESTIMATORS)]
+    for ledger, estimators in cases:
+        kept = scoreboard(ledger, estimators, keep_rows=10**6)
+        arrays = scoreboard(ledger, estimators, keep_rows=0)
+        assert all(e["rows_kept"] for e in kept["estimators"] if e["skipped"] is None)
+        assert not any(e["rows"] for e in arrays["estimators"])
+        assert figures(arrays) == figures(kept)
+        assert sum(e["n"] for e in arrays["estimators"]) > 0
