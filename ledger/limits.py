@@ -112,7 +112,7 @@ class CardLimits:
                 self._ratios[gpu] = self.base.reserved_ratio(gpu)
             else:  # the ratios of the base's probes less the ones left out: the same, in the same order
                 by_card, every, _ = (self.base or self)._ratio_rows
-                gone = self.fit.exclude - self.base.fit.exclude if self.base else ()
+                gone = self._gone
                 rs = [r for i, r in by_card.get(gpu, ()) if i not in gone] or [r for i, r in every if i not in gone]
                 self._ratios[gpu] = (statistics.median(rs), min(rs), max(rs)) if rs else None
         return self._ratios[gpu]
@@ -138,8 +138,13 @@ class CardLimits:
         if self.base is None:
             return False
         by_card, _, card_of = self.base._ratio_rows
-        gone = [card_of[i] for i in self.fit.exclude - self.base.fit.exclude if i in card_of]
+        gone = [card_of[i] for i in self._gone if i in card_of]
         return not gone or (gpu not in gone and gpu in by_card)
+
+    @cached_property
+    def _gone(self) -> set:
+        """The rows this fit leaves out besides its base's."""
+        return self.fit.exclude - self.base.fit.exclude if self.base else set()
 
 
 def _has_ratio(m) -> bool:

@@ -246,18 +246,17 @@ def _question(r: Recipe, arch: Arch, card: Optional[float]) -> tuple:
 def _questions(addressable: list) -> tuple[list[int], np.ndarray]:
     """The distinct questions of the rows (the position of the first row asking each) and each
     row's question as an index into them."""
-    first: dict[tuple, int] = {}
-    codes = [first.setdefault(_question(r, arch, card), len(first)) for _, r, arch, card, _ in addressable]
-    return _first_rows(codes), np.array(codes, dtype=np.int64)
-
-
-def _first_rows(codes: list[int]) -> list[int]:
-    """The position of the first row of each code (codes numbered in order of first appearance)."""
+    code_of: dict[tuple, int] = {}
     firsts: list[int] = []
-    for i, c in enumerate(codes):
-        if c == len(firsts):
+    codes: list[int] = []
+    for i, (_, r, arch, card, _) in enumerate(addressable):
+        q = _question(r, arch, card)
+        c = code_of.get(q)
+        if c is None:
+            c = code_of[q] = len(firsts)
             firsts.append(i)
-    return firsts
+        codes.append(c)
+    return firsts, np.array(codes, dtype=np.int64)
 
 
 def _scored_on_arrays(est: Estimator, addressable: list, questions: tuple[list[int], np.ndarray], oks: list[bool],
@@ -279,7 +278,7 @@ def _scored_on_arrays(est: Estimator, addressable: list, questions: tuple[list[i
     with np.errstate(invalid="ignore", divide="ignore"):
         raw = (estimate[scored_at] - figure[scored_at]) / figure[scored_at] * 100
     errors = [round(x, 1) for x in raw.tolist()]
-    card = np.array([nan if c is None or not c else c for *_, c, _ in addressable], dtype=float)
+    card = np.array([c if c else nan for *_, c, _ in addressable], dtype=float)  # none, or 0: not judged
     judged = has & ~np.isnan(card)
     fits = np.zeros(len(estimate), dtype=bool)
     fits[judged] = estimate[judged] <= card[judged]

@@ -142,15 +142,21 @@ def parse_ledger(text: str, name: str, *, allow_older: bool = False) -> Ledger:
         return _parse_ledger(text, name, allow_older)
 
 
-def _parse_ledger(text: str, name: str, allow_older: bool) -> Ledger:
-    ledger = None
-    try:  # fast path: one pass through the Rust parser for a current, valid file...
+def _fast_parse(text: str) -> Ledger | None:
+    """One pass through the Rust parser for a current, valid file (None otherwise). It lets
+    through what strict JSON refuses (a key written twice, the last one winning): its result is
+    trusted only once the text is proved to be what ``save`` writes."""
+    try:
         ledger = Ledger.model_validate_json(text, strict=True)
     except ValueError:  # ValidationError, or a recursion limit
-        pass
-    # ...accepted only when the text is exactly what save() writes: that rules out what the Rust
-    # parser lets through (duplicate keys, the last one winning) and costs one dump.
-    if ledger is None or ledger.schema_version != SCHEMA_VERSION or dumps(ledger) != text:
+        return None
+    return ledger if ledger.schema_version == SCHEMA_VERSION else None
+
+
+def _parse_ledger(text: str, name: str, allow_older: bool) -> Ledger:
+    ledger = _fast_parse(text)
+    # The fast path is accepted only when the text is exactly what save() writes (one dump).
+    if ledger is None or dumps(ledger) != text:
         # Slow path for exact messages: strict JSON, version, migrations, then the models.
         data = parse_json(text, name)
         version = check_version(data, name, allow_older=allow_older)
@@ -360,13 +366,8 @@ def _parsed_unchecked(text: str, name: str) -> Ledger | None:
     its cross-references and physics checked; None when it refuses the text, the version is not
     the current one or a cross-reference fails (``parse_ledger`` then says why, located)."""
     with gc_paused():
-        try:
-            ledger = Ledger.model_validate_json(text, strict=True)
-        except ValueError:  # ValidationError, or a recursion limit
-            return None
-        if ledger.schema_version != SCHEMA_VERSION or ledger_issues(ledger, name):
-            return None
-    return ledger
+        ledger = _fast_parse(text)
+        return None if ledger is None or ledger_issues(ledger, name) else ledger
 
 
 #: A ledger's sections of entries as ``dumps`` writes them: the name, its brackets, and what
@@ -376,14 +377,18 @@ _SECTIONS = (("gpus", "{", "}", '\n    },\n    "'), ("measurements", "[", "]", "
              ("findings", "[", "]", "\n    },\n    {"), ("predictions", "[", "]", "\n    },\n    {"))
 
 
-def _entries(ledger: Ledger) -> dict[str, list]:
-    """Each section's entries in order (the cards as (key, card)), copied: what the file held."""
-    return {"schema_version": [ledger.schema_version], "about": [ledger.about],
-            "gpus": list(ledger.gpus.items()), "measurements": list(ledger.measurements),
+#: The text that ends an entry of a section (its closing brace, at an indent of four).
+_ENTRY_END = "\n    }"
+
+
+def _entries(ledger: Ledger) -> dict:
+    """The header (version, about) and each section's entries in order (the cards as (key,
+    card)), copied: what the file held."""
+    return {"header": (ledger.schema_version, ledger.about), "gpus": list(ledger.gpus.items()), "measurements": list(ledger.measurements),
             "findings": list(ledger.findings), "predictions": list(ledger.predictions)}
 
 
-def _as_written(old: str, new: str, before: dict[str, list], after: Ledger) -> bool:
+def _as_written(old: str, new: str, before: dict, after: Ledger) -> bool:
     """Whether ``old`` (the file as read) is exactly what ``save`` writes, proved from ``new``
     (``dumps(after)``): every section of ``after`` holds the entries ``before`` had, the very
     objects in the same order, with others appended after them (what an append does), and
@@ -392,7 +397,7 @@ def _as_written(old: str, new: str, before: dict[str, list], after: Ledger) -> b
     read what it says. False proves nothing either way (an entry replaced or removed, a section's
     first entry, the header changed, a file not written by ``save``): the caller checks by a dump."""
     now = _entries(after)
-    if now["schema_version"] != before["schema_version"] or now["about"] != before["about"]:
+    if now["header"] != before["header"]:
         return False
     kept, at = [], 0
     for section, opening, closing, sep in _SECTIONS:
@@ -416,16 +421,17 @@ def _as_written(old: str, new: str, before: dict[str, list], after: Ledger) -> b
             cut = new.rfind(sep, start, cut)
             if cut < 0:
                 return False
-        kept.append((at, cut + 6))  # up to the closing brace of the last entry read ("\n    }")
+        kept.append((at, cut + len(_ENTRY_END)))  # up to the end of the last entry read
         at = end
     return "".join(new[a:b] for a, b in kept) + new[at:] == old
 
 
-def _check_as_read(text: str, name: str, before: dict[str, list]) -> None:
+def _check_as_read(text: str, name: str, before: dict) -> None:
     """``load``'s canonical check of the file as read: the ledger of the entries it held,
     dumped, is the text; otherwise the full parse with its exact messages (raises for a file that
     is not sound; a sound one that ``save`` did not write passes)."""
-    as_read = Ledger.model_construct(schema_version=before["schema_version"][0], about=before["about"][0],
+    version, about = before["header"]
+    as_read = Ledger.model_construct(schema_version=version, about=about,
                                      gpus=dict(before["gpus"]), measurements=before["measurements"],
                                      findings=before["findings"], predictions=before["predictions"])
     if dumps(as_read) != text:
