@@ -13,14 +13,16 @@ the same class runs its own pack and unpack logic with the CPU standing in for t
 order), host copies are not pinned and, under the tracker meter, live in host RAM (never
 counted), a copy brought back for backward is a new device tensor (on a CPU ``.to('cpu')``
 would return the host copy itself), and ``record_stream`` (the allocator keeping a block from reuse
-until the compute stream is done with it) does nothing. Under fake tensors, which have no data pointers, a storage's
-identity for TRL's deduplication is the storage itself.
+until the compute stream is done with it) does nothing. TRL's deduplication names a storage by a
+serial number rather than by its address (see ``_StorageSerials``), the same in a real step and
+under fake tensors, which have no data pointers.
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from typing import Iterator, Optional
 
 import torch
@@ -73,6 +75,35 @@ class _HostCopy:
 
     def to(self, *args, **kwargs) -> torch.Tensor:
         return self.tensor.clone()
+
+
+class _StorageSerials:
+    """TRL's deduplication key for a saved tensor: (its storage, offset, dtype). TRL names the
+    storage by its address, which a later storage can take once the first is freed (TRL keeps the
+    key of an offloaded tensor that it copied first, so the freed original's address stays in its
+    map): on a CPU, whether a new storage then lands on that address, and so whether it is
+    offloaded or kept, would depend on the heap's history. Here each storage is named by a serial
+    number, given when TRL first asks about it and never given again: the same step makes the
+    same decisions in every run, real or under fake tensors. A storage has one Python object for
+    its whole life, so a weak reference on it drops the name the moment it is freed."""
+
+    def __init__(self, fallback) -> None:
+        self.fallback = fallback
+        self.serials: dict[int, int] = {}
+        self.next = 0
+
+    def key(self, tensor: torch.Tensor) -> tuple:
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, AttributeError):
+            return self.fallback(tensor)
+        ident = id(storage)
+        serial = self.serials.get(ident)
+        if serial is None:
+            serial = self.serials[ident] = self.next
+            self.next += 1
+            weakref.finalize(storage, self.serials.pop, ident, None)
+        return (serial, tensor.storage_offset(), tensor.dtype)
 
 
 def _import():
@@ -142,14 +173,7 @@ class _OnCpu(contextlib.AbstractContextManager):
     def __enter__(self):
         stack = contextlib.ExitStack()
         key = self.ao._get_unique_tensor_key
-
-        def storage_key(tensor: torch.Tensor) -> tuple:
-            try:
-                return (tensor.untyped_storage()._cdata, tensor.storage_offset(), tensor.dtype)
-            except (RuntimeError, AttributeError):
-                return key(tensor)
-
-        self.ao._get_unique_tensor_key = storage_key
+        self.ao._get_unique_tensor_key = _StorageSerials(key).key
         stack.callback(setattr, self.ao, "_get_unique_tensor_key", key)
         # A brought-back tensor still in use when its node ends is kept from reuse until the compute
         # stream is done with it (record_stream); a device that runs in order is done already.

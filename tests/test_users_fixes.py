@@ -173,3 +173,23 @@ def test_host_copies_are_never_counted():
         again = host.clone()  # brought back: a new device tensor
         assert meter.allocated_mib() * 2**20 == 8192
     del again
+
+
+def test_a_freed_storages_dedup_key_is_never_given_again():
+    """TRL names a saved tensor's storage by its address; a storage made after the first is freed
+    can land on that address, and whether it does depends on the heap's history. The key the CPU
+    step uses names each storage once: views of a live storage share it, a new storage at a reused
+    address does not."""
+    serials = trl_offload._StorageSerials(fallback=None)
+    first = torch.ones(256)
+    key = serials.key(first)
+    assert serials.key(first[:128]) == key  # the same storage at the same offset: deduplicated
+    assert serials.key(first[128:])[0] == key[0] and serials.key(first[128:]) != key
+    address, storage_address = first.data_ptr(), first.untyped_storage()._cdata
+    del first
+    for _ in range(1000):  # until the allocator hands a freed address out again (at once, here)
+        second = torch.ones(256)
+        if second.data_ptr() == address or second.untyped_storage()._cdata == storage_address:
+            break
+        del second
+    assert serials.key(second) != key and serials.serials == {id(second.untyped_storage()): key[0] + 1}
