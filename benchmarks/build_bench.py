@@ -1,7 +1,7 @@
 """Site build cost across ledger sizes and shapes, with each stage's share, so a cliff anywhere shows.
 
     python benchmarks/build_bench.py [--sizes 100,200,400,1000,5000,10000,20000,100000] [--kinds synthetic,realistic]
-                                     [--repeat N]
+                                     [--repeat N] [--rebuild]
 
 Ledgers: *synthetic* (``synthetic.synthetic_ledger``: three cards, one model, random ranks, lengths,
 dropout and DoRA) and *realistic* (``synthetic.realistic_ledger``: the bundled ledger's rows and
@@ -17,6 +17,11 @@ each stage's CPU share (the workers' stages in their own process, so shares add 
 the wall time). Targets (issue "the build at scale"): the bundled build <= 3 s of CPU; a realistic
 200- and 1,000-row ledger <= 2x the bundled build; 100k rows <= 10x the floor; 10k -> 100k growth
 <= 12x.
+
+``--rebuild`` also times what a deploy does after each sweep: the ledger built once without its
+last 1% of rows, then built again, whole and with one row's peak changed, into the same folder
+(the earlier build's vram.json is the previous publication: changes.json and feed.xml list the
+rows added and the one changed). Printed as ``<kind>+re``; its floor is the whole ledger's.
 """
 
 from __future__ import annotations
@@ -47,6 +52,30 @@ def cpu() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+def rebuild_once(path: Path, out: Path) -> dict:
+    """A deploy's build after a sweep (``--rebuild``): the ledger less its last 1% of rows built
+    into ``out``, then the whole ledger, one row's peak changed, built into the same folder."""
+    whole = store.load(path)
+    rows = whole.measurements
+    k = max(1, len(rows) // 100)
+    store.save(whole.model_copy(update={"measurements": rows[:-k]}), path)
+    render_site(store.load(path), out)
+    changed = next((i for i, m in enumerate(rows) if m.outcome.peak_allocated_mib), None)
+    if changed is not None:
+        m = rows[changed]
+        rows = [*rows[:changed], m.model_copy(update={"outcome": m.outcome.model_copy(
+            update={"peak_allocated_mib": m.outcome.peak_allocated_mib + 1.0})}), *rows[changed + 1:]]
+    store.save(whole.model_copy(update={"measurements": rows}), path)
+    data = json.loads(path.read_text())
+    floor = time.perf_counter()
+    json.dumps(data)
+    floor = time.perf_counter() - floor
+    c0, w0 = cpu(), time.perf_counter()
+    result = render_site(store.load(path), out)
+    return {"floor": floor, "wall": time.perf_counter() - w0, "cpu": cpu() - c0, "stages": result.stages,
+            "mib": sum(result.files.values()) / 2**20}
+
+
 def build_once(path: Path, out: Path, repeat: int = 1) -> dict:
     """The build's figures (the run with the least CPU of ``repeat``: this machine's speed swings
     some 20% run to run), with the json.dumps floor (its fastest of as many)."""
@@ -68,6 +97,8 @@ def main() -> None:
     ap.add_argument("--sizes", default="100,200,400,1000,5000,10000,20000,100000")
     ap.add_argument("--kinds", default="synthetic,realistic")
     ap.add_argument("--repeat", type=int, default=1, help="builds per ledger; the one with the least CPU is shown")
+    ap.add_argument("--rebuild", action="store_true",
+                    help="also time a deploy's build after a sweep (1%% more rows, one changed; the previous build in the folder)")
     args = ap.parse_args()
     make = {"synthetic": synthetic_ledger, "realistic": realistic_ledger}
     with tempfile.TemporaryDirectory() as tmp:
@@ -93,6 +124,8 @@ def main() -> None:
                 line(kind, n, r)
                 if n == 100000:
                     print(f"{'':>10} target <= 10x the floor at 100k: {'met' if r['cpu'] / r['floor'] <= 10 else 'NOT met'}")
+                if args.rebuild:
+                    line(f"{kind[:7]}+re", n, rebuild_once(path, Path(tmp, f"site-{kind}-{n}-re")))
                 os.remove(path)
             if (kind, 10000) in cpus and (kind, 100000) in cpus:
                 g = cpus[(kind, 100000)] / cpus[(kind, 10000)]

@@ -94,6 +94,36 @@ def test_feed_lists_exactly_the_rows_that_changed(tmp_path):
     assert before == {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
 
 
+def test_a_sweep_of_thousands_of_rows_makes_a_feed_of_at_most_feed_entries():
+    from ledger.site.changes import FEED_ENTRIES, atom_feed
+
+    def change_set(sha, added, findings=()):
+        empty = {"added": [], "removed": [], "changed": [], "described": {}}
+        return {"to_sha256": sha, "date": "2026-11-30",
+                "measurements": {**empty, "added": added, "described": {i: f"probe {i}: ok" for i in added}},
+                "findings": {**empty, "added": list(findings)}}
+
+    def entries(history):
+        feed = ET.fromstring(atom_feed({"history": history}, title="t", base_url="https://example.org/",
+                                       updated="2026-11-30T00:00:00Z"))
+        return feed.findall(f"{ATOM}entry")
+
+    sweep = [f"m{i}" for i in range(FEED_ENTRIES + 10)]
+    got = entries([change_set("new", sweep, ["f1"]), change_set("old", ["older"])])
+    assert len(got) == FEED_ENTRIES  # the newest rows, one place kept for the count; the older set left out
+    assert [e.find(f"{ATOM}title").text for e in got[:2]] == ["probe m0: ok (added)", "probe m1: ok (added)"]
+    more = got[-1]
+    assert more.find(f"{ATOM}title").text == "12 more rows changed (see changes.json)"  # 11 rows and the finding
+    assert more.find(f"{ATOM}id").text == "urn:vram-ledger:new:more"
+    assert more.find(f"{ATOM}content").text and more.find(f"{ATOM}link").get("href") == "https://example.org/changes.json"
+    # Sets that fit are listed whole, newest first, with nothing counted.
+    small = entries([change_set("b", ["x", "y"]), change_set("a", ["z"], ["f"])])
+    assert [e.find(f"{ATOM}id").text.rsplit(":", 1)[1] for e in small] == ["x", "y", "z", "f"]
+    # A set that exactly fills what is left is listed whole; the next one starts no count.
+    full = entries([change_set("c", sweep[:FEED_ENTRIES]), change_set("d", ["w"])])
+    assert len(full) == FEED_ENTRIES and not full[-1].find(f"{ATOM}id").text.endswith(":more")
+
+
 def test_previous_from_a_path(tmp_path):
     first = tmp_path / "first"
     render_site(store.load(SMALL), first)

@@ -15,10 +15,25 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any, Optional
 
+from pydantic_core import from_json
+
 from ..errors import Issue, UserError
 
 HISTORY = 50
+#: The feed's entries at most, newest change set first (changes.json keeps every row of the last
+#: HISTORY sets): a sweep of thousands of rows would otherwise make a feed no reader loads.
+FEED_ENTRIES = 500
 ATOM = "http://www.w3.org/2005/Atom"
+
+
+def parse_document(text: str) -> Any:
+    """A published JSON document as ``json.loads`` reads it, through pydantic's Rust parser (a
+    100k-row vram.json in under half the time); a text that parser refuses is left to
+    ``json.loads``, whose result or message stands."""
+    try:
+        return from_json(text)
+    except ValueError:
+        return json.loads(text)
 
 
 def load_previous(source: Optional[str], out: Path) -> tuple[Optional[dict], Optional[dict]]:
@@ -27,11 +42,11 @@ def load_previous(source: Optional[str], out: Path) -> tuple[Optional[dict], Opt
     def read(src: str) -> Any:
         if src.startswith(("http://", "https://")):
             with urllib.request.urlopen(src, timeout=30) as resp:  # noqa: S310 (explicit user URL)
-                return json.loads(resp.read().decode("utf-8"))
+                return parse_document(resp.read().decode("utf-8"))
         path = Path(src)
         if path.exists() and not path.is_file():  # a FIFO or a device would block the build
             raise ValueError("not a regular file")
-        return json.loads(path.read_text(encoding="utf-8"))
+        return parse_document(path.read_text(encoding="utf-8"))
 
     previous = None
     if source:
@@ -60,7 +75,7 @@ def load_previous(source: Optional[str], out: Path) -> tuple[Optional[dict], Opt
             history = None
     if history is None and (out / "changes.json").is_file():
         try:
-            history = json.loads((out / "changes.json").read_text(encoding="utf-8"))
+            history = parse_document((out / "changes.json").read_text(encoding="utf-8"))
         except (OSError, ValueError):
             history = None
     if not isinstance(history, dict):
@@ -81,12 +96,14 @@ def _by_id(items: list) -> dict[str, dict]:
     return {x["id"]: x for x in items if isinstance(x, dict) and "id" in x}
 
 
-def _diff_items(old: list, new: list) -> tuple[list[str], list[str], list[dict]]:
-    a, b = _by_id(old), _by_id(new)
+def _diff_items(a: dict[str, dict], b: dict[str, dict]) -> tuple[list[str], list[str], list[dict]]:
+    """(added, removed, changed) between two sections' items by id."""
     added = sorted(set(b) - set(a))
     removed = sorted(set(a) - set(b))
     changed = []
     for key in sorted(set(a) & set(b)):
+        if a[key] == b[key]:  # most rows are as they were: one comparison in C, nothing flattened
+            continue
         fa, fb = _flatten(a[key]), _flatten(b[key])
         fields = {f: [fa.get(f), fb.get(f)] for f in sorted(set(fa) | set(fb)) if fa.get(f) != fb.get(f)}
         if fields:
@@ -120,10 +137,10 @@ def change_set(previous: dict, ledger_doc: dict, sha: str, date: Optional[str]) 
     """The differences between the previous publication's ledger and this one, each added or
     removed row also described in words and figures."""
     prev = previous["ledger"]
-    m_add, m_rem, m_chg = _diff_items(prev.get("measurements", []), ledger_doc.get("measurements", []))
-    f_add, f_rem, f_chg = _diff_items(prev.get("findings", []), ledger_doc.get("findings", []))
-    new_m, old_m = _by_id(ledger_doc.get("measurements", [])), _by_id(prev.get("measurements", []))
-    new_f, old_f = _by_id(ledger_doc.get("findings", [])), _by_id(prev.get("findings", []))
+    old_m, new_m = _by_id(prev.get("measurements", [])), _by_id(ledger_doc.get("measurements", []))
+    old_f, new_f = _by_id(prev.get("findings", [])), _by_id(ledger_doc.get("findings", []))
+    m_add, m_rem, m_chg = _diff_items(old_m, new_m)
+    f_add, f_rem, f_chg = _diff_items(old_f, new_f)
     return {
         "from_sha256": previous.get("ledger_sha256"),
         "to_sha256": sha,
@@ -146,7 +163,9 @@ def history_for(previous: Optional[dict], old_history: Optional[dict], ledger_do
 
 
 def atom_feed(history: dict, *, title: str, base_url: Optional[str], updated: str) -> str:
-    """An Atom feed with one entry per changed row (newest change set first)."""
+    """An Atom feed with one entry per changed row (newest change set first), at most
+    ``FEED_ENTRIES``: a change set cut short ends with one entry that counts the rows left out
+    and points to changes.json, which lists them all."""
     ET.register_namespace("", ATOM)
     feed = ET.Element(f"{{{ATOM}}}feed")
     ET.SubElement(feed, f"{{{ATOM}}}title").text = f"{title}: changes"
@@ -158,29 +177,47 @@ def atom_feed(history: dict, *, title: str, base_url: Optional[str], updated: st
     if base_url:
         ET.SubElement(feed, f"{{{ATOM}}}link", rel="alternate", href=base_url.rstrip("/") + "/")
         ET.SubElement(feed, f"{{{ATOM}}}link", rel="self", href=base_url.rstrip("/") + "/feed.xml")
+    room = FEED_ENTRIES
     for cs in history.get("history", []):
+        if room <= 0:
+            break
         when = f"{cs['date']}T00:00:00Z" if cs.get("date") else updated
-        for section in ("measurements", "findings"):
+        rows = [(section, what, rid, fields) for section in ("measurements", "findings") for what, rid, fields in (
+            [("added", i, None) for i in cs[section]["added"]] + [("removed", i, None) for i in cs[section]["removed"]]
+            + [("changed", c["id"], c["fields"]) for c in cs[section]["changed"]])]
+        # A change set cut short keeps one place for the entry that counts what is left out.
+        shown = len(rows) if len(rows) <= room else room - 1
+        left_out, room = len(rows) - shown, room - shown
+        for section, what, rid, fields in rows[:shown]:
             part = cs[section]
-            rows = ([("added", i, None) for i in part["added"]] + [("removed", i, None) for i in part["removed"]]
-                    + [("changed", c["id"], c["fields"]) for c in part["changed"]])
-            for what, rid, fields in rows:
-                entry = ET.SubElement(feed, f"{{{ATOM}}}entry")
-                noun = "measurement" if section == "measurements" else "finding"
-                text = (part.get("described") or {}).get(rid)
-                ET.SubElement(entry, f"{{{ATOM}}}title").text = (f"{text} ({what})" if text
-                                                                 else f"{noun} {rid} {what}")
-                ET.SubElement(entry, f"{{{ATOM}}}id").text = f"urn:vram-ledger:{cs['to_sha256']}:{section}:{what}:{rid}"
-                ET.SubElement(entry, f"{{{ATOM}}}updated").text = when
-                summary = f"{noun.capitalize()} {rid} {what}" + (f": {text}." if text else ".")
-                if fields:
-                    summary += " " + "; ".join(f"{k}: {json.dumps(v[0])} → {json.dumps(v[1])}" for k, v in fields.items())
-                ET.SubElement(entry, f"{{{ATOM}}}summary").text = summary
-                # RFC 4287 4.1.2: an entry has content or an alternate link; every entry has content.
-                ET.SubElement(entry, f"{{{ATOM}}}content", type="text").text = summary
-                if base_url:
-                    anchor = (f"#m-{rid}" if section == "measurements" and what != "removed" else
-                              f"#{rid}" if section == "findings" and what != "removed" else "#changes")
-                    ET.SubElement(entry, f"{{{ATOM}}}link", rel="alternate", href=f"{base_url.rstrip('/')}/{anchor}")
+            entry = ET.SubElement(feed, f"{{{ATOM}}}entry")
+            noun = "measurement" if section == "measurements" else "finding"
+            text = (part.get("described") or {}).get(rid)
+            ET.SubElement(entry, f"{{{ATOM}}}title").text = (f"{text} ({what})" if text
+                                                             else f"{noun} {rid} {what}")
+            ET.SubElement(entry, f"{{{ATOM}}}id").text = f"urn:vram-ledger:{cs['to_sha256']}:{section}:{what}:{rid}"
+            ET.SubElement(entry, f"{{{ATOM}}}updated").text = when
+            summary = f"{noun.capitalize()} {rid} {what}" + (f": {text}." if text else ".")
+            if fields:
+                summary += " " + "; ".join(f"{k}: {json.dumps(v[0])} → {json.dumps(v[1])}" for k, v in fields.items())
+            ET.SubElement(entry, f"{{{ATOM}}}summary").text = summary
+            # RFC 4287 4.1.2: an entry has content or an alternate link; every entry has content.
+            ET.SubElement(entry, f"{{{ATOM}}}content", type="text").text = summary
+            if base_url:
+                anchor = (f"#m-{rid}" if section == "measurements" and what != "removed" else
+                          f"#{rid}" if section == "findings" and what != "removed" else "#changes")
+                ET.SubElement(entry, f"{{{ATOM}}}link", rel="alternate", href=f"{base_url.rstrip('/')}/{anchor}")
+        if left_out:
+            entry = ET.SubElement(feed, f"{{{ATOM}}}entry")
+            ET.SubElement(entry, f"{{{ATOM}}}title").text = f"{left_out:,} more rows changed (see changes.json)"
+            ET.SubElement(entry, f"{{{ATOM}}}id").text = f"urn:vram-ledger:{cs['to_sha256']}:more"
+            ET.SubElement(entry, f"{{{ATOM}}}updated").text = when
+            summary = (f"This change set changed {left_out:,} more measurements and findings than the feed lists; "
+                       "changes.json lists every one.")
+            ET.SubElement(entry, f"{{{ATOM}}}summary").text = summary
+            ET.SubElement(entry, f"{{{ATOM}}}content", type="text").text = summary
+            if base_url:
+                ET.SubElement(entry, f"{{{ATOM}}}link", rel="alternate", href=f"{base_url.rstrip('/')}/changes.json")
+            room = 0
     ET.indent(feed)
     return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(feed, encoding="unicode") + "\n"

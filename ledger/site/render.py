@@ -39,7 +39,7 @@ from .fits_page import (PICKER_SHARES, as_tuples, data_script, fit_models, fit_t
 from .index_page import canonical_json, ledger_hash, training_gpu_key
 from .plot_data import make_plots
 from .views import SiteContext
-from .changes import atom_feed, history_for, load_previous
+from .changes import atom_feed, history_for, load_previous, parse_document
 from .downloads import fits_csv, measurements_csv
 from .public import PUBLIC_SCHEMA_VERSION, Derived, public_schema
 
@@ -301,7 +301,9 @@ def compute_site(ledger: Ledger, out: Path, *, build_date: Optional[str], base_u
     (two cores) compute, one the fit tables and the other the calibration, the scoreboard and the
     plot images, while this one serialises the ledger. ``stages`` gets each stage's CPU seconds."""
     stages = {} if stages is None else stages
+    t0 = time.process_time()
     prev_doc, prev_history = load_previous(previous, out.resolve())
+    stages["previous"] = time.process_time() - t0
     plot_list = make_plots(ledger)
     # The whole ledger's fits, made once here: the workers inherit them (fork) instead of each
     # fitting the ledger again for the calibration, the scoreboard and the fit table.
@@ -354,7 +356,7 @@ def compute_site(ledger: Ledger, out: Path, *, build_date: Optional[str], base_u
         data[f"fits/{m.slug}.json"] = m.data_json + "\n"
         data[f"fits/{m.slug}.js"] = data_script(m)
     unchanged = prev_doc is not None and prev_doc.get("ledger_sha256") == sha
-    ledger_doc = None if unchanged or prev_doc is None else json.loads(ledger_json)
+    ledger_doc = None if unchanged or prev_doc is None else parse_document(ledger_json)
     history = history_for(prev_doc if not unchanged else None, prev_history, ledger_doc or {}, sha, build_date)
     if unchanged and isinstance(prev_history, dict):
         history = {**history, "history": prev_history.get("history", [])[:50]}
