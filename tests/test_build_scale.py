@@ -441,3 +441,34 @@ def test_a_cards_remainder_differences_are_the_filtered_pairs():
         got = cal._sorted_differences(("card", gpu), lambda g: g == gpu)
         want = sorted(pk - d for m, pk, d in cal.pairs if m.gpu == gpu)
         assert got == want and [str(x) for x in got] == [str(x) for x in want]
+
+
+def test_a_plot_drawn_once_is_the_plot_drawn_twice(monkeypatch):
+    """``plots._saved_once`` hides the points while matplotlib lays the figure out for its tight
+    box: the SVG is byte for byte the one the plain two passes give, for the bundled ledger's
+    plots and for plots with OOMs, spilled runs, a log scale, a diagonal and a legend cut short."""
+    import contextlib
+
+    from conftest import SMALL
+    from ledger import store
+    from ledger.site import plots
+    from ledger.site.plot_data import make_plots
+    from ledger.site.views import Plot, PlotPoint, PlotSeries
+
+    rng = random.Random(3)
+
+    def series(i: int, n: int) -> PlotSeries:
+        status = ["ok"] * 6 + ["oom", "spilled"]
+        return PlotSeries(f"series {i}", [PlotPoint(x=rng.uniform(1, 512), y=rng.uniform(500, 9000), id=f"s{i}-{j}",
+                                                    status=rng.choice(status), exceeded=rng.random() < 0.05)
+                                          for j in range(n)])
+
+    made = [*make_plots(store.load(SMALL)),
+            Plot(id="odd", file="odd.svg", title="odd", caption="", alt="", xlabel="rank", ylabel="MiB",
+                 series=[series(i, 30) for i in range(20)], limit_mib=7000.0, limit_label="the card"),
+            Plot(id="log", file="log.svg", title="log", caption="", alt="", xlabel="x", ylabel="y",
+                 series=[series(i, 40) for i in range(3)], diagonal=True, log=True, markers_only=True)]
+    once = [plots.render_svg(p) for p in made]
+    monkeypatch.setattr(plots, "_saved_once", lambda fig, points: contextlib.nullcontext())
+    assert [plots.render_svg(p) for p in made] == once
+    assert all('<g id="odd-pt' in s for s in once[-2:-1])  # the points are drawn

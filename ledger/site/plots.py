@@ -3,8 +3,10 @@ leak into or a backend to select): fixed hash salt, no date, text kept as text."
 
 from __future__ import annotations
 
+import contextlib
 import io
 import re
+from typing import Iterator
 
 from matplotlib import rc_context
 from matplotlib.figure import Figure
@@ -39,6 +41,7 @@ def render_svg(plot: Plot) -> str:
     card line, its real value written beside it, so it neither reads as a fit nor squashes the
     other series."""
     titles: dict[str, str] = {}
+    points: list = []  # every point's own artist (see _saved_once)
     with rc_context(_STYLE):
         fig = Figure(figsize=(7.5, 4.2))
         ax = fig.subplots()
@@ -62,16 +65,16 @@ def render_svg(plot: Plot) -> str:
                 # Each point a Line2D added as it is (what ax.plot makes of one point with its colour
                 # given, without parsing its arguments: a large ledger's plots have thousands).
                 if pt.status == "oom" or pt.exceeded:
-                    ax.add_line(Line2D([pt.x], [pt.y], marker="x", markersize=7, markeredgewidth=2,
-                                       color=_OOM_COLOR, linestyle="none", gid=gid, zorder=4))
+                    points.append(ax.add_line(Line2D([pt.x], [pt.y], marker="x", markersize=7, markeredgewidth=2,
+                                                     color=_OOM_COLOR, linestyle="none", gid=gid, zorder=4)))
                 elif pt.status == "spilled" and band is not None and pt.y > limit:
-                    ax.add_line(Line2D([pt.x], [band], marker="^", markersize=7, color=_SPILL_COLOR,
-                                       linestyle="none", gid=gid, zorder=4))
+                    points.append(ax.add_line(Line2D([pt.x], [band], marker="^", markersize=7, color=_SPILL_COLOR,
+                                                     linestyle="none", gid=gid, zorder=4)))
                     ax.annotate(f"spilled: {pt.y:,.0f} MiB", xy=(pt.x, band), xytext=(6, -3),
                                 textcoords="offset points", fontsize=8, color=_SPILL_COLOR)
                 else:
-                    ax.add_line(Line2D([pt.x], [pt.y], marker=marker, markersize=5, color=color, linestyle="none",
-                                       gid=gid, zorder=3))
+                    points.append(ax.add_line(Line2D([pt.x], [pt.y], marker=marker, markersize=5, color=color,
+                                                     linestyle="none", gid=gid, zorder=3)))
             shown_marker = marker if fit else ("x" if any(p.status == "oom" for p in series.points) else "^")
             handles.append(Line2D([], [], marker=shown_marker, color=color if fit else (
                 _OOM_COLOR if shown_marker == "x" else _SPILL_COLOR), linewidth=0 if plot.markers_only or not fit
@@ -106,8 +109,37 @@ def render_svg(plot: Plot) -> str:
                 handles.append(Line2D([], [], linestyle="none"))
             ax.legend(handles, labels, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
         buf = io.StringIO()
-        fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None, "Creator": None, "Format": None, "Type": None})
+        with _saved_once(fig, points):
+            fig.savefig(buf, format="svg", bbox_inches="tight",
+                        metadata={"Date": None, "Creator": None, "Format": None, "Type": None})
     return _add_titles(buf.getvalue(), titles)
+
+
+@contextlib.contextmanager
+def _saved_once(fig: Figure, points: list) -> Iterator[None]:
+    """Draw the points once, not twice. A tight bounding box makes matplotlib lay the figure out
+    first (every artist drawn with drawing switched off), measure it, then draw it: the points,
+    each an artist of its own, cost that layout pass as much as the drawing (a large ledger's
+    plots have thousands). They are hidden for the layout and shown once the box is measured.
+    The box is the same: a point is clipped to the axes, whose box the figure's already holds,
+    and the axes' limits come from the data added, not from what is shown."""
+    for a in points:
+        a.set_visible(False)
+    measure = fig.get_tightbbox
+
+    def measured(*args, **kwargs):
+        box = measure(*args, **kwargs)
+        for a in points:
+            a.set_visible(True)
+        return box
+
+    fig.get_tightbbox = measured
+    try:
+        yield
+    finally:
+        del fig.get_tightbbox
+        for a in points:
+            a.set_visible(True)
 
 
 def _add_titles(svg: str, titles: dict[str, str]) -> str:
