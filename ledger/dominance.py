@@ -121,9 +121,13 @@ class Dominance:
         """The rows that may bound others, by key, as (position in the ledger, row)."""
         if "_pos" not in self.__dict__:
             if self.base is not None:
+                # The base's rows less the ones this fit leaves out: only the keys that hold one change.
                 extra = self.fit.exclude - self.base.fit.exclude
-                self.__dict__["_pos"] = {k: [(i, m) for i, m in rows if m.id not in extra]
-                                         for k, rows in self.base._positions().items()}
+                pos = dict(self.base._positions())
+                key_of = self.base._key_of()
+                for k in {key_of[i] for i in extra if i in key_of}:
+                    pos[k] = [(i, m) for i, m in pos[k] if m.id not in extra]
+                self.__dict__["_pos"] = pos
             else:
                 out: dict[tuple, list] = defaultdict(list)
                 for i, m in enumerate(self.fit.ms):
@@ -132,6 +136,12 @@ class Dominance:
                     out[(m.gpu, m.kind, model_name(m.model), m.quant or "4bit", _fixes(m))].append((i, m))
                 self.__dict__["_pos"] = dict(out)
         return self.__dict__["_pos"]
+
+    def _key_of(self) -> dict[str, tuple]:
+        """Each row's key in ``_positions``, by id."""
+        if "_ids_key" not in self.__dict__:
+            self.__dict__["_ids_key"] = {m.id: k for k, rows in self._positions().items() for _, m in rows}
+        return self.__dict__["_ids_key"]
 
     def _failure_entries(self, key: tuple) -> list:
         if key not in self._fail_keys:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import datetime as dt
 import statistics
 from collections import defaultdict
-from bisect import bisect_left, insort
+from bisect import bisect_left, bisect_right, insort
 from typing import Iterable, Optional
 
 from .model_configs import model_name
@@ -125,6 +125,33 @@ def _from_rows(rows: list[tuple[float, float, str]], rank: int, pooled) -> tuple
     return round(near[1] + slope * (rank - near[0]), 1), [near[2]]
 
 
+def _median_less(ordered: list[float], gone: list[float]) -> float:
+    """``statistics.median`` of ``ordered`` (sorted) less one of each of ``gone`` (values it holds),
+    0.0 when nothing is left: the two middle values found by bisection, the list not copied."""
+    n = len(ordered) - len(gone)
+    if n <= 0:
+        return 0.0
+    if not gone:
+        return statistics.median(ordered)
+    out = sorted(gone)
+
+    def nth(k: int) -> float:
+        # The smallest value with more than k of what is left at or below it.
+        lo, hi = 0, len(ordered) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            v = ordered[mid]
+            if bisect_right(ordered, v) - bisect_right(out, v) > k:
+                hi = mid
+            else:
+                lo = mid + 1
+        return ordered[lo]
+
+    if n % 2:
+        return nth(n // 2)
+    return (nth(n // 2 - 1) + nth(n // 2)) / 2
+
+
 class PeakModel:
     """Predicts a probe's peak allocated for (card, group, rank) from ok probes.
 
@@ -158,6 +185,9 @@ class PeakModel:
         self.by_group: dict[tuple, dict[str, list[tuple[float, float, str]]]] = defaultdict(dict)
         for (group, gpu), rows in self._cells.items():
             self.by_group[group][gpu] = _best(rows)
+        # Held-out answers shared by this model and every model made from it (``own_held_out``,
+        # ``transfer_held_out``), keyed by all they read.
+        self._held: dict[tuple, tuple] = {}
         self._reset()
 
     def _reset(self) -> None:
@@ -263,28 +293,52 @@ class PeakModel:
             return self._sorted_diffs(gpu, other)
         key = ("list", gpu, other)
         if key not in self._offsets:
-            diffs = list(self._root._sorted_diffs(gpu, other))
-            for group in self._touched:
-                for d in self._root._diffs(group, gpu, other):
-                    del diffs[bisect_left(diffs, d)]
-                for d in self._diffs(group, gpu, other):
-                    insort(diffs, d)
+            root = self._root
+            changed = [(root._diffs(g, gpu, other), self._diffs(g, gpu, other)) for g in self._touched]
+            if all(was == now for was, now in changed):  # the root's list itself (a held-out shift reads it)
+                diffs = root._sorted_diffs(gpu, other)
+            else:
+                diffs = list(root._sorted_diffs(gpu, other))
+                for was, now in changed:
+                    for d in was:
+                        del diffs[bisect_left(diffs, d)]
+                    for d in now:
+                        insort(diffs, d)
             self._offsets[key] = diffs
         return self._offsets[key]
 
     def own_held_out(self, m: Measurement, rank: int) -> tuple[bool, bool, Optional[float]]:
         """(the card keeps rows of the group, answered, figure) of ``self.without([m.id]).predict(m.gpu,
         group, rank)`` without making that model: its card's other rows of the group. Not answered
-        (False) where they have one rank (that model's pooled slope would be needed)."""
+        (False) where they have one rank (that model's pooled slope would be needed). It reads the
+        cell's rows alone: where this model left none of them out, the answer is the root's, made
+        once for every held-out model that asks it."""
         root = self._root or self
         cell = (group_key(m), m.gpu)
-        gone = self._excluded | {m.id}
-        rows = _best([r for r in root._cells.get(cell, ()) if r[2] not in gone])
+        if cell not in self._cells_left_out():
+            key = ("own", m.id, rank)
+            found = root._held.get(key)
+            if found is None:
+                found = root._held[key] = root._own_held_out(cell, frozenset((m.id,)), rank)
+            return found
+        return root._own_held_out(cell, self._excluded | {m.id}, rank)
+
+    def _own_held_out(self, cell: tuple, gone: frozenset, rank: int) -> tuple[bool, bool, Optional[float]]:
+        rows = _best([r for r in self._cells.get(cell, ()) if r[2] not in gone])
         if not rows:
             return False, True, None
         if len(rows) < 2:
             return True, False, None
         return True, True, _from_rows(rows, rank, None)[0]
+
+    def _cells_left_out(self) -> set:
+        """The (group, card) cells holding a row this model leaves out."""
+        if self._root is None:
+            return set()
+        if "cells left out" not in self._offsets:
+            cell_of = self._root._cell_of
+            self._offsets["cells left out"] = {cell_of[i] for i in self._excluded if i in cell_of}
+        return self._offsets["cells left out"]
 
     def transfer_held_out(self, gpu: str, group: tuple, rank: int) -> tuple[bool, Optional[float]]:
         """(answered, figure) of ``self.without(every row of this card and group).predict(gpu, group,
@@ -294,16 +348,35 @@ class PeakModel:
         rows_by_gpu = {g: r for g, r in self.by_group.get(group, {}).items() if g != gpu}
         if not rows_by_gpu:
             return True, None
-        rows = []
-        for other in sorted(rows_by_gpu):
-            diffs = list(self._diff_list(gpu, other))
-            for d in self._diffs(group, gpu, other):  # the card's cell of this group is gone
-                del diffs[bisect_left(diffs, d)]
-            shift = statistics.median(diffs) if diffs else 0.0
-            rows += [(x, round(y + shift, 1), i) for x, y, i in rows_by_gpu[other]]
-        if len({x for x, _, _ in rows}) < 2:
-            return False, None
-        return True, _from_rows(rows, rank, None)[0]
+        root = self._root or self
+        own_rows = self._root is None or group not in self._touched  # this model's rows of the group are the root's
+        shifts = tuple(self._shift_less_cell(gpu, other, group, own_rows) for other in sorted(rows_by_gpu))
+        # The figure reads the group's rows and the shifts alone: where this model's rows of the
+        # group are the root's, an answer the root made for the same shifts is this one.
+        key = ("transfer", gpu, group, rank, shifts) if own_rows else None
+        found = root._held.get(key) if key is not None else None
+        if found is None:
+            rows = []
+            for other, shift in zip(sorted(rows_by_gpu), shifts):
+                rows += [(x, round(y + shift, 1), i) for x, y, i in rows_by_gpu[other]]
+            found = (False, None) if len({x for x, _, _ in rows}) < 2 else (True, _from_rows(rows, rank, None)[0])
+            if key is not None:
+                root._held[key] = found
+        return found
+
+    def _shift_less_cell(self, gpu: str, other: str, group: tuple, own_rows: bool) -> float:
+        """The median difference of ``gpu`` over ``other`` less ``gpu``'s cell of ``group`` (the
+        shift a held-out transfer applies): the root's where this model's differences of the two
+        cards and its rows of the group are the root's."""
+        root = self._root or self
+        diffs = self._diff_list(gpu, other)
+        if not own_rows or diffs is not root._diff_list(gpu, other):
+            return _median_less(diffs, self._diffs(group, gpu, other))
+        key = ("shift", gpu, other, group)
+        found = root._held.get(key)
+        if found is None:
+            found = root._held[key] = _median_less(diffs, root._diffs(group, gpu, other))
+        return found
 
     def _diffs(self, group: tuple, gpu: str, other: str) -> list[float]:
         rows = self.by_group.get(group, {})
@@ -345,12 +418,15 @@ class PeakModel:
                 if ok_peak(m) is not None:
                     self._points[(m.gpu, *group_key(m))].append((float(m.lora.rank), ok_peak(m), m.id, pos))
             self._terms = {k: _term(k, pts) for k, pts in self._points.items()}
+            self._point_keys: dict[tuple, list[tuple]] = defaultdict(list)  # a group's keys (one per card)
+            for k in self._points:
+                self._point_keys[tuple(k[1:])].append(k)
             terms = [t for t in self._terms.values() if t is not None]
         else:
             root._slope_terms()
             terms = dict(root._terms)
             for group in self._touched:
-                for k in [k for k in root._points if tuple(k[1:]) == tuple(group)]:
+                for k in root._point_keys.get(tuple(group), ()):
                     terms[k] = _term(k, [p for p in root._points[k] if p[2] not in self._excluded])
             terms = sorted((t for t in terms.values() if t is not None), key=lambda t: t[0])
         self._slopes["terms"] = terms

@@ -151,11 +151,33 @@ def test_the_fit_tables_rank_figures_are_the_dry_tables():
 
 
 def _root_and_view(source: str, seed: int):
-    """A ledger's rows, and its peak model with a view of it less three random rows."""
+    """A ledger's rows, and its peak model with views of it: less three random rows, less one, and
+    less a card's whole cell of a group. The views share the answers the root made where what
+    they read is the root's (``PeakModel._held``): each is checked after the root and the views
+    before it have asked."""
     ms = {"bundled": lambda: store.load(DEFAULT_LEDGER).measurements,
           "synthetic": lambda: synthetic_ledger(160, seed=seed).measurements}[source]()
     full = PeakModel(ms)
-    return ms, (full, full.without({m.id for m in random.Random(seed).sample(ms, k=3)}))
+    rng = random.Random(seed)
+    probe = rng.choice([m for m in ms if m.kind == "probe" and m.lora and m.outcome.status == "ok"])
+    cell = {x.id for x in ms if x.gpu == probe.gpu and x.lora and group_key(x) == group_key(probe)}
+    return ms, (full, full.without({m.id for m in rng.sample(ms, k=3)}), full.without({rng.choice(ms).id}),
+                full.without(cell))
+
+
+def test_a_median_less_some_values_is_the_median_of_what_is_left():
+    from statistics import median
+
+    from ledger.peaks import _median_less
+
+    rng = random.Random(4)
+    for trial in range(400):
+        values = sorted(rng.choice([rng.uniform(-50, 50), float(rng.randint(-3, 3))]) for _ in range(rng.randint(0, 25)))
+        gone = rng.sample(values, k=rng.randint(0, len(values)))
+        left = list(values)
+        for d in gone:
+            left.remove(d)
+        assert _median_less(values, gone) == (median(left) if left else 0.0), (values, gone)
 
 
 @pytest.mark.parametrize("source", ["bundled", "synthetic"])
