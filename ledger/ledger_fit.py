@@ -94,32 +94,38 @@ class LedgerFit:
                                              for m in self.base.removed(self.exclude - self.base.exclude)):
             return self.base.widths  # the peak model reads ok probes alone: without them it is the same
         interp, transfer = [], []
-        same_cell: dict[tuple, list[str]] = {}  # (card, group) -> every row's id
-        for x in self.ms:
-            same_cell.setdefault((x.gpu, m_group(x)), []).append(x.id)
         for m in probes(self.ms):
             peak = ok_peak(m)
             if peak is None:
                 continue
+            group = m_group(m)
             # The model without this probe, asked about it: its card's other rows of the group.
             kept, answered, pred = self.peaks.own_held_out(m, m.lora.rank)
             if kept:
                 if not answered:  # one rank left: that model's pooled slope is needed, so fit it
-                    pred, _ = self.peaks.without((m.id,)).predict(m.gpu, m_group(m), m.lora.rank)
+                    pred, _ = self.peaks.without((m.id,)).predict(m.gpu, group, m.lora.rank)
                 if pred is not None:
                     interp.append(abs(pred - peak) / peak)
             # Removing the probe changes its own card's rows alone: the other cards' are the model's.
-            others = {g: r for g, r in self.peaks.by_group.get(m_group(m), {}).items() if g != m.gpu}
-            if others:
+            if any(g != m.gpu for g in self.peaks.by_group.get(group, ())):
                 # The same model without any row of this card and group: the others' rows, shifted.
-                answered, pred = self.peaks.transfer_held_out(m.gpu, m_group(m), m.lora.rank)
+                answered, pred = self.peaks.transfer_held_out(m.gpu, group, m.lora.rank)
                 if not answered:  # that model needs its pooled slope: fit it
-                    alone = self.peaks.without((m.id, *same_cell[(m.gpu, m_group(m))]))
-                    pred, _ = alone.predict(m.gpu, m_group(m), m.lora.rank)
+                    # (the full fit's rows of the cell: the ones this fit left out are out already)
+                    alone = self.peaks.without((m.id, *(self.base or self)._cell_ids.get((m.gpu, group), ())))
+                    pred, _ = alone.predict(m.gpu, group, m.lora.rank)
                 if pred is not None:
                     transfer.append(abs(pred - peak) / peak)
         return {"interpolated": max(interp) if interp else None, "transferred": max(transfer) if transfer else None,
                 "interpolated_n": len(interp), "transferred_n": len(transfer)}
+
+    @cached_property
+    def _cell_ids(self) -> dict[tuple, list[str]]:
+        """(card, group) -> the id of every row of this fit in it."""
+        out: dict[tuple, list[str]] = {}
+        for x in self.ms:
+            out.setdefault((x.gpu, m_group(x)), []).append(x.id)
+        return out
 
     @cached_property
     def real_seq(self) -> dict[str, int]:
