@@ -423,23 +423,40 @@ class PeakModel:
                 self._point_keys[tuple(k[1:])].append(k)
             terms = [t for t in self._terms.values() if t is not None]
         else:
-            root._slope_terms()
-            terms = dict(root._terms)
+            root_terms = root._slope_terms()
+            changed = {}
             for group in self._touched:
                 for k in root._point_keys.get(tuple(group), ()):
-                    terms[k] = _term(k, [p for p in root._points[k] if p[2] not in self._excluded])
-            terms = sorted((t for t in terms.values() if t is not None), key=lambda t: t[0])
+                    term = _term(k, [p for p in root._points[k] if p[2] not in self._excluded])
+                    if term != root._terms[k]:
+                        changed[k] = term
+            if changed:
+                terms = sorted((t for t in {**root._terms, **changed}.values() if t is not None), key=lambda t: t[0])
+            else:  # the root's list itself: its slopes are this model's (``predict``)
+                terms = root_terms
         self._slopes["terms"] = terms
         return terms
+
+    def _reads_roots(self, gpu: str, group: tuple) -> bool:
+        """Whether this view's answer for a group it did not change is the root's: it reads the
+        group's rows (the root's), the offsets of ``gpu`` over the cards it borrows from and the
+        pooled slope, and each of those is the root's."""
+        rows_by_gpu = self.by_group.get(group)
+        if not rows_by_gpu:
+            return True
+        if len(rows_by_gpu.get(gpu, ())) >= 2:  # the card's own rows alone
+            return True
+        root = self._root
+        if self._slope_terms() is not root._slope_terms():
+            return False
+        return gpu in rows_by_gpu or all(self._diff_list(gpu, o) is root._diff_list(gpu, o) for o in rows_by_gpu)
 
     def predict(self, gpu: str, group: tuple, rank: int) -> tuple[Optional[float], list[str]]:
         """(predicted peak, ids of the rows it rests on); (None, []) when unknown."""
         key = (gpu, group, rank)
         if key not in self._cache:
-            rows = self.by_group.get(group, {}).get(gpu) if self._root is not None else None
-            if rows is not None and len(rows) >= 2 and group not in self._touched:
-                # A group this view did not change, with two ranks on the card: the answer reads
-                # those rows alone (no borrowed rows, no pooled slope), so it is the root's.
+            if self._root is not None and group not in self._touched and self._reads_roots(gpu, group):
+                # A group this view did not change, answered from what the root's answer reads.
                 self._cache[key] = self._root.predict(gpu, group, rank)
             else:
                 self._cache[key] = self._predict(gpu, group, rank)
