@@ -350,19 +350,6 @@ class PeakModel:
             return True, None
         root = self._root or self
         own_rows = self._root is None or group not in self._touched  # this model's rows of the group are the root's
-        if own_rows and (self._root is None or all(self._diff_list(gpu, o) is root._diff_list(gpu, o)
-                                                   for o in rows_by_gpu)):
-            # The rows and every shift are the root's: the root's answer, made once.
-            whole = ("transfer of the root", gpu, group, rank)
-            found = root._held.get(whole)
-            if found is None:
-                found = root._held[whole] = root._transfer(gpu, group, rank, rows_by_gpu, True)
-            return found
-        return self._transfer(gpu, group, rank, rows_by_gpu, own_rows)
-
-    def _transfer(self, gpu: str, group: tuple, rank: int, rows_by_gpu: dict, own_rows: bool
-                  ) -> tuple[bool, Optional[float]]:
-        root = self._root or self
         shifts = tuple(self._shift_less_cell(gpu, other, group, own_rows) for other in sorted(rows_by_gpu))
         # The figure reads the group's rows and the shifts alone: where this model's rows of the
         # group are the root's, an answer the root made for the same shifts is this one.
