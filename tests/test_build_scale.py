@@ -472,3 +472,104 @@ def test_a_plot_drawn_once_is_the_plot_drawn_twice(monkeypatch):
     monkeypatch.setattr(plots, "_saved_once", lambda fig, points: contextlib.nullcontext())
     assert [plots.render_svg(p) for p in made] == once
     assert all('<g id="odd-pt' in s for s in once[-2:-1])  # the points are drawn
+
+
+def _templates(env) -> list[str]:
+    return sorted(n for n in env.list_templates() if n.endswith(".j2"))
+
+
+def test_the_template_cache_holds_what_compiling_gives(tmp_path, monkeypatch):
+    """A template read back from the cache is jinja's own compilation of its source, byte for
+    byte (marshalled code), and a second environment compiles nothing."""
+    import marshal
+
+    import jinja2
+
+    from ledger.site.render import environment
+
+    monkeypatch.setenv("VRAM_LEDGER_CACHE", str(tmp_path))
+    first = environment()
+    names = _templates(first)
+    assert len(names) >= 10
+    for n in names:
+        first.get_template(n)
+    compiled = []
+    real_compile = jinja2.Environment.compile
+    monkeypatch.setattr(jinja2.Environment, "compile", lambda self, *a, **k: compiled.append(a[1]) or real_compile(self, *a, **k))
+    second = environment()
+    plain = environment(cache=False)
+    for n in names:
+        source, filename, _ = plain.loader.get_source(plain, n)
+        bucket = second.bytecode_cache.get_bucket(second, n, filename, source)
+        assert bucket.code is not None, n
+        assert marshal.dumps(bucket.code) == marshal.dumps(real_compile(plain, source, n, filename)), n
+        second.get_template(n)
+    assert compiled == []
+
+
+def test_a_cache_that_cannot_be_used_changes_nothing(tmp_path, monkeypatch):
+    """No cache folder (a file in the way), a folder that cannot be written, a file cut short or
+    not jinja's: each template is compiled as without a cache, and renders the same."""
+    import jinja2.bccache
+
+    from ledger.site.render import environment
+
+    plain = environment(cache=False)
+    names = _templates(plain)
+
+    def same(env) -> None:
+        for n in names:
+            assert env.get_template(n).root_render_func.__code__.co_code == \
+                plain.get_template(n).root_render_func.__code__.co_code, n
+
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setenv("VRAM_LEDGER_CACHE", str(tmp_path / "file"))
+    env = environment()
+    assert env.bytecode_cache is None
+    same(env)
+
+    monkeypatch.setenv("VRAM_LEDGER_CACHE", str(tmp_path / "c"))
+
+    def refuse(*a, **k):
+        raise PermissionError(13, "Permission denied")
+    with monkeypatch.context() as m:
+        m.setattr(jinja2.bccache.tempfile, "NamedTemporaryFile", refuse)
+        same(environment())
+    assert not list((tmp_path / "c" / "templates").glob("*"))
+
+    same(environment())  # now kept
+    kept = sorted((tmp_path / "c" / "templates").glob("*.cache"))
+    assert len(kept) == len(names)
+    for i, path in enumerate(kept):  # cut short, not jinja's at all, or jinja's header and then not
+        data = path.read_bytes()
+        path.write_bytes((data[:len(data) // 2], b"not a jinja cache", jinja2.bccache.bc_magic + b"\x80garbage")[i % 3])
+    same(environment())  # compiled again, and written again whole
+    assert all(p.read_bytes().startswith(jinja2.bccache.bc_magic) for p in kept)
+    same(environment())
+
+
+def test_the_cache_is_kept_apart_for_what_changes_compiled_code(tmp_path, monkeypatch):
+    """The compiled code depends on more than a template's source (the whitespace options, a
+    filter jinja folds a constant through): an environment that differs there neither reads nor
+    overwrites another's entries."""
+    from ledger.site.render import TemplateCache, environment, environment_fingerprint
+
+    monkeypatch.setenv("VRAM_LEDGER_CACHE", str(tmp_path))
+    base = environment()
+    assert environment_fingerprint(base) == environment_fingerprint(environment(cache=False))
+    for n in _templates(base):
+        base.get_template(n)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "templates").glob("*.cache")}
+
+    other = environment()
+    other.trim_blocks = False
+    changed_filter = environment()
+    changed_filter.filters["md_cell"] = lambda s: str(s).upper()
+    for env in (other, changed_filter):
+        assert environment_fingerprint(env) != environment_fingerprint(base)
+    assert environment_fingerprint(other) != environment_fingerprint(changed_filter)
+    for env in (other, changed_filter):
+        env.bytecode_cache = TemplateCache.for_environment(env)
+        env.get_template("vram.md.j2")
+    after = {p.name: p.read_bytes() for p in (tmp_path / "templates").glob("*.cache")}
+    assert {k: after[k] for k in before} == before and len(after) == len(before) + 2

@@ -46,13 +46,18 @@ def tree_files(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def test_golden_tree(tmp_path):
-    out = tmp_path / "site"
-    assert cli.main(["build", *GOLDEN_BUILD, "--out", str(out), "-q"]) == 0
-    got, want = tree_files(out), tree_files(GOLDEN)
-    assert sorted(got) == sorted(want), f"file list changed; regenerate with: {REGEN_GOLDEN}"
-    changed = [name for name in got if got[name] != want[name]]
-    assert changed == [], f"outputs changed: {changed}; review, then regenerate with: {REGEN_GOLDEN}"
+def test_golden_tree(tmp_path, monkeypatch):
+    """The golden tree, built with the templates compiled afresh and then from the compiled
+    templates the first build kept (``render.TemplateCache``)."""
+    monkeypatch.setenv("VRAM_LEDGER_CACHE", str(tmp_path / "cache"))
+    for run in ("compiled", "from the cache"):
+        out = tmp_path / run
+        assert cli.main(["build", *GOLDEN_BUILD, "--out", str(out), "-q"]) == 0
+        got, want = tree_files(out), tree_files(GOLDEN)
+        assert sorted(got) == sorted(want), f"file list changed; regenerate with: {REGEN_GOLDEN}"
+        changed = [name for name in got if got[name] != want[name]]
+        assert changed == [], f"outputs changed ({run}): {changed}; review, then regenerate with: {REGEN_GOLDEN}"
+        assert len(list((tmp_path / "cache" / "templates").glob("*.cache"))) >= 7
 
 
 def test_build_twice_is_byte_identical(tmp_path, monkeypatch):
