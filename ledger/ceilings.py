@@ -14,21 +14,24 @@ from .recipe import Recipe, row_keys_cached
 
 def search(p, recipe: Recipe, gpu: str, *, entry: Optional[Gpu] = None, run: Run = "probe",
             margin_mib: float = 0.0, budget_mib: Optional[float] = None, step: int = 8,
-            max_rank: int = 512, _depth: int = 0) -> CeilingAnswer:
+            max_rank: int = 512, verdicts_only: bool = False, _depth: int = 0) -> CeilingAnswer:
     """The largest rank (a multiple of ``step``) whose verdict is ``fits``, and the largest that
     is ``tight`` or better, below the first rank that will not fit; at the top level, made
     consistent with the easier and harder recipes' ceilings (``_consistent``). Each recipe's rank
-    scan is made once per predictor (``p.subceilings``), whichever search asks for it first."""
+    scan is made once per predictor (``p.subceilings``), whichever search asks for it first.
+    ``verdicts_only``: the same ceilings, each rank asked for its verdict alone
+    (``Predictor.verdict``), so ``ranks`` holds each rank's verdict without its figure, method
+    and evidence (the fit table's cells need the ceilings only)."""
     recipe = p.resolve_model(recipe, gpu)
-    key = (recipe, gpu, run, margin_mib, budget_mib, step, max_rank)
+    key = (recipe, gpu, run, margin_mib, budget_mib, step, max_rank, verdicts_only)
     if key not in p.subceilings:
         p.subceilings[key] = _scan(p, recipe, gpu, entry=entry, run=run, margin_mib=margin_mib,
-                                   budget_mib=budget_mib, step=step, max_rank=max_rank)
+                                   budget_mib=budget_mib, step=step, max_rank=max_rank, verdicts_only=verdicts_only)
     scan, note = p.subceilings[key]
     if _depth > 0 or scan.status != "ok":
         return scan
     fits_rank, tight_rank, why = _consistent(p, recipe, gpu, entry, run, margin_mib, budget_mib, step,
-                                             max_rank, scan.fits_rank, scan.tight_rank)
+                                             max_rank, scan.fits_rank, scan.tight_rank, verdicts_only)
     note = why or note
     at_least = fits_rank is not None and fits_rank + step > max_rank
     if at_least:
@@ -38,26 +41,32 @@ def search(p, recipe: Recipe, gpu: str, *, entry: Optional[Gpu] = None, run: Run
 
 
 def _scan(p, recipe: Recipe, gpu: str, *, entry: Optional[Gpu], run: Run, margin_mib: float,
-          budget_mib: Optional[float], step: int, max_rank: int) -> tuple[CeilingAnswer, str]:
+          budget_mib: Optional[float], step: int, max_rank: int, verdicts_only: bool = False
+          ) -> tuple[CeilingAnswer, str]:
     """One recipe's ceilings from its own verdicts, rank by rank, and the note before any "at least"."""
     ranks: list[dict] = []
     fits_rank = tight_rank = None
     known = False
     low = high = None
     for rank in range(step, max_rank + 1, step):
-        a = p.predict(recipe.replace(rank=rank), gpu, entry=entry, run=run, margin_mib=margin_mib,
-                         budget_mib=budget_mib)
-        low, high = a.limit_low_mib, a.limit_high_mib
-        fig = a.allocated
-        ranks.append({"rank": rank, "verdict": a.verdict, "method": a.method,
-                      "mib": fig.mib if fig else None, "high_mib": fig.high_mib if fig else None,
-                      "evidence": a.evidence})
-        if a.verdict == "unknown":
+        if verdicts_only:
+            verdict, low, high = p.verdict(recipe.replace(rank=rank), gpu, entry=entry, run=run,
+                                           margin_mib=margin_mib, budget_mib=budget_mib)
+            ranks.append({"rank": rank, "verdict": verdict})
+        else:
+            a = p.predict(recipe.replace(rank=rank), gpu, entry=entry, run=run, margin_mib=margin_mib,
+                          budget_mib=budget_mib)
+            verdict, low, high = a.verdict, a.limit_low_mib, a.limit_high_mib
+            fig = a.allocated
+            ranks.append({"rank": rank, "verdict": verdict, "method": a.method,
+                          "mib": fig.mib if fig else None, "high_mib": fig.high_mib if fig else None,
+                          "evidence": a.evidence})
+        if verdict == "unknown":
             continue
         known = True
-        if a.verdict == "won't fit":
+        if verdict == "won't fit":
             break
-        if a.verdict == "fits" and tight_rank == fits_rank:
+        if verdict == "fits" and tight_rank == fits_rank:
             fits_rank = rank
         tight_rank = rank
     first_known = next((r["rank"] for r in ranks if r["verdict"] != "unknown"), None)
@@ -79,7 +88,8 @@ def _scan(p, recipe: Recipe, gpu: str, *, entry: Optional[Gpu], run: Run, margin
                          ranks=[r for r in ranks if r["verdict"] != "unknown"] or ranks[:1]), base_note
 
 
-def _consistent(p, recipe, gpu, entry, run, margin_mib, budget_mib, step, max_rank, fits_rank, tight_rank):
+def _consistent(p, recipe, gpu, entry, run, margin_mib, budget_mib, step, max_rank, fits_rank, tight_rank,
+                verdicts_only=False):
     """Ceilings that respect the physics across recipes: never above an easier recipe's (a
     shorter sequence probed on this card, no dropout, no DoRA), never below a harder one's."""
     seqs = sorted(p.fit.peaks.model_lengths(gpu, recipe.model, recipe.quant, recipe.fixes) | {recipe.seq_len})
@@ -96,7 +106,7 @@ def _consistent(p, recipe, gpu, entry, run, margin_mib, budget_mib, step, max_ra
                 if not (easier or harder):
                     continue
                 c = search(p, other, gpu, entry=entry, run=run, margin_mib=margin_mib, budget_mib=budget_mib,
-                           step=step, max_rank=max_rank, _depth=1)
+                           step=step, max_rank=max_rank, verdicts_only=verdicts_only, _depth=1)
                 if c.status != "ok" or c.fits_rank is None:
                     continue
                 what = f"{s} tokens{', dropout' if d else ''}{', DoRA' if k else ''}"

@@ -306,7 +306,7 @@ def fit_table(p: Predictor, *, models: Optional[Iterable[str]] = None, gpus: Opt
                 key = ("ladder", one if recipe.batch != 1 else asked, recipe.batch != 1, gpu,
                        budget_mib, run)
                 if key not in p.dry_ceilings:
-                    c = p.ceiling(asked, gpu, entry=entry, budget_mib=budget_mib, run=run)
+                    c = p.ceiling(asked, gpu, entry=entry, budget_mib=budget_mib, run=run, verdicts_only=True)
                     p.dry_ceilings[key] = (c.fits_rank, c.tight_rank, c.status, c.at_least)
                 fits, tight, status, more = p.dry_ceilings[key]
                 lower = max([s for s in lengths if s < seq], default=0)

@@ -47,7 +47,8 @@ from functools import cached_property
 from typing import Iterable, Optional
 
 from . import ceilings
-from .answers import Answer, CeilingAnswer, Interval, Run, around, decide, scale, shift, widen
+from .answers import (Answer, CeilingAnswer, Interval, Run, Verdict, around, decide, scale, shift, verdict_for,
+                      widen)
 from .dominance import Dominance
 from .dry_calibration import DryCalibration
 from .dry_table import DryTable
@@ -56,7 +57,7 @@ from .limits import CardLimits
 from .model_configs import model_name
 from .models import Gpu, Ledger, Measurement
 from .recipe import Recipe
-from .response_span import (ProbeToReal, answerable, batch_err, fewer_targets, state_growth,
+from .response_span import (ProbeToReal, answerable, batch_err, fewer_targets, state_growth, state_mib,
                             steady_state_text, upper_bound, with_optimizer_state)
 from .rungs import CalibratedDryRun, MeasuredRealRun, probe_ladder
 
@@ -178,6 +179,20 @@ class Predictor:
     def predict(self, recipe: Recipe, gpu: str, *, entry: Optional[Gpu] = None, run: Run = "probe",
                 margin_mib: float = 0.0, budget_mib: Optional[float] = None) -> Answer:
         """The answer for a recipe on a card (a ledger key, or a card-table entry given as ``entry``)."""
+        return self._judged(recipe, gpu, entry, run, margin_mib, budget_mib, True)
+
+    def verdict(self, recipe: Recipe, gpu: str, *, entry: Optional[Gpu] = None, run: Run = "probe",
+                margin_mib: float = 0.0, budget_mib: Optional[float] = None
+                ) -> tuple[Verdict, Optional[float], Optional[float]]:
+        """``predict``'s verdict and the limit it judged against (low, high), made the same way
+        without the rest of the answer (its texts, reserved figure, recipe and evidence): what a
+        ceiling's scan needs rank by rank (the fit table's ladder asks some 17,000 of these)."""
+        return self._judged(recipe, gpu, entry, run, margin_mib, budget_mib, False)
+
+    def _judged(self, recipe: Recipe, gpu: str, entry: Optional[Gpu], run: Run, margin_mib: float,
+                budget_mib: Optional[float], full: bool):
+        """``predict`` (``full``) or ``verdict``: one derivation, the texts and the answer made
+        only for the first."""
         asked = recipe
         optimizer = recipe.optimizer  # the rows record none: its state is added to a real run below
         recipe, targets_text = fewer_targets(self.resolve_model(recipe, gpu))
@@ -185,11 +200,12 @@ class Predictor:
             recipe = recipe.replace(optimizer=None)
         one, batch_text = answerable(recipe)
         if one is None:
-            return self.unknown(asked, gpu, entry, run, batch_text)
+            if full:
+                return self.unknown(asked, gpu, entry, run, batch_text)
+            return ("unknown", *self.card_limit(gpu, entry or self.ledger.gpus.get(gpu), run)[:2])
         own_batch = one.batch != 1  # answered by dry runs of that very micro-batch alone
         recipe = one
         entry = entry or self.ledger.gpus.get(gpu)
-        source = "ledger" if gpu in self.ledger.gpus else "card table"
         if recipe.model and gpu in self.ledger.gpus:
             known = self.fit.models_named.get(model_name(recipe.model))
             if known:
@@ -199,11 +215,14 @@ class Predictor:
         if found is None:
             found = self.cores[key] = self._core(*key)
         probe, method, text, evidence, real, basis = found
-        evidence = list(evidence)
         if run == "real":
-            if optimizer:
+            if optimizer and full:
                 real, text = with_optimizer_state(real, recipe.replace(targets=asked.targets), optimizer, text,
                                                   from_real_runs=basis != "steady state")
+            elif optimizer:  # with_optimizer_state's figure alone
+                state = state_mib(recipe.model, recipe.rank, asked.targets, recipe.dora, optimizer) \
+                    if recipe.model else None
+                real = real if real is None or state is None else shift(real, state)
             elif real is not None and basis == "calibrated":
                 grown, how = state_growth(recipe.replace(targets=asked.targets), self.over.max_rank)
                 if grown:
@@ -214,36 +233,46 @@ class Predictor:
         if targets_text:
             probe, real = upper_bound(probe), upper_bound(real)
             text = f"{targets_text}; {text}"
-        if batch_text or targets_text:
-            recipe = asked.replace(model=recipe.model)
-        elif optimizer is not None:
-            recipe = recipe.replace(optimizer=optimizer)
         judged = real if run == "real" else probe
-        ratio = self.reserved_ratio(gpu)
-        reserved = None if judged is None or ratio is None else scale(judged, ratio[0], ratio[1], ratio[2])
         if budget_mib is not None:
             low, high, lsrc = budget_mib, budget_mib, f"--budget-mib {budget_mib}"
-            source = "budget"
         else:
             low, high, lsrc = self.card_limit(gpu, entry, run)
-        verdict, why = decide(judged, low, high, margin_mib)
-        if judged is None and own_batch:
-            why = f"no prediction: {batch_text}, and none of it near this recipe has been computed"
+        if full:
+            verdict, why = decide(judged, low, high, margin_mib)
+        else:
+            verdict = verdict_for(None if judged is None else judged.low_mib,
+                                  None if judged is None else judged.high_mib, low, high, margin_mib)
         if targets_text and verdict == "tight":  # an upper bound over the limit says nothing of the recipe
-            verdict, why = "unknown", (f"{why}; but that is an upper bound for LoRA on {','.join(asked.targets)}: "
-                                       "only a dry run of it can say (python -m probe_kit.dry_run --target-modules ...)")
+            verdict = "unknown"
+            if full:
+                why = (f"{why}; but that is an upper bound for LoRA on {','.join(asked.targets)}: only a dry run "
+                       "of it can say (python -m probe_kit.dry_run --target-modules ...)")
         # A measured failure on the card is one under any budget below the card's limit too.
         # (not for fewer targets than the rows trained: their failure says nothing of an easier recipe)
         failed = self.dominance.measured_failure(recipe, gpu, run) if not targets_text and recipe.checkpointing and (
             budget_mib is None or (
             budget_mib <= (self.card_limit(gpu, entry, run)[0] or float("inf")))) else None
+        if not full:
+            return ("won't fit" if failed is not None else verdict), low, high
+        if judged is None and own_batch:
+            why = f"no prediction: {batch_text}, and none of it near this recipe has been computed"
+        evidence = list(evidence)
         if failed is not None and verdict != "won't fit":
             fid, fstatus = failed
             verdict, why = "won't fit", (f"{fid}, this recipe or an easier one, was measured on {gpu} and ran "
                                          f"{'out of memory' if fstatus == 'oom' else 'past the card (spilled)'}")
             if fid not in evidence:
                 evidence = [*evidence, fid]
-        return Answer(gpu=gpu, card_source=source, recipe=recipe.memory_fields(), run=run,
+        if batch_text or targets_text:
+            recipe = asked.replace(model=recipe.model)
+        elif optimizer is not None:
+            recipe = recipe.replace(optimizer=optimizer)
+        ratio = self.reserved_ratio(gpu)
+        reserved = None if judged is None or ratio is None else scale(judged, ratio[0], ratio[1], ratio[2])
+        return Answer(gpu=gpu, card_source="budget" if budget_mib is not None else (
+                          "ledger" if gpu in self.ledger.gpus else "card table"),
+                      recipe=recipe.memory_fields(), run=run,
                       probe_allocated=probe, real_allocated=real, reserved=reserved, method=method or None,
                       method_text=text, evidence=evidence, limit_low_mib=low, limit_high_mib=high, limit_source=lsrc,
                       margin_mib=margin_mib, verdict=verdict, why=why)

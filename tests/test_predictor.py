@@ -14,7 +14,7 @@ from ledger.answers import Interval, decide
 from ledger.cards import card_table, resolve_card
 from ledger.dry_runs import load_dry_runs
 from ledger.predictor import Predictor
-from ledger.recipe import Recipe
+from ledger.recipe import ALL_LINEAR, Recipe, recipe_of
 
 
 @pytest.fixture(scope="module")
@@ -541,3 +541,75 @@ def test_the_presets_micro_batch_is_answered_by_dry_runs_of_that_batch_alone(p):
     assert b.verdict != "unknown" and b.method == "dry run" and batch_row.id in b.evidence
     assert q.dry_raw(four)[0] == batch_row.outcome.peak_allocated_mib
     assert q.dry_raw(four.replace(batch=1))[0] == one and q.dry_raw(four.replace(batch=2))[0] is None
+
+
+def test_a_verdict_alone_is_the_answers_verdict(ledger):
+    """``Predictor.verdict`` (what the fit table's ladder asks rank by rank) gives ``predict``'s
+    verdict and limit on 4,000 random questions of the frozen ledger's cards and a card-table card
+    (a quarter of them the recipes its rows measured):
+    probes and training runs, the program's preset and stock, dropout, DoRA, micro-batches,
+    optimizers, checkpointing off, fewer target modules, a margin, budgets under and over the
+    card's limit. Every path that decides a verdict is among them (each verdict, a measured
+    failure, fewer targets made unknown, a micro-batch nothing answers)."""
+    import random
+
+    p = Predictor(ledger, load_dry_runs())
+    table = card_table()
+    rng = random.Random(7)
+    gpus = [*ledger.gpus, "rtx-4090"]
+    seen, paths = set(), set()
+    measured = [(recipe_of(m), m.gpu) for m in ledger.measurements if m.kind in ("probe", "real") and m.lora and m.gpu]
+    for i in range(4000):
+        recipe = Recipe(model=rng.choice(["gemma-3-4b-it", "qwen2.5-7b", "llama-3.2-1b"]),
+                        rank=rng.choice([8, 16, 32, 64, 96, 128, 256, 512]), quant=rng.choice(["4bit", "bf16"]),
+                        dropout=rng.random() < 0.3, dora=rng.random() < 0.2,
+                        seq_len=rng.choice([512, 1024, 2048, 4096, 6931, 8192, 16384, 131072]),
+                        fixes=rng.choice(["none", "all"]), batch=rng.choice([1, 1, 2, 4]),
+                        optimizer=rng.choice([None, "adamw_torch", "adamw_8bit", "adafactor"]),
+                        checkpointing=rng.random() < 0.85,
+                        targets=rng.choice([ALL_LINEAR, ALL_LINEAR, ("q_proj", "v_proj")]))
+        gpu = rng.choice(gpus)
+        if i % 4 == 0:  # a recipe the ledger measured, on its card (or another's), as asked or changed
+            recipe, gpu = rng.choice(measured)
+            recipe = recipe.replace(optimizer=rng.choice([None, "adamw_torch"]), batch=rng.choice([1, 1, 2]))
+            gpu = gpu if rng.random() < 0.8 else rng.choice(gpus)
+        kw = {"entry": table[gpu].gpu if gpu not in ledger.gpus else None, "run": rng.choice(["probe", "real"]),
+              "margin_mib": rng.choice([0.0, 0.0, 256.0]), "budget_mib": rng.choice([None, None, 3000.0, 90000.0])}
+        a = p.predict(recipe, gpu, **kw)
+        assert p.verdict(recipe, gpu, **kw) == (a.verdict, a.limit_low_mib, a.limit_high_mib), (recipe, gpu, kw)
+        seen.add(a.verdict)
+        paths.add("measured failure" if "was measured on" in a.why else "upper bound" if "upper bound for LoRA" in a.why
+                  else "batch" if a.why.startswith("no prediction: micro-batch") else a.method)
+    assert seen == {"fits", "tight", "won't fit", "unknown"}
+    assert {"measured failure", "upper bound", "dry run", "interpolated", "measured probe"} <= paths, paths
+
+
+def test_the_ladders_scan_of_verdicts_is_the_full_scan(p):
+    """The fit table's ladder scans with verdicts alone (``verdicts_only``): its ceilings, status,
+    note, limit and the verdict at each rank are the full scan's, for every recipe the ladder asks
+    of the ledger's cards (stock and the preset, a probe and a training run, micro-batches and an
+    optimizer), the easier and harder recipes it is made consistent with included."""
+    asked = []
+    ceiling = p.ceiling
+
+    def record(recipe, gpu, **kw):
+        asked.append((recipe, gpu, kw))
+        return ceiling(recipe, gpu, **kw)
+
+    p.ceiling = record
+    try:
+        for run, batch, optimizer in (("probe", 1, None), ("real", 1, None), ("real", 4, "adamw_8bit")):
+            fit_table(p, models=["gemma-3-4b-it"], gpus=list(p.ledger.gpus), run=run, batch=batch,
+                      optimizer=optimizer, lengths=(512, 2048, 6931, 16384))
+    finally:
+        del p.ceiling
+    assert len(asked) >= 100 and all(kw.get("verdicts_only") for _, _, kw in asked)
+    fields = ("fits_rank", "tight_rank", "status", "at_least", "note", "limit_low_mib", "limit_high_mib")
+    statuses = set()
+    for recipe, gpu, kw in asked:
+        light = p.ceiling(recipe, gpu, **kw)
+        full = p.ceiling(recipe, gpu, **{**kw, "verdicts_only": False})
+        assert [getattr(light, f) for f in fields] == [getattr(full, f) for f in fields], (recipe, gpu)
+        assert [r["verdict"] for r in light.ranks] == [r["verdict"] for r in full.ranks]
+        statuses.add(full.status)
+    assert statuses == {"ok", "none-fits", "unknown"}
