@@ -31,6 +31,26 @@ def test_round1_is_pythons_round():
     assert np.isnan(round1(np.array([np.nan, 1.0])))[0]
 
 
+def test_round1_is_pythons_round_at_the_ties():
+    """Values at or a unit in the last place from a half of a tenth, from 1e-4 to 1e8 (medians of
+    two tenths, a remainder added to a figure), as Python rounds them, sign and negative zero
+    included."""
+    rng = random.Random(9)
+    values = []
+    for _ in range(20000):
+        mag = 10 ** rng.uniform(-4, 8)
+        base = float(Decimal(round(mag * 20)) / 20)  # a multiple of 0.05 written in decimal
+        values.append(base)
+        values += [float(np.nextafter(base, np.inf)), float(np.nextafter(base, -np.inf))]
+        values.append((round(rng.uniform(0, 2e4), 1) + round(rng.uniform(0, 2e4), 1)) / 2)
+        values.append(round(rng.uniform(0, 9e3), 1) + (round(rng.uniform(-50, 50), 1) + round(rng.uniform(-50, 50), 1)) / 2)
+    values += [-v for v in values[:5000]] + [2.0 ** e + 0.05 for e in range(-12, 27)] + [-0.04, -0.05, 0.05, 0.25, 0.75]
+    arr = np.array(values)
+    got = round1(arr)
+    want = [round(v, 1) for v in values]
+    assert [str(x) for x in got.tolist()] == [str(x) for x in want]
+
+
 def _synthetic_profile(rng: random.Random, step: int, max_rank: int) -> _Profile:
     """A profile whose derived ranks' ends rise with the rank (with a stretch the table does not
     reach at the top, sometimes), exact ranks off the line, and both ways of asking it."""
