@@ -593,3 +593,26 @@ def test_the_cache_is_kept_apart_for_what_changes_compiled_code(tmp_path, monkey
         env.get_template("vram.md.j2")
     after = {p.name: p.read_bytes() for p in (tmp_path / "templates").glob("*.cache")}
     assert {k: after[k] for k in before} == before and len(after) == len(before) + 2
+
+
+def test_the_template_cache_removes_other_versions_old_entries(tmp_path, monkeypatch):
+    """Entries of another fingerprint older than ``TEMPLATE_CACHE_DAYS`` are removed when a build
+    starts; its own, a recent one of another and files that are not entries stay."""
+    import os
+    import time
+
+    from ledger.site.render import TEMPLATE_CACHE_DAYS, environment, environment_fingerprint
+
+    monkeypatch.setenv("VRAM_LEDGER_CACHE", str(tmp_path))
+    folder = tmp_path / "templates"
+    folder.mkdir()
+    mine = environment_fingerprint(environment(cache=False))
+    old = time.time() - (TEMPLATE_CACHE_DAYS + 1) * 86400
+    files = {name: folder / name for name in (f"{mine}-a.cache", "0123456789abcdef-a.cache", "fedcba9876543210-a.cache",
+                                              "notes.txt")}
+    for name, path in files.items():
+        path.write_bytes(b"x")
+        if not name.startswith("fedcba"):
+            os.utime(path, (old, old))
+    environment()
+    assert sorted(p.name for p in folder.iterdir()) == sorted(n for n in files if not n.startswith("0123"))

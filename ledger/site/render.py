@@ -105,7 +105,9 @@ class TemplateCache(FileSystemBytecodeCache):
             folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         except OSError:
             return None
-        return cls(str(folder), f"{environment_fingerprint(env)}-%s.cache")
+        mine = environment_fingerprint(env)
+        _prune(folder, mine)
+        return cls(str(folder), f"{mine}-%s.cache")
 
     def load_bytecode(self, bucket) -> None:
         try:
@@ -118,6 +120,24 @@ class TemplateCache(FileSystemBytecodeCache):
             super().dump_bytecode(bucket)
         except OSError:  # a full disk or a read-only folder: the next build compiles again
             pass
+
+
+#: Compiled templates of another fingerprint (another version of the project or of jinja, an
+#: edited filter) are removed once this many days old: one version's set is some 600 KB.
+TEMPLATE_CACHE_DAYS = 7
+
+
+def _prune(folder: Path, mine: str) -> None:
+    """Remove the cached templates of other fingerprints written more than ``TEMPLATE_CACHE_DAYS``
+    ago (a version still in use on the machine compiles its own again when it next builds)."""
+    cutoff = time.time() - TEMPLATE_CACHE_DAYS * 86400
+    try:
+        for entry in os.scandir(folder):
+            if entry.name.endswith(".cache") and not entry.name.startswith(f"{mine}-") \
+                    and entry.stat().st_mtime < cutoff:
+                os.unlink(entry.path)
+    except OSError:  # another build removed it first, or the folder is not ours to clean
+        pass
 
 
 def environment_fingerprint(env: Environment) -> str:
