@@ -550,7 +550,7 @@ def test_a_verdict_alone_is_the_answers_verdict(ledger):
     probes and training runs, the program's preset and stock, dropout, DoRA, micro-batches,
     optimizers, checkpointing off, fewer target modules, a margin, budgets under and over the
     card's limit. Every path that decides a verdict is among them (each verdict, a measured
-    failure, fewer targets made unknown, a micro-batch nothing answers)."""
+    failure, fewer targets made unknown, a micro-batch nothing answers or with no length, each rung a sampled recipe reaches)."""
     import random
 
     p = Predictor(ledger, load_dry_runs())
@@ -563,7 +563,7 @@ def test_a_verdict_alone_is_the_answers_verdict(ledger):
         recipe = Recipe(model=rng.choice(["gemma-3-4b-it", "qwen2.5-7b", "llama-3.2-1b"]),
                         rank=rng.choice([8, 16, 32, 64, 96, 128, 256, 512]), quant=rng.choice(["4bit", "bf16"]),
                         dropout=rng.random() < 0.3, dora=rng.random() < 0.2,
-                        seq_len=rng.choice([512, 1024, 2048, 4096, 6931, 8192, 16384, 131072]),
+                        seq_len=rng.choice([512, 1024, 2048, 4096, 6931, 8192, 16384, 131072, None]),
                         fixes=rng.choice(["none", "all"]), batch=rng.choice([1, 1, 2, 4]),
                         optimizer=rng.choice([None, "adamw_torch", "adamw_8bit", "adafactor"]),
                         checkpointing=rng.random() < 0.85,
@@ -579,9 +579,11 @@ def test_a_verdict_alone_is_the_answers_verdict(ledger):
         assert p.verdict(recipe, gpu, **kw) == (a.verdict, a.limit_low_mib, a.limit_high_mib), (recipe, gpu, kw)
         seen.add(a.verdict)
         paths.add("measured failure" if "was measured on" in a.why else "upper bound" if "upper bound for LoRA" in a.why
-                  else "batch" if a.why.startswith("no prediction: micro-batch") else a.method)
+                  else "batch" if a.why.startswith("no prediction: micro-batch")
+                  else "no length" if a.why.endswith("needs the sequence length") else a.method)
     assert seen == {"fits", "tight", "won't fit", "unknown"}
-    assert {"measured failure", "upper bound", "dry run", "interpolated", "measured probe"} <= paths, paths
+    assert {"measured failure", "upper bound", "batch", "no length", "dry run", "interpolated", "measured probe",
+            "measured real run", "bounded by measured rows"} <= paths, paths
 
 
 def test_the_ladders_scan_of_verdicts_is_the_full_scan(p):
