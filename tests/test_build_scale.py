@@ -528,8 +528,9 @@ def test_the_template_cache_holds_what_compiling_gives(tmp_path, monkeypatch):
 
 
 def test_a_cache_that_cannot_be_used_changes_nothing(tmp_path, monkeypatch):
-    """No cache folder (a file in the way), a folder that cannot be written, a file cut short or
-    not jinja's: each template is compiled as without a cache, and renders the same."""
+    """No cache folder (a file in the way), a folder that cannot be written or that others may
+    write to, a file cut short or not jinja's: each template is compiled as without a cache, and
+    renders the same."""
     import jinja2.bccache
 
     from ledger.site.render import environment
@@ -556,6 +557,14 @@ def test_a_cache_that_cannot_be_used_changes_nothing(tmp_path, monkeypatch):
         m.setattr(jinja2.bccache.tempfile, "NamedTemporaryFile", refuse)
         same(environment())
     assert not list((tmp_path / "c" / "templates").glob("*"))
+
+    (tmp_path / "c" / "templates").mkdir(parents=True, exist_ok=True)
+    for mode in (0o777, 0o722):  # others may write there: not read
+        (tmp_path / "c" / "templates").chmod(mode)
+        env = environment()
+        assert env.bytecode_cache is None
+        same(env)
+    (tmp_path / "c" / "templates").chmod(0o755)
 
     same(environment())  # now kept
     kept = sorted((tmp_path / "c" / "templates").glob("*.cache"))

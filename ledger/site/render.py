@@ -94,7 +94,8 @@ class TemplateCache(FileSystemBytecodeCache):
     fingerprint of what else shapes the compiled code without being in a template (jinja's and
     Python's versions, the environment's syntax options, its autoescape per kind of template and
     the filters and tests it may fold constants with). The cache is never needed: a folder that
-    cannot be made or written, or a file that cannot be read back, is compiled as before."""
+    cannot be made or written, one another user owns or others may write to (compiled code is run
+    as it is read), or a file that cannot be read back, is compiled as before."""
 
     @classmethod
     def for_environment(cls, env: Environment) -> Optional["TemplateCache"]:
@@ -103,7 +104,11 @@ class TemplateCache(FileSystemBytecodeCache):
         folder = user_cache_dir() / "templates"
         try:
             folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+            st = folder.stat()
         except OSError:
+            return None
+        # Compiled code is run as it is read: only from a folder no one else may write to.
+        if hasattr(os, "getuid") and (st.st_uid != os.getuid() or st.st_mode & 0o022):
             return None
         mine = environment_fingerprint(env)
         _prune(folder, mine)
