@@ -413,17 +413,46 @@ def cell_results(cells: list) -> list:
     return typed_rows(FitCellResult, [(*c[:at], list(c[at]), labels.of(c), *c[at + 1:]) for c in cells])
 
 
-def stale_rows(rows) -> list[str]:
-    """Ids of dry-run rows whose torch / transformers / peft versions differ from the installed
-    ones (read from the package metadata: torch is not imported). None installed: nothing to say."""
+#: Libraries whose versions a dry-run row records and a build compares (``stale_rows``).
+LIBRARIES = ("torch", "transformers", "peft")
+#: The versions a build compares the dry-run rows with, given instead of the installed ones
+#: ("torch=2.13.0+cpu,transformers=5.24.0,peft=0.21.2"): a reproducible build's, as
+#: SOURCE_DATE_EPOCH gives its date (the golden site is built with its rows' own).
+LIBRARY_VERSIONS_ENV = "VRAM_LEDGER_LIBRARY_VERSIONS"
+
+
+def library_versions() -> Optional[dict[str, str]]:
+    """The torch / transformers / peft versions dry-run rows are compared with: those
+    ``LIBRARY_VERSIONS_ENV`` names, else the installed ones (read from the package metadata:
+    torch is not imported); None when one is not installed."""
+    import os
     from importlib import metadata
 
+    given = os.environ.get(LIBRARY_VERSIONS_ENV)
+    if given is not None:
+        from .errors import Issue, UserError
+
+        pairs = [part.partition("=") for part in given.split(",")]
+        versions = {name.strip(): version.strip() for name, _, version in pairs}
+        if sorted(versions) != sorted(LIBRARIES) or not all(versions.values()) or len(pairs) != len(LIBRARIES):
+            raise UserError(Issue(LIBRARY_VERSIONS_ENV, "", f"must name each of {', '.join(LIBRARIES)} once as "
+                                  f"name=version, comma-separated; got {given!r}"))
+        return versions
     installed = {}
-    for name in ("torch", "transformers", "peft"):
+    for name in LIBRARIES:
         try:
             installed[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
-            return []
+            return None
+    return installed
+
+
+def stale_rows(rows) -> list[str]:
+    """Ids of dry-run rows whose torch / transformers / peft versions differ from
+    ``library_versions()`` (none known: nothing to say)."""
+    installed = library_versions()
+    if installed is None:
+        return []
     out = []
     for m in rows:
         env = m.environment

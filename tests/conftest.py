@@ -50,6 +50,22 @@ GOLDEN = DATA / "golden-site"
 GOLDEN_DRY = DATA / "golden-dry-runs.json"
 #: ``vram build``'s arguments for the golden site.
 GOLDEN_BUILD = ["--ledger", str(SMALL), "--dry-runs", str(GOLDEN_DRY)]
+
+
+def _golden_versions() -> str:
+    """The library versions the golden dry-run rows were computed with, as VRAM_LEDGER_LIBRARY_VERSIONS
+    gives them: the golden site is built against its own rows' versions, whatever is installed."""
+    import json
+
+    rows = json.loads(GOLDEN_DRY.read_text(encoding="utf-8"))["measurements"]
+    found = {(name, (r.get("environment") or {}).get(name)) for r in rows for name in ("torch", "transformers", "peft")}
+    assert len(found) == 3 and all(v for _, v in found), found
+    return ",".join(f"{name}={version}" for name, version in sorted(found))
+
+
+#: ``VRAM_LEDGER_LIBRARY_VERSIONS`` for every build of the golden site.
+GOLDEN_VERSIONS = _golden_versions()
 #: The one command that regenerates the golden site (run from the repository root).
-REGEN_GOLDEN = ("rm -rf tests/data/golden-site && vram build --ledger tests/data/small-ledger.json "
-                "--dry-runs tests/data/golden-dry-runs.json --out tests/data/golden-site -q")
+REGEN_GOLDEN = (f"rm -rf tests/data/golden-site && VRAM_LEDGER_LIBRARY_VERSIONS={GOLDEN_VERSIONS} vram build "
+                "--ledger tests/data/small-ledger.json --dry-runs tests/data/golden-dry-runs.json "
+                "--out tests/data/golden-site -q")

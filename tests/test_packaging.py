@@ -10,7 +10,7 @@ import zipfile
 
 import pytest
 
-from conftest import GOLDEN, GOLDEN_BUILD, REPO, SMALL
+from conftest import GOLDEN, GOLDEN_BUILD, GOLDEN_VERSIONS, REPO, SMALL
 from ledger import cli
 
 
@@ -43,7 +43,7 @@ def test_the_site_builds_from_an_installed_wheel(wheel, tmp_path):
     out = tmp_path / "site"
     # Run away from the clone, with only the installed copy of vram-ledger importable before the
     # environment's own packages (its dependencies).
-    env = {**os.environ, "PYTHONPATH": str(target)}
+    env = {**os.environ, "PYTHONPATH": str(target), "VRAM_LEDGER_LIBRARY_VERSIONS": GOLDEN_VERSIONS}
     code = ("import sys, ledger; assert 'site-packages' in ledger.__file__, ledger.__file__; "
             "from ledger.cli import main; sys.exit(main(sys.argv[1:]))")
     proc = subprocess.run([sys.executable, "-c", code, "build", *GOLDEN_BUILD, "--out", str(out), "-q"],
@@ -52,7 +52,8 @@ def test_the_site_builds_from_an_installed_wheel(wheel, tmp_path):
     assert (out / "index.html").read_bytes() == (GOLDEN / "index.html").read_bytes()
 
 
-def test_a_templates_folder_overrides_only_what_it_has(tmp_path):
+def test_a_templates_folder_overrides_only_what_it_has(tmp_path, monkeypatch):
+    monkeypatch.setenv("VRAM_LEDGER_LIBRARY_VERSIONS", GOLDEN_VERSIONS)
     mine = tmp_path / "theme"
     (mine / "static").mkdir(parents=True)
     (mine / "static" / "style.css").write_text("body { color: rebeccapurple; }\n")

@@ -615,3 +615,39 @@ def test_the_ladders_scan_of_verdicts_is_the_full_scan(p):
         assert [r["verdict"] for r in light.ranks] == [r["verdict"] for r in full.ranks]
         statuses.add(full.status)
     assert statuses == {"ok", "none-fits", "unknown"}
+
+
+def test_stale_rows_are_those_of_other_library_versions(monkeypatch, capsys):
+    """A dry-run row is stale when a library version it records differs from the ones the build
+    compares with: ``VRAM_LEDGER_LIBRARY_VERSIONS``, else the installed ones; a row that records
+    none never is; a malformed variable is one located line from the build, nothing written."""
+    from ledger.fits import library_versions, stale_rows
+    from ledger.models import Measurement
+
+    def row(i, **versions):
+        return Measurement.model_validate({"id": i, "kind": "dry_run", "environment": versions or None})
+
+    rows = [row("a", torch="2.13.0", transformers="5.24.0", peft="0.21.2"), row("b", transformers="5.25.0"),
+            row("c"), row("d", torch="2.12.0")]
+    monkeypatch.setenv("VRAM_LEDGER_LIBRARY_VERSIONS", "torch=2.13.0, transformers=5.24.0,peft=0.21.2")
+    assert library_versions() == {"torch": "2.13.0", "transformers": "5.24.0", "peft": "0.21.2"}
+    assert stale_rows(rows) == ["b", "d"]
+    monkeypatch.setenv("VRAM_LEDGER_LIBRARY_VERSIONS", "torch=2.13.0,transformers=5.25.0,peft=0.21.2")
+    assert stale_rows(rows) == ["a", "d"]
+    monkeypatch.delenv("VRAM_LEDGER_LIBRARY_VERSIONS")
+    from importlib import metadata
+    monkeypatch.setattr(metadata, "version", lambda name: {"torch": "2.12.0", "transformers": "5.25.0",
+                                                           "peft": "0.21.2"}[name])
+    assert stale_rows(rows) == ["a"]
+
+    def missing(name):
+        raise metadata.PackageNotFoundError(name)
+    monkeypatch.setattr(metadata, "version", missing)
+    assert library_versions() is None and stale_rows(rows) == []
+    for bad in ("torch=2.13.0,transformers=5.24.0", "torch=2.13.0,transformers=,peft=1", "torch=1,torch=2,peft=1,transformers=1"):
+        monkeypatch.setenv("VRAM_LEDGER_LIBRARY_VERSIONS", bad)
+        out = REPO / "no-such-site"
+        assert cli.main(["build", "--ledger", str(BUNDLED), "--out", str(out), "-q"]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("VRAM_LEDGER_LIBRARY_VERSIONS: must name each of torch, transformers, peft once") and "\n" not in err
+        assert not out.exists()

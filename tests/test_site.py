@@ -14,7 +14,7 @@ import pytest
 from bs4 import BeautifulSoup
 from jsonschema import Draft202012Validator
 
-from conftest import BENCHMARKS, BUNDLED, GOLDEN, GOLDEN_BUILD, REGEN_GOLDEN, SMALL
+from conftest import BENCHMARKS, BUNDLED, GOLDEN, GOLDEN_BUILD, GOLDEN_VERSIONS, REGEN_GOLDEN, SMALL
 from ledger import cli, store
 from ledger.models import Detail, Figure, Finding, Gpu, Lora, Measurement, Outcome, Provenance
 from ledger.site import filters
@@ -48,8 +48,10 @@ def tree_files(root: Path) -> dict[str, bytes]:
 
 def test_golden_tree(tmp_path, monkeypatch):
     """The golden tree, built with the templates compiled afresh and then from the compiled
-    templates the first build kept (``render.TemplateCache``)."""
+    templates the first build kept (``render.TemplateCache``), against its dry-run rows' own
+    library versions (whatever this machine has installed)."""
     monkeypatch.setenv("VRAM_LEDGER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("VRAM_LEDGER_LIBRARY_VERSIONS", GOLDEN_VERSIONS)
     for run in ("compiled", "from the cache"):
         out = tmp_path / run
         assert cli.main(["build", *GOLDEN_BUILD, "--out", str(out), "-q"]) == 0
