@@ -23,6 +23,7 @@ from pathlib import Path
 from types import CodeType
 from typing import Optional, Sequence
 
+import jinja2
 from jinja2 import (ChoiceLoader, Environment, FileSystemBytecodeCache, FileSystemLoader, StrictUndefined,
                     select_autoescape)
 
@@ -30,6 +31,7 @@ from ..errors import Issue, UserError
 from ..models import Ledger
 from ..atomic import atomic_write_text
 from ..dry_runs import load_dry_runs, rows_from
+from ..fits import library_versions
 from ..held_out import shared_held_out, shared_predictor
 from ..recipe import row_keys_cached
 from ..store import gc_paused
@@ -149,8 +151,6 @@ def environment_fingerprint(env: Environment) -> str:
     """What, besides a template's source, decides its compiled code: jinja's and Python's versions,
     the syntax and whitespace options, the autoescape of each kind of template and each filter
     and test (jinja folds constant expressions through them at compile time), as a short hash."""
-    import jinja2
-
     def const(k) -> str:  # the same text in every process (no addresses, no set order)
         if isinstance(k, CodeType):
             return f"code({k.co_code.hex()}:{','.join(map(const, k.co_consts))})"
@@ -303,6 +303,7 @@ def render_site(ledger: Ledger, out: Path, *, build_date: Optional[str] = None, 
         raise UserError(Issue("--base-url", "", f"must be an http(s) URL, got {base_url!r}"))
     check_output_folder(Path(out), protect)
     dirs = template_dirs(templates)
+    library_versions()  # a malformed VRAM_LEDGER_LIBRARY_VERSIONS is refused before any work, not in a worker
     # The build makes many short-lived objects and no cycles worth collecting; rows do not change
     # while it runs, so their keys are computed once.
     if dry_runs is not None and not Path(dry_runs).is_file():
