@@ -12,6 +12,7 @@ committed dry-run rows per cell.
 from __future__ import annotations
 
 from typing import Iterable, NamedTuple, Optional
+from weakref import WeakKeyDictionary
 
 from .models import Gpu
 from .cards import card_table
@@ -226,6 +227,29 @@ def _dry_cells(p: Predictor, asks: list[tuple[Optional[Recipe], float, Optional[
     return [unknown if k is None else memo[k] for k in keys]
 
 
+#: ``_row_index`` of each predictor (made once: a build asks ten fit tables of one predictor).
+_ROW_INDEX: "WeakKeyDictionary[Predictor, tuple]" = WeakKeyDictionary()
+
+
+def _row_index(p: Predictor) -> tuple[set, dict[str, set], dict[tuple, list[tuple[int, str]]]]:
+    """What a fit table reads of the predictor's rows, grouped once per predictor (a 100k-row
+    ledger's ten fit tables each walked every row three times): the (card, model) pairs the
+    ledger measured; each model's spellings in the ledger (the ladder asks by them); and the
+    probes a ladder cell cites, by card and recipe, as (length, id) in the rows' order."""
+    found = _ROW_INDEX.get(p)
+    if found is None:
+        measured = {(m.gpu, model_name(m.model)) for m in p.ms if m.kind in ("probe", "real") and m.lora}
+        spellings: dict[str, set] = {}
+        probes: dict[tuple, list[tuple[int, str]]] = {}
+        for m in p.ms:
+            spellings.setdefault(model_name(m.model), set()).add(m.model)
+            if m.kind == "probe" and m.lora and m.seq_len:
+                probes.setdefault((m.gpu, model_name(m.model), m.quant, fixes_key(m.memory_fixes),
+                                   bool(m.lora.dropout), bool(m.lora.dora)), []).append((m.seq_len, m.id))
+        found = _ROW_INDEX[p] = (measured, spellings, probes)
+    return found
+
+
 @row_keys_cached()
 def fit_table(p: Predictor, *, models: Optional[Iterable[str]] = None, gpus: Optional[Iterable[str]] = None,
               lengths: Iterable[int] = LENGTHS, ladder: bool = True,
@@ -247,19 +271,7 @@ def fit_table(p: Predictor, *, models: Optional[Iterable[str]] = None, gpus: Opt
     all_cards = {**cards(p), **{k: v for k, v in (extra_cards or {}).items() if v is not None}}
     models = list(models) if models is not None else dry_models(p)
     gpus = list(gpus) if gpus is not None else page_cards(p)
-    measured_models = {(m.gpu, model_name(m.model)) for m in p.ms if m.kind in ("probe", "real") and m.lora}
-    spellings: dict[str, set] = {}  # the ledger's spellings of each model it measured (the ladder asks by them)
-    if ladder and checkpointing:
-        for m in p.ms:
-            spellings.setdefault(model_name(m.model), set()).add(m.model)
-    # The probes a ladder cell cites (the card's rows of its recipe, lengths since the previous
-    # column's): grouped once, not sought among every row for each cell.
-    probes: dict[tuple, list[tuple[int, str]]] = {}
-    if ladder:
-        for m in p.ms:
-            if m.kind == "probe" and m.lora and m.seq_len:
-                probes.setdefault((m.gpu, model_name(m.model), m.quant, fixes_key(m.memory_fixes),
-                                   bool(m.lora.dropout), bool(m.lora.dora)), []).append((m.seq_len, m.id))
+    measured_models, spellings, probes = _row_index(p)
     out = []
     if fixes_settings is None:  # the shipped grid has the preset with checkpointing only
         fixes_settings = ("none", "all") if checkpointing else ("none",)
