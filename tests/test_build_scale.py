@@ -494,6 +494,47 @@ def test_a_plot_drawn_once_is_the_plot_drawn_twice(monkeypatch):
     assert all('<g id="odd-pt' in s for s in once[-2:-1])  # the points are drawn
 
 
+def test_a_title_placed_at_once_is_where_matplotlib_places_it(monkeypatch):
+    """``plots._title_stays`` places a plot's title at the top of its axes at once when the y axis
+    has no offset text, instead of letting matplotlib measure every tick label again to find that
+    out: the SVG is byte for byte the one matplotlib's own placement gives, for the bundled
+    ledger's plots and for plots whose y axis does have an offset (a narrow band of large figures)
+    or a multiplier, under a title it is in the way of (matplotlib raises the title above it), a log
+    scale and a spilled band."""
+    from conftest import SMALL
+    from ledger import store
+    from ledger.site import plots
+    from ledger.site.plot_data import make_plots
+    from ledger.site.views import Plot, PlotPoint, PlotSeries
+
+    # A title across the whole axes: the y axis's offset text, at its top left, is in its way.
+    wide = "a title that runs the whole width of the axes, over the offset text of the y axis at its left"
+
+    def plot(pid: str, ys: list[float], **kw) -> Plot:
+        points = [PlotPoint(x=8.0 * (i + 1), y=y, id=f"{pid}-{i}", status="ok") for i, y in enumerate(ys)]
+        return Plot(id=pid, file=f"{pid}.svg", title=f"{pid}: {wide}", caption="", alt="", xlabel="rank",
+                    ylabel="MiB", series=[PlotSeries("one", points)], **kw)
+
+    made = [*make_plots(store.load(SMALL)),
+            plot("offset", [70_010.2, 70_010.9, 70_011.4, 70_012.0]),  # ticks like +7.001e4
+            plot("multiplier", [2.1e7, 2.4e7, 3.3e7]),  # ticks like 1e7
+            plot("plain", [5_100.0, 6_200.0, 7_900.0]),
+            plot("log", [900.0, 4_000.0, 30_000.0], log=True),
+            Plot(id="band", file="band.svg", title="band", caption="", alt="", xlabel="rank", ylabel="MiB",
+                 series=[PlotSeries("one", [PlotPoint(x=8, y=6_000, id="b-0", status="ok"),
+                                            PlotPoint(x=16, y=9_000, id="b-1", status="spilled")])],
+                 limit_mib=7_000.0, limit_label="the card")]
+    asked: list[bool] = []
+    stays = plots._title_stays
+    monkeypatch.setattr(plots, "_title_stays", lambda ax: asked.append(stays(ax)) or asked[-1])
+    placed = [plots.render_svg(p) for p in made]
+    assert True in asked and asked.count(False) >= 2  # both ways taken: the offset and multiplier plots keep matplotlib's
+    monkeypatch.setattr(plots, "_title_stays", lambda ax: False)
+    assert [plots.render_svg(p) for p in made] == placed
+    # The check decides: placed at once regardless, the titles over an offset text would not be raised.
+    monkeypatch.setattr(plots, "_title_stays", lambda ax: True)
+    assert [plots.render_svg(p) for p in made] != placed
+
 def _templates(env) -> list[str]:
     return sorted(n for n in env.list_templates() if n.endswith(".j2"))
 

@@ -108,11 +108,28 @@ def render_svg(plot: Plot) -> str:
                 handles, labels = handles[:_LEGEND_MAX], labels[:_LEGEND_MAX] + [f"+ {extra} more (see vram.json)"]
                 handles.append(Line2D([], [], linestyle="none"))
             ax.legend(handles, labels, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+        if _title_stays(ax):
+            ax.set_title(plot.title, fontsize=10, y=1.0)
         buf = io.StringIO()
         with _saved_once(fig, points):
             fig.savefig(buf, format="svg", bbox_inches="tight",
                         metadata={"Date": None, "Creator": None, "Format": None, "Type": None})
     return _add_titles(buf.getvalue(), titles)
+
+
+def _title_stays(ax) -> bool:
+    """Whether matplotlib will leave the title where it starts, at the top of the axes. Left to
+    place it, it measures every tick label of the y axis again at each of the figure's two draws
+    (a third of drawing a plot) to see whether the axis's offset text (``+5.01e3``, ``1e6``) is in
+    the title's way, and raises the title above it when it is; its x ticks and label are at the
+    bottom here, so nothing else can. The offset text is asked of the y axis's formatter on the
+    ticks the draw will use (the limits are final: the caller has set them): without one the title
+    stays, and is placed there at once, which draws the same bytes (a test compares)."""
+    if ax.xaxis.get_ticks_position() != "bottom" or ax.xaxis.get_label_position() != "bottom":
+        return False
+    formatter = ax.yaxis.get_major_formatter()
+    formatter.set_locs(ax.yaxis.get_majorticklocs())  # as the draw sets them again (format_ticks)
+    return not formatter.get_offset()
 
 
 @contextlib.contextmanager
