@@ -26,11 +26,8 @@ published bytes).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import multiprocessing
-import os
-import resource
 import sys
 import tempfile
 import time
@@ -39,27 +36,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from build_bench import cpu  # noqa: E402
 from ledger import store  # noqa: E402
 from ledger.dry_runs import rows_from  # noqa: E402
 from ledger.held_out import shared_held_out  # noqa: E402
 from ledger.paths import DEFAULT_LEDGER  # noqa: E402
 from ledger.recipe import row_keys_cached  # noqa: E402
 from ledger.site import filters  # noqa: E402
-from ledger.site.changes import atom_feed  # noqa: E402
-from ledger.site.downloads import fits_csv, measurements_csv  # noqa: E402
-from ledger.site.fits_page import data_script  # noqa: E402
 from ledger.site.index_page import canonical_json  # noqa: E402
-from ledger.site.public import public_schema  # noqa: E402
-from ledger.site.render import (SiteWriter, compute_site, download, environment, latest_date, public_json,  # noqa: E402
+from ledger.site.render import (SiteWriter, compute_site, data_files, download, environment,  # noqa: E402
                                 render_outputs, render_site, template_dirs)
 from ledger.store import gc_paused  # noqa: E402
-
-
-def cpu() -> float:
-    """CPU seconds of this process and of its children that have ended."""
-    own = resource.getrusage(resource.RUSAGE_SELF)
-    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def fastest(fn, repeat: int) -> tuple[float, object]:
@@ -129,25 +116,15 @@ def main() -> None:
             steps["plots"], svgs = fastest(lambda: draw_in_child(plots), args.repeat)
             same_svgs = svgs == [ctx.images[p.file] for p in plots]
 
-            picker = {m.slug: json.loads(m.data_json) for m in ctx.fit_models}  # as the build holds it before its text
+            picker = [json.loads(m.data_json) for m in ctx.fit_models]  # as the build holds it before its text
             history = json.loads(ctx.data_files["changes.json"])
 
-            def data_files() -> dict[str, str]:
-                files = {"vram.json": public_json(ledger_json, ctx, ledger, None),
-                         "vram.schema.json": json.dumps(public_schema(None), indent=2) + "\n",
-                         "vram.csv": filters.neutral(measurements_csv(ledger))}
-                if ctx.fits is not None:
-                    files["fits.csv"] = filters.neutral(fits_csv(ctx.fits))
-                for m in ctx.fit_models:
-                    files[f"fits/{m.slug}.json"] = json.dumps(picker[m.slug], separators=(",", ":"),
-                                                              ensure_ascii=False) + "\n"
-                    files[f"fits/{m.slug}.js"] = data_script(m)
-                files["changes.json"] = json.dumps(history, indent=1, ensure_ascii=False) + "\n"
-                files["feed.xml"] = filters.neutral(atom_feed(history, title=ctx.title, base_url=None,
-                                                              updated=f"{latest_date(ledger)}T00:00:00Z"))
-                return files
+            def data() -> dict[str, str]:
+                # The picker's data is made text with the pages' tables in a build: its text counts here too.
+                [json.dumps(d, separators=(",", ":"), ensure_ascii=False) for d in picker]
+                return data_files(ctx, ledger, ledger_json, history, None)
 
-            steps["data files"], files = fastest(data_files, args.repeat)
+            steps["data files"], files = fastest(data, args.repeat)
             same_data = all(files[k] == ctx.data_files[k] for k in files)
             env = environment(dirs)
             steps["pages"], outputs = fastest(lambda: render_outputs(ctx, env), args.repeat)

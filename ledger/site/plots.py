@@ -101,15 +101,13 @@ def render_svg(plot: Plot) -> str:
                 ax.set_ylim(bottom, band * 1.04)
         ax.set_xlabel(plot.xlabel)
         ax.set_ylabel(plot.ylabel)
-        ax.set_title(plot.title, fontsize=10)
+        ax.set_title(plot.title, fontsize=10, y=1.0 if _title_stays(ax) else None)  # None: matplotlib places it
         if handles:
             if len(handles) > _LEGEND_MAX:  # every series is still in vram.json
                 extra = len(handles) - _LEGEND_MAX
                 handles, labels = handles[:_LEGEND_MAX], labels[:_LEGEND_MAX] + [f"+ {extra} more (see vram.json)"]
                 handles.append(Line2D([], [], linestyle="none"))
             ax.legend(handles, labels, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
-        if _title_stays(ax):
-            ax.set_title(plot.title, fontsize=10, y=1.0)
         buf = io.StringIO()
         with _saved_once(fig, points):
             fig.savefig(buf, format="svg", bbox_inches="tight",
@@ -123,7 +121,7 @@ def _title_stays(ax) -> bool:
     (a third of drawing a plot) to see whether the axis's offset text (``+5.01e3``, ``1e6``) is in
     the title's way, and raises the title above it when it is; its x ticks and label are at the
     bottom here, so nothing else can. The offset text is asked of the y axis's formatter on the
-    ticks the draw will use (the limits are final: the caller has set them): without one the title
+    ticks the draw will use (the limits are final: the caller has drawn every artist): without one the title
     stays, and is placed there at once, which draws the same bytes (a test compares)."""
     if ax.xaxis.get_ticks_position() != "bottom" or ax.xaxis.get_label_position() != "bottom":
         return False

@@ -442,23 +442,12 @@ def compute_site(ledger: Ledger, out: Path, *, build_date: Optional[str], base_u
 
     # The data files: the pages list each download with its size and hash.
     ctx = replace(ctx, estimator_plot=board_plot, base_url=base_url)
-    data: dict[str, str] = {}
-    data["vram.json"] = public_json(ledger_json, ctx, ledger, base_url)
-    data["vram.schema.json"] = json.dumps(public_schema(base_url), indent=2) + "\n"
-    data["vram.csv"] = filters.neutral(measurements_csv(ledger))
-    if ctx.fits is not None:
-        data["fits.csv"] = filters.neutral(fits_csv(ctx.fits))
-    for m in ctx.fit_models:  # the picker's data, per model: JSON to download, a script for the pages
-        data[f"fits/{m.slug}.json"] = m.data_json + "\n"
-        data[f"fits/{m.slug}.js"] = data_script(m)
     unchanged = prev_doc is not None and prev_doc.get("ledger_sha256") == sha
     ledger_doc = None if unchanged or prev_doc is None else parse_document(ledger_json)
     history = history_for(prev_doc if not unchanged else None, prev_history, ledger_doc or {}, sha, build_date)
     if unchanged and isinstance(prev_history, dict):
         history = {**history, "history": prev_history.get("history", [])[:50]}
-    data["changes.json"] = json.dumps(history, indent=1, ensure_ascii=False) + "\n"
-    data["feed.xml"] = filters.neutral(atom_feed(history, title=ctx.title, base_url=base_url,
-                                                 updated=f"{build_date or latest_date(ledger)}T00:00:00Z"))
+    data = data_files(ctx, ledger, ledger_json, history, build_date)
     stages["downloads"] = time.process_time() - t0
     return replace(
         ctx,
@@ -470,6 +459,26 @@ def compute_site(ledger: Ledger, out: Path, *, build_date: Optional[str], base_u
         hrefs={r.id: f"#m-{r.id}" for t in all_tables(ctx) for r in t.rows},
         data_files=data, images=images,
     )
+
+
+def data_files(ctx: SiteContext, ledger: Ledger, ledger_json: str, history: dict,
+               build_date: Optional[str]) -> dict[str, str]:
+    """The data files' texts by path (vram.json around the ledger's canonical JSON, its schema, the
+    CSVs, each model's picker data, changes.json and feed.xml), from the context and the change set."""
+    base_url = ctx.base_url
+    data: dict[str, str] = {}
+    data["vram.json"] = public_json(ledger_json, ctx, ledger, base_url)
+    data["vram.schema.json"] = json.dumps(public_schema(base_url), indent=2) + "\n"
+    data["vram.csv"] = filters.neutral(measurements_csv(ledger))
+    if ctx.fits is not None:
+        data["fits.csv"] = filters.neutral(fits_csv(ctx.fits))
+    for m in ctx.fit_models:  # the picker's data, per model: JSON to download, a script for the pages
+        data[f"fits/{m.slug}.json"] = m.data_json + "\n"
+        data[f"fits/{m.slug}.js"] = data_script(m)
+    data["changes.json"] = json.dumps(history, indent=1, ensure_ascii=False) + "\n"
+    data["feed.xml"] = filters.neutral(atom_feed(history, title=ctx.title, base_url=base_url,
+                                                 updated=f"{build_date or latest_date(ledger)}T00:00:00Z"))
+    return data
 
 
 # -- phase two: render -------------------------------------------------------------------------
