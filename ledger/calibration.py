@@ -250,6 +250,13 @@ def _needs_model(m: Measurement) -> bool:
     return m.outcome.status == "oom" and m.kind == "probe" and m.lora is not None
 
 
+def _by_cell(ms: Iterable[Measurement]) -> dict[tuple, list[Measurement]]:
+    out: dict[tuple, list[Measurement]] = defaultdict(list)
+    for m in ms:
+        out[(m.gpu, group_key(m))].append(m)
+    return dict(out)
+
+
 class LimitRows:
     """The rows each card's limits rest on, by (card, kind) - training steps only (LoRA set), since a
     forward-only or load row says little about a step's limit - kept so that the limits of the same
@@ -266,7 +273,34 @@ class LimitRows:
         self.fixed = {k: sorted(((p, m) for m in rows if not _needs_model(m)
                                  and (p := _exceeded_peak(m, None)) is not None), key=lambda pm: (pm[0], pm[1].id))
                       for k, rows in by_card.items()}
-        self.modelled = {k: [m for m in rows if _needs_model(m)] for k, rows in by_card.items()}
+        # The OOM probes by (card, kind) and then by (card, group): a peak model made from another
+        # by ``without`` answers a group as the other does or not at all of its ranks.
+        self.modelled = {k: _by_cell(m for m in rows if _needs_model(m)) for k, rows in by_card.items()}
+        self._root_needs: tuple = (None, {})
+
+    def _needs(self, key: tuple, root: PeakModel) -> list[tuple[float, Measurement]]:
+        """What the OOM probes of ``key`` needed by the peak model ``root``, lowest first."""
+        if self._root_needs[0] is not root:
+            self._root_needs = (root, {})
+        needs = self._root_needs[1]
+        if key not in needs:
+            needs[key] = sorted(((p, m) for rows in self.modelled.get(key, {}).values() for m in rows
+                                 if (p := _exceeded_peak(m, root)) is not None), key=lambda pm: (pm[0], pm[1].id))
+        return needs[key]
+
+    def _least_need(self, key: tuple, model: PeakModel, removed: frozenset) -> Optional[tuple[float, Measurement]]:
+        """The least of what the OOM probes of ``key`` (less ``removed``) needed by ``model``: the
+        root model's figures where ``model`` answers a cell as its root does, its own elsewhere."""
+        over, asked = [], set()
+        for (gpu, group), rows in self.modelled.get(key, {}).items():
+            if not model.answers_as_root(gpu, group):
+                asked.add((gpu, group))
+                over += [(p, m) for m in rows if m.id not in removed and (p := _exceeded_peak(m, model)) is not None]
+        kept = next((pm for pm in self._needs(key, model.root)
+                     if pm[1].id not in removed and (pm[1].gpu, group_key(pm[1])) not in asked), None)
+        if kept is not None:
+            over.append(kept)
+        return min(over, key=lambda pm: (pm[0], pm[1].id)) if over else None
 
     def limits(self, ledger: Ledger, model: PeakModel, removed: frozenset = frozenset()) -> list[Limit]:
         """The limits of these rows less ``removed`` (ids), with ``model`` predicting what OOM probes needed."""
@@ -275,8 +309,8 @@ class LimitRows:
             for kind in ("probe", "real"):
                 key = (gpu, kind)
                 fit = next((m for m in self.fits.get(key, ()) if m.id not in removed), None)
-                over = [(p, m) for m in self.modelled.get(key, ()) if m.id not in removed
-                        and (p := _exceeded_peak(m, model)) is not None]
+                least = self._least_need(key, model, removed)
+                over = [least] if least is not None else []
                 lowest = next((pm for pm in self.fixed.get(key, ()) if pm[1].id not in removed), None)
                 if lowest is not None:
                     over.append(lowest)

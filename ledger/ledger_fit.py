@@ -21,6 +21,18 @@ def m_group(m: Measurement) -> GroupKey:
     return group_key(m)
 
 
+def _widest(errors: Iterable[tuple]) -> dict[str, Optional[float]]:
+    """The widths from every ok probe's held-out errors (``LedgerFit._held_out_errors``)."""
+    interp, transfer = [], []
+    for e in errors:
+        if e[0] is not None:
+            interp.append(e[0])
+        if e[2] is not None:
+            transfer.append(e[2])
+    return {"interpolated": max(interp) if interp else None, "transferred": max(transfer) if transfer else None,
+            "interpolated_n": len(interp), "transferred_n": len(transfer)}
+
+
 def _same_rows(a: list, b: list) -> bool:
     """Whether two lists hold the very same row objects, in the same order."""
     return a is b or (len(a) == len(b) and all(map(is_, a, b)))
@@ -56,7 +68,8 @@ class LedgerFit:
         self.peaks = self.base.peaks.without(self.exclude - self.base.exclude) if self.base else PeakModel(self.ms)
         if self.base is not None:
             self.limit_rows = self.base.limit_rows
-            self.lims = self.limit_rows.limits(ledger, self.peaks, frozenset(self.exclude - self.base.exclude))
+            # (the rows the limits rest on are the first fit's: every row left out since is removed)
+            self.lims = self.limit_rows.limits(ledger, self.peaks, frozenset(self.exclude))
         else:
             self.limit_rows = LimitRows(self.ms)
             self.lims = self.limit_rows.limits(ledger, self.peaks)
@@ -90,34 +103,96 @@ class LedgerFit:
     @cached_property
     def widths(self) -> dict[str, Optional[float]]:
         """Largest held-out relative error of each rung (fractions), from the ledger's own probes."""
-        if self.base is not None and not any(ok_peak(m) is not None and m.kind == "probe"
-                                             for m in self.base.removed(self.exclude - self.base.exclude)):
-            return self.base.widths  # the peak model reads ok probes alone: without them it is the same
-        interp, transfer = [], []
-        for m in probes(self.ms):
-            peak = ok_peak(m)
-            if peak is None:
-                continue
-            group = m_group(m)
-            # The model without this probe, asked about it: its card's other rows of the group.
-            kept, answered, pred = self.peaks.own_held_out(m, m.lora.rank)
-            if kept:
-                if not answered:  # one rank left: that model's pooled slope is needed, so fit it
-                    pred, _ = self.peaks.without((m.id,)).predict(m.gpu, group, m.lora.rank)
-                if pred is not None:
-                    interp.append(abs(pred - peak) / peak)
-            # Removing the probe changes its own card's rows alone: the other cards' are the model's.
-            if any(g != m.gpu for g in self.peaks.by_group.get(group, ())):
-                # The same model without any row of this card and group: the others' rows, shifted.
-                answered, pred = self.peaks.transfer_held_out(m.gpu, group, m.lora.rank)
-                if not answered:  # that model needs its pooled slope: fit it
-                    # (the full fit's rows of the cell: the ones this fit left out are out already)
-                    alone = self.peaks.without((m.id, *(self.base or self)._cell_ids.get((m.gpu, group), ())))
-                    pred, _ = alone.predict(m.gpu, group, m.lora.rank)
-                if pred is not None:
-                    transfer.append(abs(pred - peak) / peak)
-        return {"interpolated": max(interp) if interp else None, "transferred": max(transfer) if transfer else None,
-                "interpolated_n": len(interp), "transferred_n": len(transfer)}
+        base = self.base
+        if base is None:
+            return _widest(self._held_out_errors.values())
+        gone = [m for m in base.removed(self.exclude - base.exclude) if ok_peak(m) is not None and m.kind == "probe"]
+        if not gone:
+            return base.widths  # the peak model reads ok probes alone: without them it is the same
+        if base.base is not None:  # a fit started from a fit started from another: every probe asked again
+            return _widest(self._held_out_errors.values())
+        return self._widths_from_base()
+
+    @cached_property
+    def _held_out_errors(self) -> dict[str, tuple]:
+        """Each ok probe's held-out errors, by id: (interpolated, whether it read the pooled slope,
+        transferred, whether it read the pooled slope); an error is None where the rung does not
+        ask it or the model without the probe has no answer."""
+        return {m.id: self._errors(m) for m in probes(self.ms) if ok_peak(m) is not None}
+
+    def _errors(self, m: Measurement) -> tuple:
+        peak = ok_peak(m)
+        group = m_group(m)
+        interp = transfer = None
+        interp_slope = transfer_slope = False
+        # The model without this probe, asked about it: its card's other rows of the group.
+        kept, answered, pred = self.peaks.own_held_out(m, m.lora.rank)
+        if kept:
+            if not answered:  # one rank left: that model's pooled slope is needed, so fit it
+                interp_slope = True
+                pred, _ = self.peaks.without((m.id,)).predict(m.gpu, group, m.lora.rank)
+            if pred is not None:
+                interp = abs(pred - peak) / peak
+        # Removing the probe changes its own card's rows alone: the other cards' are the model's.
+        if any(g != m.gpu for g in self.peaks.by_group.get(group, ())):
+            # The same model without any row of this card and group: the others' rows, shifted.
+            answered, pred = self.peaks.transfer_held_out(m.gpu, group, m.lora.rank)
+            if not answered:  # that model needs its pooled slope: fit it
+                transfer_slope = True
+                # (the full fit's rows of the cell: the ones this fit left out are out already)
+                alone = self.peaks.without((m.id, *(self.base or self)._cell_ids.get((m.gpu, group), ())))
+                pred, _ = alone.predict(m.gpu, group, m.lora.rank)
+            if pred is not None:
+                transfer = abs(pred - peak) / peak
+        return interp, interp_slope, transfer, transfer_slope
+
+    def _widths_from_base(self) -> dict[str, Optional[float]]:
+        """``widths`` of a fit less some ok probes, from its base's errors: only the probes whose
+        answers read what the left-out rows changed (``PeakModel.held_out_changes``: their cells,
+        their groups' rows on other cards and the shifts to them, the pooled slope) are asked again;
+        every other probe's errors are the base's."""
+        base = self.base
+        moved, slope_moved = self.peaks.held_out_changes()
+        by_cell = base._probes_by_cell
+        ask = {i for key in moved for i in by_cell.get(key, ())}
+        if slope_moved:
+            ask.update(base._slope_readers)
+        gone = self.exclude - base.exclude
+        errors = {i: self._errors(base.by_id[i]) for i in ask - gone}
+        was = base._held_out_errors
+        out: dict = {}
+        for name, pos in (("interpolated", 0), ("transferred", 2)):
+            values = [e[pos] for e in errors.values() if e[pos] is not None]
+            # The largest of the base's errors this fit keeps as they are.
+            for value, i in base._errors_ordered[pos]:
+                if i not in errors and i not in gone:
+                    values.append(value)
+                    break
+            out[name] = max(values) if values else None
+            dropped = sum(1 for i in errors.keys() | (gone & was.keys()) if was[i][pos] is not None)
+            out[f"{name}_n"] = base.widths[f"{name}_n"] - dropped + sum(1 for e in errors.values() if e[pos] is not None)
+        return {k: out[k] for k in ("interpolated", "transferred", "interpolated_n", "transferred_n")}
+
+    @cached_property
+    def _probes_by_cell(self) -> dict[tuple, list[str]]:
+        """(card, group) -> the ids of this fit's ok probes in it."""
+        out: dict[tuple, list[str]] = {}
+        for i in self._held_out_errors:
+            m = self.by_id[i]
+            out.setdefault((m.gpu, m_group(m)), []).append(i)
+        return out
+
+    @cached_property
+    def _slope_readers(self) -> list[str]:
+        """The ok probes whose held-out errors read the pooled slope (a cell or group with one rank left)."""
+        return [i for i, e in self._held_out_errors.items() if e[1] or e[3]]
+
+    @cached_property
+    def _errors_ordered(self) -> dict[int, list[tuple[float, str]]]:
+        """Each rung's held-out errors, largest first, with the probe's id."""
+        errors = self._held_out_errors
+        return {pos: sorted(((e[pos], i) for i, e in errors.items() if e[pos] is not None), reverse=True)
+                for pos in (0, 2)}
 
     @cached_property
     def _cell_ids(self) -> dict[tuple, list[str]]:

@@ -170,11 +170,11 @@ class PeakModel:
         self._seq_rows: dict[tuple, list[tuple[str, int]]] = defaultdict(list)
         self._cell_of: dict[str, tuple] = {}
         self._seq_of: dict[str, tuple] = {}
-        self.seqs: dict[tuple, set] = defaultdict(set)
+        self._seqs: Optional[dict[tuple, set]] = defaultdict(set)
         for m in self._probes:
             if seq_len_of(m):
                 key = (m.gpu, m.model, m.quant, fixes_key(m.memory_fixes))
-                self.seqs[key].add(seq_len_of(m))
+                self._seqs[key].add(seq_len_of(m))
                 self._seq_rows[key].append((m.id, seq_len_of(m)))
                 self._seq_of[m.id] = key
             peak = ok_peak(m)
@@ -225,16 +225,25 @@ class PeakModel:
                 view.by_group[group] = by_gpu
             else:
                 del view.by_group[group]
-        view.seqs = defaultdict(set, root.seqs)
-        for key in {root._seq_of[i] for i in excluded if i in root._seq_of}:
-            left = {s for i, s in root._seq_rows[key] if i not in excluded}
-            if left:
-                view.seqs[key] = left
-            else:
-                del view.seqs[key]
+        view._seqs = None  # made when asked (``seqs``)
         view._touched = {group for group, _ in cells}
         view._reset()
         return view
+
+    @property
+    def seqs(self) -> dict[tuple, set]:
+        """(card, model, quant, fixes key) -> the lengths of its probes."""
+        if self._seqs is None:
+            root, excluded = self._root, self._excluded
+            seqs = defaultdict(set, root._seqs)
+            for key in {root._seq_of[i] for i in excluded if i in root._seq_of}:
+                left = {s for i, s in root._seq_rows[key] if i not in excluded}
+                if left:
+                    seqs[key] = left
+                else:
+                    del seqs[key]
+            self._seqs = seqs
+        return self._seqs
 
     def lengths(self, gpu: str, group: tuple) -> list[int]:
         """The lengths this card has ok probes of in the groups that differ from ``group`` by their
@@ -364,15 +373,51 @@ class PeakModel:
                 root._held[key] = found
         return found
 
+    def held_out_changes(self) -> tuple[set, bool]:
+        """What this view changed of what the held-out answers of its probes read, against its
+        root: the (card, group) cells whose answers may differ (``own_held_out`` reads the probe's
+        cell; ``transfer_held_out`` the group's rows on the other cards and the shifts over them: so
+        every cell of a group holding a row this view leaves out, and a cell whose shift over
+        another card moved), and whether the pooled slope's terms changed (what an answer from one
+        rank falls back on). A probe outside both is answered as the root answers it."""
+        root = self._root
+        if root is None:
+            return set(), False
+        moved = {(gpu, group) for group in self._touched for gpu in root.by_group.get(group, ())}
+        for (gpu, other), groups in root._pair_groups().items():
+            if self._diff_list(gpu, other) is root._diff_list(gpu, other):
+                continue
+            for group in groups:
+                if group not in self._touched and (gpu, group) not in moved and \
+                        self._shift_less_cell(gpu, other, group, True) != root._shift_less_cell(gpu, other, group, True):
+                    moved.add((gpu, group))
+        return moved, self._slope_terms() is not root._slope_terms()
+
+    def _pair_groups(self) -> dict[tuple, list[tuple]]:
+        """(card, another card) -> the groups with rows on both (a transfer to the first card in
+        such a group reads the shift over the second)."""
+        if "pair groups" not in self._offsets:
+            index: dict[tuple, list[tuple]] = defaultdict(list)
+            for group, by in self.by_group.items():
+                for gpu in by:
+                    for other in by:
+                        if other != gpu:
+                            index[(gpu, other)].append(group)
+            self._offsets["pair groups"] = dict(index)
+        return self._offsets["pair groups"]
+
     def _shift_less_cell(self, gpu: str, other: str, group: tuple, own_rows: bool) -> float:
         """The median difference of ``gpu`` over ``other`` less ``gpu``'s cell of ``group`` (the
         shift a held-out transfer applies): the root's where this model's differences of the two
         cards and its rows of the group are the root's."""
         root = self._root or self
         diffs = self._diff_list(gpu, other)
-        if not own_rows or diffs is not root._diff_list(gpu, other):
-            return _median_less(diffs, self._diffs(group, gpu, other))
         key = ("shift", gpu, other, group)
+        if not own_rows or diffs is not root._diff_list(gpu, other):
+            # This model's own (every probe of the cell asks it).
+            if key not in self._offsets:
+                self._offsets[key] = _median_less(diffs, self._diffs(group, gpu, other))
+            return self._offsets[key]
         found = root._held.get(key)
         if found is None:
             found = root._held[key] = _median_less(diffs, root._diffs(group, gpu, other))
@@ -419,6 +464,7 @@ class PeakModel:
                     self._points[(m.gpu, *group_key(m))].append((float(m.lora.rank), ok_peak(m), m.id, pos))
             self._terms = {k: _term(k, pts) for k, pts in self._points.items()}
             self._point_keys: dict[tuple, list[tuple]] = defaultdict(list)  # a group's keys (one per card)
+            self._point_ids = {k: frozenset(p[2] for p in pts) for k, pts in self._points.items()}
             for k in self._points:
                 self._point_keys[tuple(k[1:])].append(k)
             terms = [t for t in self._terms.values() if t is not None]
@@ -427,15 +473,24 @@ class PeakModel:
             changed = {}
             for group in self._touched:
                 for k in root._point_keys.get(tuple(group), ()):
-                    term = _term(k, [p for p in root._points[k] if p[2] not in self._excluded])
-                    if term != root._terms[k]:
-                        changed[k] = term
+                    gone = frozenset(i for i in self._excluded if i in root._point_ids[k])
+                    if gone:
+                        term = root._term_less(k, gone)
+                        if term != root._terms[k]:
+                            changed[k] = term
             if changed:
                 terms = sorted((t for t in {**root._terms, **changed}.values() if t is not None), key=lambda t: t[0])
             else:  # the root's list itself: its slopes are this model's (``predict``)
                 terms = root_terms
         self._slopes["terms"] = terms
         return terms
+
+    def _term_less(self, k: tuple, gone: frozenset) -> Optional[tuple]:
+        """A root's group term less some of its points, made once for every view that leaves them out."""
+        key = ("term", k, gone)
+        if key not in self._held:
+            self._held[key] = _term(k, [p for p in self._points[k] if p[2] not in gone])
+        return self._held[key]
 
     def _reads_roots(self, gpu: str, group: tuple) -> bool:
         """Whether this view's answer for a group it did not change is the root's: it reads the
@@ -450,6 +505,15 @@ class PeakModel:
         if self._slope_terms() is not root._slope_terms():
             return False
         return gpu in rows_by_gpu or all(self._diff_list(gpu, o) is root._diff_list(gpu, o) for o in rows_by_gpu)
+
+    @property
+    def root(self) -> "PeakModel":
+        """The model this one was made from by ``without`` (itself, if it was fitted on its rows)."""
+        return self._root or self
+
+    def answers_as_root(self, gpu: str, group: tuple) -> bool:
+        """Whether ``predict(gpu, group, rank)`` is the root's at every rank."""
+        return self._root is None or (group not in self._touched and self._reads_roots(gpu, group))
 
     def predict(self, gpu: str, group: tuple, rank: int) -> tuple[Optional[float], list[str]]:
         """(predicted peak, ids of the rows it rests on); (None, []) when unknown."""

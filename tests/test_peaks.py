@@ -217,3 +217,43 @@ def test_the_own_held_out_is_the_model_without_the_probe(source):
                     answered += 1
                     assert fig == rest.predict(m.gpu, g, rank)[0], (m.id, rank)
     assert answered > 20
+
+
+@pytest.mark.parametrize("source", ["bundled", "synthetic-160", "synthetic-240"])
+def test_every_held_out_fits_widths_and_limits_are_a_fresh_fits(source):
+    """A fit less one row, started from the full fit, asks again only the held-out errors and OOM
+    needs whose inputs the row changed (``PeakModel.held_out_changes``, ``answers_as_root``): for
+    every row of three ledgers its widths and card limits are those of a fit made from scratch.
+    (Each of the cells' rows, the shifts between cards and the pooled slope decides some answer of
+    these ledgers: leaving any out of the changes makes this fail.)"""
+    from ledger.dry_runs import load_dry_runs
+    from ledger.ledger_fit import LedgerFit
+
+    lg = {"bundled": lambda: store.load(DEFAULT_LEDGER), "synthetic-160": lambda: synthetic_ledger(160, seed=3),
+          "synthetic-240": lambda: synthetic_ledger(240, seed=11)}[source]()
+    dry = load_dry_runs()
+    full = LedgerFit(lg, dry)
+    for m in lg.measurements:
+        started, fresh = LedgerFit(lg, dry, exclude=[m.id], base=full), LedgerFit(lg, dry, exclude=[m.id])
+        assert started.widths == fresh.widths, m.id
+        assert started.lims == fresh.lims, m.id
+
+
+def test_a_fit_started_from_a_held_out_fit_is_a_fresh_fit():
+    """A fit less two rows started from the fit less the first (itself started from the full
+    fit): its widths are asked afresh and its limits leave out both rows — the first being the
+    row a card's limit rests on, so a limit that kept it would show."""
+    from ledger.dry_runs import load_dry_runs
+    from ledger.ledger_fit import LedgerFit
+
+    lg = synthetic_ledger(160, seed=3)
+    dry = load_dry_runs()
+    full = LedgerFit(lg, dry)
+    tops = [lim.fit_id for lim in full.lims if lim.fit_id] + [lim.exceeded_id for lim in full.lims if lim.exceeded_id]
+    rng = random.Random(0)
+    for first in tops:
+        for second in rng.sample([m.id for m in lg.measurements if m.id != first], 3):
+            middle = LedgerFit(lg, dry, exclude=[first], base=full)
+            started = LedgerFit(lg, dry, exclude=[first, second], base=middle)
+            fresh = LedgerFit(lg, dry, exclude=[first, second])
+            assert started.widths == fresh.widths and started.lims == fresh.lims, (first, second)
