@@ -104,11 +104,14 @@ def _term(key: tuple, pts: list[tuple[float, float, str, int]]) -> Optional[tupl
             sum((x - mx) ** 2 for x, *_ in pts))
 
 
-def _from_rows(rows: list[tuple[float, float, str]], rank: int, pooled) -> tuple[Optional[float], list[str]]:
+def _from_rows(rows: list[tuple[float, float, str]], rank: int, pooled,
+               slope: Optional[float] = None) -> tuple[Optional[float], list[str]]:
     """A group's figure at a rank from its rows on a card (own or borrowed): between the measured
-    neighbours, else along the rows' slope (``pooled()``'s where they have one rank)."""
+    neighbours, else along the rows' slope (``pooled()``'s where they have one rank; ``slope``, if
+    given, is that slope already known)."""
     pts = [(x, y) for x, y, _ in rows]
-    slope = fit_slope(pts) if len({x for x, _ in pts}) >= 2 else pooled()
+    if slope is None:
+        slope = fit_slope(pts) if len({x for x, _ in pts}) >= 2 else pooled()
     if slope is None:
         return None, []
     near = min(rows, key=lambda r: (abs(r[0] - rank), -r[1]))
@@ -365,10 +368,16 @@ class PeakModel:
         key = ("transfer", gpu, group, rank, shifts) if own_rows else None
         found = root._held.get(key) if key is not None else None
         if found is None:
-            rows = []
-            for other, shift in zip(sorted(rows_by_gpu), shifts):
-                rows += [(x, round(y + shift, 1), i) for x, y, i in rows_by_gpu[other]]
-            found = (False, None) if len({x for x, _, _ in rows}) < 2 else (True, _from_rows(rows, rank, None)[0])
+            # The shifted rows and their slope, the same for every rank this model asks of the cell.
+            cell = self._offsets.get(("transfer rows", gpu, group))
+            if cell is None or cell[0] != shifts:
+                rows = []
+                for other, shift in zip(sorted(rows_by_gpu), shifts):
+                    rows += [(x, round(y + shift, 1), i) for x, y, i in rows_by_gpu[other]]
+                slope = fit_slope([(x, y) for x, y, _ in rows]) if len({x for x, _, _ in rows}) >= 2 else None
+                cell = self._offsets[("transfer rows", gpu, group)] = (shifts, rows, slope)
+            _, rows, slope = cell
+            found = (False, None) if slope is None else (True, _from_rows(rows, rank, None, slope)[0])
             if key is not None:
                 root._held[key] = found
         return found
