@@ -8,7 +8,7 @@ import datetime as dt
 from collections import Counter
 from functools import cached_property
 from operator import is_
-from typing import Iterable, Optional
+from typing import Iterable, NamedTuple, Optional
 
 from .calibration import LimitRows, Overestimate, key_pairs, overestimate, pair_rows, sorted_pairs
 from .peaks import PeakModel, before, dry_readable, ok_peak, probes
@@ -21,16 +21,29 @@ def m_group(m: Measurement) -> GroupKey:
     return group_key(m)
 
 
-def _widest(errors: Iterable[tuple]) -> dict[str, Optional[float]]:
+class HeldOutErrors(NamedTuple):
+    """An ok probe's held-out relative errors (None where the rung does not ask it or the model
+    without the probe has no answer), and whether each read the pooled slope."""
+
+    interpolated: Optional[float]
+    interpolated_slope: bool
+    transferred: Optional[float]
+    transferred_slope: bool
+
+
+RUNGS = ("interpolated", "transferred")
+
+
+def _widest(errors: Iterable[HeldOutErrors]) -> dict[str, Optional[float]]:
     """The widths from every ok probe's held-out errors (``LedgerFit._held_out_errors``)."""
-    interp, transfer = [], []
+    found: dict[str, list[float]] = {rung: [] for rung in RUNGS}
     for e in errors:
-        if e[0] is not None:
-            interp.append(e[0])
-        if e[2] is not None:
-            transfer.append(e[2])
-    return {"interpolated": max(interp) if interp else None, "transferred": max(transfer) if transfer else None,
-            "interpolated_n": len(interp), "transferred_n": len(transfer)}
+        for rung in RUNGS:
+            if getattr(e, rung) is not None:
+                found[rung].append(getattr(e, rung))
+    return {"interpolated": max(found["interpolated"], default=None),
+            "transferred": max(found["transferred"], default=None),
+            "interpolated_n": len(found["interpolated"]), "transferred_n": len(found["transferred"])}
 
 
 def _same_rows(a: list, b: list) -> bool:
@@ -114,13 +127,11 @@ class LedgerFit:
         return self._widths_from_base()
 
     @cached_property
-    def _held_out_errors(self) -> dict[str, tuple]:
-        """Each ok probe's held-out errors, by id: (interpolated, whether it read the pooled slope,
-        transferred, whether it read the pooled slope); an error is None where the rung does not
-        ask it or the model without the probe has no answer."""
+    def _held_out_errors(self) -> dict[str, HeldOutErrors]:
+        """Each ok probe's held-out errors, by id, in the ledger's order."""
         return {m.id: self._errors(m) for m in probes(self.ms) if ok_peak(m) is not None}
 
-    def _errors(self, m: Measurement) -> tuple:
+    def _errors(self, m: Measurement) -> HeldOutErrors:
         peak = ok_peak(m)
         group = m_group(m)
         interp = transfer = None
@@ -144,7 +155,7 @@ class LedgerFit:
                 pred, _ = alone.predict(m.gpu, group, m.lora.rank)
             if pred is not None:
                 transfer = abs(pred - peak) / peak
-        return interp, interp_slope, transfer, transfer_slope
+        return HeldOutErrors(interp, interp_slope, transfer, transfer_slope)
 
     def _widths_from_base(self) -> dict[str, Optional[float]]:
         """``widths`` of a fit less some ok probes, from its base's errors: only the probes whose
@@ -160,18 +171,15 @@ class LedgerFit:
         gone = self.exclude - base.exclude
         errors = {i: self._errors(base.by_id[i]) for i in ask - gone}
         was = base._held_out_errors
-        out: dict = {}
-        for name, pos in (("interpolated", 0), ("transferred", 2)):
-            values = [e[pos] for e in errors.values() if e[pos] is not None]
+        widest, counts = {}, {}
+        for rung in RUNGS:
+            asked = [getattr(e, rung) for e in errors.values() if getattr(e, rung) is not None]
             # The largest of the base's errors this fit keeps as they are.
-            for value, i in base._errors_ordered[pos]:
-                if i not in errors and i not in gone:
-                    values.append(value)
-                    break
-            out[name] = max(values) if values else None
-            dropped = sum(1 for i in errors.keys() | (gone & was.keys()) if was[i][pos] is not None)
-            out[f"{name}_n"] = base.widths[f"{name}_n"] - dropped + sum(1 for e in errors.values() if e[pos] is not None)
-        return {k: out[k] for k in ("interpolated", "transferred", "interpolated_n", "transferred_n")}
+            kept = next((value for value, i in base._errors_ordered[rung] if i not in errors and i not in gone), None)
+            widest[rung] = max([*asked, *([kept] if kept is not None else [])], default=None)
+            dropped = sum(1 for i in errors.keys() | (gone & was.keys()) if getattr(was[i], rung) is not None)
+            counts[f"{rung}_n"] = base.widths[f"{rung}_n"] - dropped + len(asked)
+        return {**widest, **counts}
 
     @cached_property
     def _probes_by_cell(self) -> dict[tuple, list[str]]:
@@ -185,14 +193,14 @@ class LedgerFit:
     @cached_property
     def _slope_readers(self) -> list[str]:
         """The ok probes whose held-out errors read the pooled slope (a cell or group with one rank left)."""
-        return [i for i, e in self._held_out_errors.items() if e[1] or e[3]]
+        return [i for i, e in self._held_out_errors.items() if e.interpolated_slope or e.transferred_slope]
 
     @cached_property
-    def _errors_ordered(self) -> dict[int, list[tuple[float, str]]]:
+    def _errors_ordered(self) -> dict[str, list[tuple[float, str]]]:
         """Each rung's held-out errors, largest first, with the probe's id."""
         errors = self._held_out_errors
-        return {pos: sorted(((e[pos], i) for i, e in errors.items() if e[pos] is not None), reverse=True)
-                for pos in (0, 2)}
+        return {rung: sorted(((getattr(e, rung), i) for i, e in errors.items() if getattr(e, rung) is not None),
+                             reverse=True) for rung in RUNGS}
 
     @cached_property
     def _cell_ids(self) -> dict[tuple, list[str]]:

@@ -370,13 +370,13 @@ class PeakModel:
         if found is None:
             # The shifted rows and their slope, the same for every rank this model asks of the cell.
             cell = self._offsets.get(("transfer rows", gpu, group))
-            if cell is None or cell[0] != shifts:
+            if cell is None:
                 rows = []
                 for other, shift in zip(sorted(rows_by_gpu), shifts):
                     rows += [(x, round(y + shift, 1), i) for x, y, i in rows_by_gpu[other]]
                 slope = fit_slope([(x, y) for x, y, _ in rows]) if len({x for x, _, _ in rows}) >= 2 else None
-                cell = self._offsets[("transfer rows", gpu, group)] = (shifts, rows, slope)
-            _, rows, slope = cell
+                cell = self._offsets[("transfer rows", gpu, group)] = (rows, slope)
+            rows, slope = cell
             found = (False, None) if slope is None else (True, _from_rows(rows, rank, None, slope)[0])
             if key is not None:
                 root._held[key] = found
@@ -482,7 +482,7 @@ class PeakModel:
             changed = {}
             for group in self._touched:
                 for k in root._point_keys.get(tuple(group), ()):
-                    gone = frozenset(i for i in self._excluded if i in root._point_ids[k])
+                    gone = root._point_ids[k] & self._excluded
                     if gone:
                         term = root._term_less(k, gone)
                         if term != root._terms[k]:
