@@ -132,6 +132,8 @@ class LedgerFit:
         return {m.id: self._errors(m) for m in probes(self.ms) if ok_peak(m) is not None}
 
     def _errors(self, m: Measurement) -> HeldOutErrors:
+        """An ok probe's held-out errors: this fit's model without the probe, and without its
+        card's rows of the group, asked about it."""
         peak = ok_peak(m)
         group = m_group(m)
         interp = transfer = None
