@@ -107,10 +107,11 @@ def key_pairs(key: tuple, ps: list[Measurement], rs: list[Measurement]) -> list[
         return out
     # One probe per day (the highest), and per day the real runs' highest peak and ids.
     per_day: dict[dt.date, Measurement] = {}
+    marks: dict[dt.date, tuple] = {}  # the day's probe's (peak, id)
     for p in ps:
-        d = date_of(p)
-        if d not in per_day or (ok_peak(p), p.id) > (ok_peak(per_day[d]), per_day[d].id):
-            per_day[d] = p
+        d, mark = date_of(p), (ok_peak(p), p.id)
+        if d not in marks or mark > marks[d]:
+            marks[d], per_day[d] = mark, p
     real_days: dict[dt.date, list[Measurement]] = defaultdict(list)
     for r in rs:
         real_days[date_of(r)].append(r)
@@ -245,11 +246,6 @@ def limits(ledger: Ledger, ms: list[Measurement], model: Optional[PeakModel] = N
     return LimitRows(ms).limits(ledger, model or PeakModel(ms))
 
 
-def _needs_model(m: Measurement) -> bool:
-    """Whether what a row that did not fit needed is read from the peak model (an OOM probe)."""
-    return m.outcome.status == "oom" and m.kind == "probe" and m.lora is not None
-
-
 def _by_cell(ms: Iterable[Measurement]) -> dict[tuple, list[Measurement]]:
     out: dict[tuple, list[Measurement]] = defaultdict(list)
     for m in ms:
@@ -264,19 +260,43 @@ class LimitRows:
     the rows that fit by peak, highest first; the failures whose need is their own, lowest first."""
 
     def __init__(self, ms: list[Measurement]):
-        by_card: dict[tuple, list[Measurement]] = defaultdict(list)
+        # One pass over the rows (a large ledger's limits are asked once: each row read once),
+        # each kept with what orders it; ids are unique, so the tuples never compare rows.
+        fits: dict[tuple, list] = defaultdict(list)
+        fixed: dict[tuple, list] = defaultdict(list)
+        modelled: dict[tuple, dict] = defaultdict(lambda: defaultdict(list))
         for m in ms:
-            if m.lora is not None and m.kind in ("probe", "real"):
-                by_card[(m.gpu, m.kind)].append(m)
-        self.fits = {k: sorted((m for m in rows if ok_peak(m) is not None), key=lambda m: (ok_peak(m), m.id),
-                               reverse=True) for k, rows in by_card.items()}
-        self.fixed = {k: sorted(((p, m) for m in rows if not _needs_model(m)
-                                 and (p := _exceeded_peak(m, None)) is not None), key=lambda pm: (pm[0], pm[1].id))
-                      for k, rows in by_card.items()}
+            kind = m.kind
+            if m.lora is None or (kind != "probe" and kind != "real"):
+                continue
+            key, o = (m.gpu, kind), m.outcome
+            if o.status == "ok":  # ok_peak
+                if o.peak_allocated_mib is not None:
+                    fits[key].append((o.peak_allocated_mib, m.id, m))
+            elif o.status == "oom" and kind == "probe":  # its need is read from the peak model
+                modelled[key][(m.gpu, group_key(m))].append(m)
+            elif (p := _exceeded_peak(m, None)) is not None:
+                fixed[key].append((p, m.id, m))
+        self._fits, self._fixed = dict(fits), dict(fixed)
+        self._ordered: dict[tuple, list] = {}  # (which, key) -> its rows in order, made when rows are removed
         # The OOM probes by (card, kind) and then by (card, group): a peak model made from another
         # by ``without`` answers a group as the other does or not at all of its ranks.
-        self.modelled = {k: _by_cell(m for m in rows if _needs_model(m)) for k, rows in by_card.items()}
+        self.modelled = {k: dict(cells) for k, cells in modelled.items()}
         self._root_needs: tuple = (None, {})
+
+    def _first(self, which: str, key: tuple, removed: frozenset) -> Optional[tuple]:
+        """The row that fit with the highest peak (``which`` "fits") or the failure whose need is
+        its own with the lowest ("fixed") of ``key``, less ``removed``, as (figure, id, row): with
+        nothing removed the one extreme, else the first of the rows sorted once."""
+        rows = (self._fits if which == "fits" else self._fixed).get(key)
+        if not rows:
+            return None
+        if not removed:
+            return max(rows) if which == "fits" else min(rows)
+        ordered = self._ordered.get((which, key))
+        if ordered is None:
+            ordered = self._ordered[(which, key)] = sorted(rows, reverse=which == "fits")
+        return next((r for r in ordered if r[1] not in removed), None)
 
     def _needs(self, key: tuple, root: PeakModel) -> list[tuple[float, Measurement]]:
         """What the OOM probes of ``key`` needed by the peak model ``root``, lowest first."""
@@ -308,12 +328,13 @@ class LimitRows:
         for gpu in ledger.gpus:
             for kind in ("probe", "real"):
                 key = (gpu, kind)
-                fit = next((m for m in self.fits.get(key, ()) if m.id not in removed), None)
+                first = self._first("fits", key, removed)
+                fit = first[2] if first else None
                 least = self._least_need(key, model, removed)
                 over = [least] if least is not None else []
-                lowest = next((pm for pm in self.fixed.get(key, ()) if pm[1].id not in removed), None)
+                lowest = self._first("fixed", key, removed)
                 if lowest is not None:
-                    over.append(lowest)
+                    over.append((lowest[0], lowest[2]))
                 if fit is None and not over:
                     continue
                 card = card_mib(ledger, gpu)

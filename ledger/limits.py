@@ -11,7 +11,6 @@ from typing import Literal, Optional
 
 from .calibration import Limit, limit_for
 from .cards import derives_usable, usable_ratio
-from .peaks import probes, ok_peak
 from .ledger_fit import LedgerFit
 from .models import Gpu
 from .recipe import capacity_mib
@@ -68,16 +67,18 @@ class CardLimits:
     def overheads(self) -> dict:
         """Per measured card with both limit ends: the context (usable - limit x reserved ratio)."""
         ctx, ratios, cards = [], [], []
+        by_card, _, _ = (self.base or self)._ratio_rows  # (the base's less the rows this fit leaves out)
+        gone = self._gone
         for lim in self.fit.lims:
             # Only cards whose limit is pinned by an out-of-memory probe close above a fit (within 5%):
             # a card that never ran out of memory says nothing about where its limit is.
-            exceeded = next((m for m in self.fit.ms if m.id == lim.exceeded_id), None)
+            exceeded = self.fit.by_id.get(lim.exceeded_id) if lim.exceeded_id is not None else None
             if (lim.kind != "probe" or lim.low_mib is None or lim.high_mib is None or exceeded is None
                     or exceeded.outcome.status != "oom" or lim.high_mib - lim.low_mib > 0.05 * lim.high_mib):
                 continue
             usable = capacity_mib(self.fit.ledger.gpus.get(lim.gpu))
-            rs = [m.outcome.peak_reserved_mib / m.outcome.peak_allocated_mib for m in probes(self.fit.ms)
-                  if m.gpu == lim.gpu and ok_peak(m) and m.outcome.peak_reserved_mib]
+            # The card's ok probes' reserved / allocated (``_ratio_rows``).
+            rs = [r for i, r in by_card.get(lim.gpu, ()) if i not in gone]
             if usable is None or not rs:
                 continue
             ratio = statistics.median(rs)
@@ -124,8 +125,9 @@ class CardLimits:
         by_card: dict[Optional[str], list[tuple[str, float]]] = {}
         every, card_of = [], {}
         for m in self.fit.peaks.probes:
-            if _has_ratio(m):
-                row = (m.id, m.outcome.peak_reserved_mib / ok_peak(m))
+            o = m.outcome
+            if o.status == "ok" and o.peak_allocated_mib and o.peak_reserved_mib:  # both peaks the ratio reads
+                row = (m.id, o.peak_reserved_mib / o.peak_allocated_mib)
                 by_card.setdefault(m.gpu, []).append(row)
                 every.append(row)
                 card_of[m.id] = m.gpu
@@ -145,8 +147,3 @@ class CardLimits:
     def _gone(self) -> set:
         """The rows this fit leaves out besides its base's."""
         return self.fit.exclude - self.base.fit.exclude if self.base else set()
-
-
-def _has_ratio(m) -> bool:
-    """Whether a probe has both peaks the reserved/allocated ratio reads."""
-    return bool(ok_peak(m) and m.outcome.peak_reserved_mib)

@@ -175,10 +175,11 @@ class PeakModel:
         self._seq_of: dict[str, tuple] = {}
         self._seqs: Optional[dict[tuple, set]] = defaultdict(set)
         for m in self._probes:
-            if seq_len_of(m):
+            seq = seq_len_of(m)
+            if seq:
                 key = (m.gpu, m.model, m.quant, fixes_key(m.memory_fixes))
-                self._seqs[key].add(seq_len_of(m))
-                self._seq_rows[key].append((m.id, seq_len_of(m)))
+                self._seqs[key].add(seq)
+                self._seq_rows[key].append((m.id, seq))
                 self._seq_of[m.id] = key
             peak = ok_peak(m)
             if peak is not None:
