@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections import Counter, defaultdict
+from collections import Counter
 from typing import Optional
 
 from ..models import Finding, Gpu, Ledger, Measurement, Prediction
@@ -148,29 +148,42 @@ def make_row(ledger: Ledger, m: Measurement) -> Row:
 
 
 def _summary(ledger: Ledger, measurements: list[Measurement]) -> list[dict]:
-    groups: dict[tuple, list[Measurement]] = defaultdict(list)
+    """A table too long to list, as one row per (card, kind, model, quant, fixes, dropout, DoRA):
+    its rows, ranks, lengths, peaks and outcomes, gathered in one pass over the rows."""
     labels = {key: gpu_label(ledger, key) for key in ledger.gpus}
+    # Per group: rows, [least, most] peak allocated, rank and length (None until one is seen), outcomes.
+    groups: dict[tuple, list] = {}
     for m in measurements:
         lora = m.lora
         key = (labels.get(m.gpu, ""), m.kind, m.model or "", m.quant or "", fixes_text(m),
                bool(lora and lora.dropout), bool(lora and lora.dora))
-        groups[key].append(m)
+        g = groups.get(key)
+        if g is None:
+            g = groups[key] = [0, None, None, None, Counter()]
+        g[0] += 1
+        o = m.outcome
+        for at, value in ((1, o.peak_allocated_mib), (2, lora.rank if lora else None), (3, m.seq_len or None)):
+            if value is not None:
+                span = g[at]
+                if span is None:
+                    g[at] = [value, value]
+                elif value < span[0]:
+                    span[0] = value
+                elif value > span[1]:
+                    span[1] = value
+        g[4][o.status or "unknown"] += 1
     out = []
     for key in sorted(groups, key=lambda k: tuple(str(x) for x in k)):
-        ms = groups[key]
-        peaks = [m.outcome.peak_allocated_mib for m in ms if m.outcome.peak_allocated_mib is not None]
-        ranks = [m.lora.rank for m in ms if m.lora]
-        seqs = [m.seq_len for m in ms if m.seq_len]
-        status = Counter(m.outcome.status or "unknown" for m in ms)
+        rows, peaks, ranks, seqs, status = groups[key]
         out.append(
             {
                 "gpu": key[0], "kind": key[1], "model": key[2], "quant": key[3], "fixes": key[4],
                 "dropout": "yes" if key[5] else "no", "dora": "yes" if key[6] else "no",
-                "rows": len(ms),
-                "ranks": f"{min(ranks)}–{max(ranks)}" if ranks else "",
-                "seq_lens": f"{min(seqs)}–{max(seqs)}" if seqs else "",
-                "peak_min_mib": min(peaks) if peaks else None,
-                "peak_max_mib": max(peaks) if peaks else None,
+                "rows": rows,
+                "ranks": f"{ranks[0]}–{ranks[1]}" if ranks else "",
+                "seq_lens": f"{seqs[0]}–{seqs[1]}" if seqs else "",
+                "peak_min_mib": peaks[0] if peaks else None,
+                "peak_max_mib": peaks[1] if peaks else None,
                 "status": ", ".join(f"{k} {v}" for k, v in sorted(status.items())),
             }
         )
