@@ -35,6 +35,7 @@ import datetime as dt
 import hashlib
 import statistics
 from collections import defaultdict
+from operator import itemgetter
 from functools import cached_property
 from dataclasses import dataclass
 from typing import Iterable, Optional
@@ -246,11 +247,8 @@ def limits(ledger: Ledger, ms: list[Measurement], model: Optional[PeakModel] = N
     return LimitRows(ms).limits(ledger, model or PeakModel(ms))
 
 
-def _by_cell(ms: Iterable[Measurement]) -> dict[tuple, list[Measurement]]:
-    out: dict[tuple, list[Measurement]] = defaultdict(list)
-    for m in ms:
-        out[(m.gpu, group_key(m))].append(m)
-    return dict(out)
+#: A limit row's order: its figure, then its id.
+_ORDER = itemgetter(0, 1)
 
 
 class LimitRows:
@@ -261,7 +259,7 @@ class LimitRows:
 
     def __init__(self, ms: list[Measurement]):
         # One pass over the rows (a large ledger's limits are asked once: each row read once),
-        # each kept with what orders it; ids are unique, so the tuples never compare rows.
+        # each kept as (figure, id, row) and ordered by figure and id (``_ORDER``).
         fits: dict[tuple, list] = defaultdict(list)
         fixed: dict[tuple, list] = defaultdict(list)
         modelled: dict[tuple, dict] = defaultdict(lambda: defaultdict(list))
@@ -291,11 +289,11 @@ class LimitRows:
         rows = (self._fits if which == "fits" else self._fixed).get(key)
         if not rows:
             return None
-        if not removed:
-            return max(rows) if which == "fits" else min(rows)
+        if not removed:  # the first extreme, as the first of the sorted rows
+            return max(rows, key=_ORDER) if which == "fits" else min(rows, key=_ORDER)
         ordered = self._ordered.get((which, key))
         if ordered is None:
-            ordered = self._ordered[(which, key)] = sorted(rows, reverse=which == "fits")
+            ordered = self._ordered[(which, key)] = sorted(rows, key=_ORDER, reverse=which == "fits")
         return next((r for r in ordered if r[1] not in removed), None)
 
     def _needs(self, key: tuple, root: PeakModel) -> list[tuple[float, Measurement]]:
