@@ -41,9 +41,8 @@ def _widest(errors: Iterable[HeldOutErrors]) -> dict[str, Optional[float]]:
         for rung in RUNGS:
             if getattr(e, rung) is not None:
                 found[rung].append(getattr(e, rung))
-    return {"interpolated": max(found["interpolated"], default=None),
-            "transferred": max(found["transferred"], default=None),
-            "interpolated_n": len(found["interpolated"]), "transferred_n": len(found["transferred"])}
+    return {**{rung: max(found[rung], default=None) for rung in RUNGS},
+            **{f"{rung}_n": len(found[rung]) for rung in RUNGS}}
 
 
 def _same_rows(a: list, b: list) -> bool:

@@ -214,7 +214,7 @@ class PeakModel:
 
     def without(self, ids) -> "PeakModel":
         """This model less the rows ``ids`` (see the class docstring)."""
-        root = self._root or self
+        root = self.root
         excluded = self._excluded | frozenset(ids)
         view = object.__new__(PeakModel)
         view._root, view._excluded, view._ms, view._probes = root, excluded, None, None
@@ -326,7 +326,7 @@ class PeakModel:
         (False) where they have one rank (that model's pooled slope would be needed). It reads the
         cell's rows alone: where this model left none of them out, the answer is the root's, made
         once for every held-out model that asks it."""
-        root = self._root or self
+        root = self.root
         cell = (group_key(m), m.gpu)
         if cell not in self._cells_left_out():
             key = ("own", m.id, rank)
@@ -361,7 +361,7 @@ class PeakModel:
         rows_by_gpu = {g: r for g, r in self.by_group.get(group, {}).items() if g != gpu}
         if not rows_by_gpu:
             return True, None
-        root = self._root or self
+        root = self.root
         own_rows = self._root is None or group not in self._touched  # this model's rows of the group are the root's
         shifts = tuple(self._shift_less_cell(gpu, other, group, own_rows) for other in sorted(rows_by_gpu))
         # The figure reads the group's rows and the shifts alone: where this model's rows of the
@@ -420,7 +420,7 @@ class PeakModel:
         """The median difference of ``gpu`` over ``other`` less ``gpu``'s cell of ``group`` (the
         shift a held-out transfer applies): the root's where this model's differences of the two
         cards and its rows of the group are the root's."""
-        root = self._root or self
+        root = self.root
         diffs = self._diff_list(gpu, other)
         key = ("shift", gpu, other, group)
         if not own_rows or diffs is not root._diff_list(gpu, other):
@@ -466,7 +466,7 @@ class PeakModel:
         """(first position, card, quant, sxy, sxx) of each group with two ranks, in order."""
         if "terms" in self._slopes:
             return self._slopes["terms"]
-        root = self._root or self
+        root = self.root
         if root is self:
             self._points: dict[tuple, list[tuple[float, float, str, int]]] = defaultdict(list)
             for pos, m in enumerate(self.probes):
