@@ -145,7 +145,7 @@ def parse_ledger(text: str, name: str, *, allow_older: bool = False) -> Ledger:
 def _fast_parse(text: str) -> Ledger | None:
     """One pass through the Rust parser for a current, valid file (None otherwise). It lets
     through what strict JSON refuses (a key written twice, the last one winning): its result is
-    trusted only once the text is proved to be what ``save`` writes."""
+    trusted only once the text is proved to be its own echo (``_echo``)."""
     try:
         ledger = Ledger.model_validate_json(text, strict=True)
     except ValueError:  # ValidationError, or a recursion limit
@@ -153,10 +153,21 @@ def _fast_parse(text: str) -> Ledger | None:
     return ledger if ledger.schema_version == SCHEMA_VERSION else None
 
 
+def _echo(ledger: Ledger) -> str:
+    """A parsed ledger written back with exactly the keys its text gave (``exclude_unset``), in
+    ``dumps``' form. A text that is its parse's echo holds nothing strict JSON refuses: no key
+    twice (the echo writes each once), no NaN, Infinity or number too large for a float (the
+    echo writes finite numbers as themselves), no lone surrogate (written back as a character,
+    not an escape). A file ``save`` wrote is its own echo (its keys are the values that are not
+    defaults); the echo skips the comparison of every default value with a new one that
+    ``dumps`` makes (a third of that dump)."""
+    return ledger.model_dump_json(indent=2, exclude_unset=True) + "\n"
+
+
 def _parse_ledger(text: str, name: str, allow_older: bool) -> Ledger:
     ledger = _fast_parse(text)
-    # The fast path is accepted only when the text is exactly what save() writes (one dump).
-    if ledger is None or dumps(ledger) != text:
+    # The fast path is accepted only when the text is the parse's echo (one dump, _echo).
+    if ledger is None or _echo(ledger) != text:
         # Slow path for exact messages: strict JSON, version, migrations, then the models.
         data = parse_json(text, name)
         version = check_version(data, name, allow_older=allow_older)

@@ -439,7 +439,7 @@ def test_an_append_parses_once_and_serialises_once(tmp_path, monkeypatch, how):
         text = json.dumps(json.loads(text), indent=1, ensure_ascii=False)
     path.write_text(text, encoding="utf-8")
     parses, dumps_of_all = [], []
-    real_parse, real_dumps = Ledger.model_validate_json, store.dumps
+    real_parse, real_dumps, real_echo = Ledger.model_validate_json, store.dumps, store._echo
 
     def counted_parse(given, *args, **kwargs):
         if given == text:
@@ -451,8 +451,13 @@ def test_an_append_parses_once_and_serialises_once(tmp_path, monkeypatch, how):
             dumps_of_all.append(1)
         return real_dumps(lg)
 
+    def counted_echo(lg):  # load's proof: a dump of the whole ledger too
+        dumps_of_all.append(1)
+        return real_echo(lg)
+
     monkeypatch.setattr(Ledger, "model_validate_json", counted_parse)
     monkeypatch.setattr(store, "dumps", counted_dumps)
+    monkeypatch.setattr(store, "_echo", counted_echo)
 
     def change(lg: Ledger) -> None:
         if how == "a row replaced":
@@ -471,3 +476,48 @@ def test_an_append_parses_once_and_serialises_once(tmp_path, monkeypatch, how):
                                                 "indent 1": (3, 3)}[how]
     assert path.read_text(encoding="utf-8") == real_dumps(ledger.model_copy(update={
         "measurements": [*ledger.measurements, _m(7)]}))
+
+
+@pytest.mark.parametrize("how", ["save's text", "a default written", "keys reordered", "indent 1", "é escaped",
+                                 "a key twice"])
+def test_a_load_takes_the_fast_path_only_for_its_own_echo(tmp_path, monkeypatch, how):
+    """``load`` reads a file once with the fast parser and keeps that when the text is the
+    parse's echo (the keys it gave, in the models' order and save's layout): save's text, and one
+    that writes a default value out. Any other text is parsed again strictly, and read the same;
+    a key written twice is refused as the strict parser refuses it."""
+    path = tmp_path / "l.json"
+    text = store.dumps(store.load(SMALL))
+    data = json.loads(text)
+    first = data["measurements"][0]
+    if how == "a default written":
+        assert "dataset" not in first and Measurement.model_fields["dataset"].default is None
+        first["dataset"] = None
+        data["measurements"][0] = {k: first[k] for k in Measurement.model_fields if k in first}  # the models' order
+    elif how == "keys reordered":
+        data["measurements"][0] = dict(reversed(list(first.items())))
+    elif how == "é escaped":
+        data["about"] = (data.get("about") or "") + " café"
+    if how == "indent 1":
+        text = json.dumps(data, indent=1, ensure_ascii=False)
+    elif how == "a key twice":
+        text = text.replace('\n      "kind": "probe",', '\n      "kind": "probe",\n      "kind": "real",', 1)
+    elif how != "save's text":
+        text = json.dumps(data, indent=2, ensure_ascii=how == "é escaped") + "\n"
+    path.write_text(text, encoding="utf-8")
+    parses = []
+    real_parse = Ledger.model_validate_json
+
+    def counted(given, *args, **kwargs):
+        parses.append(1)
+        return real_parse(given, *args, **kwargs)
+
+    monkeypatch.setattr(Ledger, "model_validate_json", counted)
+    if how == "a key twice":
+        with pytest.raises(LedgerError, match="duplicate key 'kind'"):
+            store.load(path)
+        return
+    loaded = store.load(path)
+    assert len(parses) == (1 if how in ("save's text", "a default written") else 2)
+    assert loaded == real_parse(json.dumps(data), strict=True)
+    if how != "é escaped":
+        assert store.dumps(loaded) == store.dumps(store.load(SMALL))
