@@ -330,9 +330,9 @@ def update(path: str | os.PathLike, change: Callable[[Ledger], Ledger | None], *
     returns ``UNCHANGED`` to write nothing.
 
     The file is parsed once and the result serialised once: what ``load`` proves with a dump of
-    its own (that the file is exactly the text ``save`` writes, so the fast parser read what it
-    says) is proved here from the new text when the change appended entries (``_as_written``),
-    and only otherwise by that dump."""
+    its own (that the file is its parse's echo, so the fast parser read what it says) is proved
+    here from the new text when the change appended entries (``_as_written``: the file is
+    exactly what ``save`` writes, which is its own echo), and only otherwise by that dump."""
     path = Path(path)
     name = str(path)
     with locked(path):
@@ -394,9 +394,10 @@ _ENTRY_END = "\n    }"
 
 def _entries(ledger: Ledger) -> dict:
     """The header (version, about) and each section's entries in order (the cards as (key,
-    card)), copied: what the file held."""
+    card)), copied, and the keys the file gave: what the file held."""
     return {"header": (ledger.schema_version, ledger.about), "gpus": list(ledger.gpus.items()), "measurements": list(ledger.measurements),
-            "findings": list(ledger.findings), "predictions": list(ledger.predictions)}
+            "findings": list(ledger.findings), "predictions": list(ledger.predictions),
+            "given": set(ledger.model_fields_set)}
 
 
 def _as_written(old: str, new: str, before: dict, after: Ledger) -> bool:
@@ -438,14 +439,14 @@ def _as_written(old: str, new: str, before: dict, after: Ledger) -> bool:
 
 
 def _check_as_read(text: str, name: str, before: dict) -> None:
-    """``load``'s canonical check of the file as read: the ledger of the entries it held,
-    dumped, is the text; otherwise the full parse with its exact messages (raises for a file that
-    is not sound; a sound one that ``save`` did not write passes)."""
+    """``load``'s check of the file as read: the ledger of the entries it held, with the keys it
+    gave, echoed (``_echo``), is the text; otherwise the full parse with its exact messages
+    (raises for a file that is not sound; a sound one the fast parser cannot prove passes)."""
     version, about = before["header"]
-    as_read = Ledger.model_construct(schema_version=version, about=about,
+    as_read = Ledger.model_construct(_fields_set=set(before["given"]), schema_version=version, about=about,
                                      gpus=dict(before["gpus"]), measurements=before["measurements"],
                                      findings=before["findings"], predictions=before["predictions"])
-    if dumps(as_read) != text:
+    if _echo(as_read) != text:
         parse_ledger(text, name)
 
 

@@ -424,12 +424,13 @@ def test_an_append_to_every_corpus_file_says_what_a_load_says(tmp_path, name, wr
     assert (path.read_bytes() if path.is_file() else None) == as_read
 
 
-@pytest.mark.parametrize("how", ["save's text", "a key twice", "indent 1", "a row replaced"])
+@pytest.mark.parametrize("how", ["save's text", "a key twice", "indent 1", "a row replaced", "a default written"])
 def test_an_append_parses_once_and_serialises_once(tmp_path, monkeypatch, how):
     """On a file ``save`` wrote, an append parses it once and serialises the whole ledger once
     (the one text it writes); a file with a key written twice in save's layout is refused as
-    ``load`` refuses it; one in another layout, or a change that replaces a row, pays ``load``'s
-    own check (one dump more) and writes the same."""
+    ``load`` refuses it; a change that replaces a row, or a file that writes a default out, pays
+    ``load``'s own check (one dump more), one in another layout its slow path too; each writes
+    the same."""
     path = tmp_path / "l.json"
     ledger = store.load(SMALL)
     text = store.dumps(ledger)
@@ -437,6 +438,11 @@ def test_an_append_parses_once_and_serialises_once(tmp_path, monkeypatch, how):
         text = text.replace('\n      "kind": "probe",', '\n      "kind": "probe",\n      "kind": "real",', 1)
     elif how == "indent 1":
         text = json.dumps(json.loads(text), indent=1, ensure_ascii=False)
+    elif how == "a default written":
+        data = json.loads(text)
+        first = {**data["measurements"][0], "dataset": None}
+        data["measurements"][0] = {k: first[k] for k in Measurement.model_fields if k in first}  # the models' order
+        text = json.dumps(data, indent=2, ensure_ascii=False) + "\n"
     path.write_text(text, encoding="utf-8")
     parses, dumps_of_all = [], []
     real_parse, real_dumps, real_echo = Ledger.model_validate_json, store.dumps, store._echo
@@ -473,7 +479,7 @@ def test_an_append_parses_once_and_serialises_once(tmp_path, monkeypatch, how):
     # The file's text parsed, the whole ledger dumped: once; load's check adds a dump, and a file
     # not in save's layout goes on to load's own slow path (a dump and a strict parse more).
     assert (len(parses), len(dumps_of_all)) == {"save's text": (1, 1), "a row replaced": (1, 2),
-                                                "indent 1": (3, 3)}[how]
+                                                "indent 1": (3, 3), "a default written": (1, 2)}[how]
     assert path.read_text(encoding="utf-8") == real_dumps(ledger.model_copy(update={
         "measurements": [*ledger.measurements, _m(7)]}))
 
