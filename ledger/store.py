@@ -157,9 +157,9 @@ def _echo(ledger: Ledger) -> str:
     """A parsed ledger written back with exactly the keys its text gave (``exclude_unset``), in
     ``dumps``' form. A text that is its parse's echo holds nothing strict JSON refuses: no key
     twice (the echo writes each once), no NaN, Infinity or number too large for a float (the
-    echo writes finite numbers as themselves), no lone surrogate (written back as a character,
-    not an escape). A file ``save`` wrote is its own echo (its keys are the values that are not
-    defaults); the echo skips the comparison of every default value with a new one that
+    models refuse them, and the echo writes each number as itself), no lone surrogate (the fast
+    parser refuses one). A file ``save`` wrote is its own echo (its keys are the values that are
+    not defaults); the echo skips the comparison of every value with a new default that
     ``dumps`` makes (a third of that dump)."""
     return ledger.model_dump_json(indent=2, exclude_unset=True) + "\n"
 
