@@ -61,15 +61,11 @@ class DryCalibration:
             index[(model_name(d.model), d.quant, d.lora.rank, bool(d.lora.dropout), bool(d.lora.dora), d.seq_len,
                    d.response_len, fixes_key(d.memory_fixes))] = d.outcome.peak_allocated_mib
         out = []
-        names: dict = {}  # model_name of each model the probes name, once
         for m in probes(self.fit.ms):
             peak = ok_peak(m)
             if peak is None or not m.seq_len or not m.response_len:
                 continue
-            name = names.get(m.model)
-            if name is None:
-                name = names[m.model] = model_name(m.model)
-            key = (name, m.quant, m.lora.rank, bool(m.lora.dropout), bool(m.lora.dora), m.seq_len,
+            key = (model_name(m.model), m.quant, m.lora.rank, bool(m.lora.dropout), bool(m.lora.dora), m.seq_len,
                    m.response_len, fixes_key(m.memory_fixes))
             if key in index:
                 out.append((m, peak, index[key]))

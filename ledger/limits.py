@@ -72,7 +72,7 @@ class CardLimits:
         for lim in self.fit.lims:
             # Only cards whose limit is pinned by an out-of-memory probe close above a fit (within 5%):
             # a card that never ran out of memory says nothing about where its limit is.
-            exceeded = self.fit.by_id.get(lim.exceeded_id) if lim.exceeded_id is not None else None
+            exceeded = self.fit.by_id.get(lim.exceeded_id)
             if (lim.kind != "probe" or lim.low_mib is None or lim.high_mib is None or exceeded is None
                     or exceeded.outcome.status != "oom" or lim.high_mib - lim.low_mib > 0.05 * lim.high_mib):
                 continue
