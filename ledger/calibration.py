@@ -322,32 +322,34 @@ class LimitRows:
 
     def limits(self, ledger: Ledger, model: PeakModel, removed: frozenset = frozenset()) -> list[Limit]:
         """The limits of these rows less ``removed`` (ids), with ``model`` predicting what OOM probes needed."""
-        out: list[Limit] = []
-        for gpu in ledger.gpus:
-            for kind in ("probe", "real"):
-                key = (gpu, kind)
-                first = self._first("fits", key, removed)
-                fit = first[2] if first else None
-                least = self._least_need(key, model, removed)
-                over = [least] if least is not None else []
-                lowest = self._first("fixed", key, removed)
-                if lowest is not None:
-                    over.append((lowest[0], lowest[2]))
-                if fit is None and not over:
-                    continue
-                card = card_mib(ledger, gpu)
-                exc = min(over, key=lambda pm: (pm[0], pm[1].id)) if over else None
-                low = ok_peak(fit) if fit else None
-                high = exc[0] if exc else None
-                if card is not None and (high is None or high > card):
-                    high = card
-                note = ""
-                if low is not None and high is not None and high < low:
-                    note = "an OOM below a peak that fit: other processes or fragmentation varied between rows"
-                    high = low
-                out.append(Limit(gpu=gpu, kind=kind, low_mib=low, high_mib=high, fit_id=fit.id if fit else None,
-                                 exceeded_id=exc[1].id if exc else None, card_mib=card, note=note))
-        return out
+        return [lim for gpu in ledger.gpus for kind in ("probe", "real")
+                if (lim := self.limit(ledger, model, gpu, kind, removed)) is not None]
+
+    def limit(self, ledger: Ledger, model: PeakModel, gpu: str, kind: str,
+              removed: frozenset = frozenset()) -> Optional[Limit]:
+        """One card's limit from one kind of row (None where it has no such row), as ``limits``."""
+        key = (gpu, kind)
+        first = self._first("fits", key, removed)
+        fit = first[2] if first else None
+        least = self._least_need(key, model, removed)
+        over = [least] if least is not None else []
+        lowest = self._first("fixed", key, removed)
+        if lowest is not None:
+            over.append((lowest[0], lowest[2]))
+        if fit is None and not over:
+            return None
+        card = card_mib(ledger, gpu)
+        exc = min(over, key=lambda pm: (pm[0], pm[1].id)) if over else None
+        low = ok_peak(fit) if fit else None
+        high = exc[0] if exc else None
+        if card is not None and (high is None or high > card):
+            high = card
+        note = ""
+        if low is not None and high is not None and high < low:
+            note = "an OOM below a peak that fit: other processes or fragmentation varied between rows"
+            high = low
+        return Limit(gpu=gpu, kind=kind, low_mib=low, high_mib=high, fit_id=fit.id if fit else None,
+                     exceeded_id=exc[1].id if exc else None, card_mib=card, note=note)
 
 
 def limit_for(lims: list[Limit], gpu: str, kind: str = "probe") -> Optional[Limit]:

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import datetime as dt
 from collections import Counter
+from collections.abc import Mapping
 from functools import cached_property
 from operator import is_
-from typing import Iterable, NamedTuple, Optional
+from typing import Iterable, Iterator, NamedTuple, Optional
 
-from .calibration import LimitRows, Overestimate, key_pairs, overestimate, pair_rows, sorted_pairs
+from .calibration import Limit, LimitRows, Overestimate, key_pairs, overestimate, pair_rows, sorted_pairs
 from .peaks import PeakModel, before, dry_readable, ok_peak, probes
 from .model_configs import model_name
 from .models import Ledger, Measurement
@@ -21,28 +22,40 @@ def m_group(m: Measurement) -> GroupKey:
     return group_key(m)
 
 
-class HeldOutErrors(NamedTuple):
-    """An ok probe's held-out relative errors (None where the rung does not ask it or the model
-    without the probe has no answer), and whether each read the pooled slope."""
-
-    interpolated: Optional[float]
-    interpolated_slope: bool
-    transferred: Optional[float]
-    transferred_slope: bool
-
-
+#: The rungs whose interval widths come from held-out errors of the ledger's own probes.
 RUNGS = ("interpolated", "transferred")
 
 
-def _widest(errors: Iterable[HeldOutErrors]) -> dict[str, Optional[float]]:
-    """The widths from every ok probe's held-out errors (``LedgerFit._held_out_errors``)."""
-    found: dict[str, list[float]] = {rung: [] for rung in RUNGS}
-    for e in errors:
-        for rung in RUNGS:
-            if getattr(e, rung) is not None:
-                found[rung].append(getattr(e, rung))
-    return {**{rung: max(found[rung], default=None) for rung in RUNGS},
-            **{f"{rung}_n": len(found[rung]) for rung in RUNGS}}
+class HeldOutError(NamedTuple):
+    """An ok probe's held-out relative error on one rung (None where the rung does not ask it or
+    the model without the probe has no answer), and whether it read the pooled slope."""
+
+    error: Optional[float]
+    slope: bool
+
+
+def _widest(errors: Iterable[HeldOutError]) -> tuple[Optional[float], int]:
+    """A rung's width (the largest held-out error) and how many probes gave one."""
+    found = [e.error for e in errors if e.error is not None]
+    return max(found, default=None), len(found)
+
+
+class _RowsLess(Mapping):
+    """A fit's rows by id less some ids, without copying them."""
+
+    def __init__(self, rows: Mapping[str, Measurement], gone: frozenset):
+        self._rows, self._gone = rows, gone
+
+    def __getitem__(self, key: str) -> Measurement:
+        if key in self._gone:
+            raise KeyError(key)
+        return self._rows[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return (k for k in self._rows if k not in self._gone)
+
+    def __len__(self) -> int:
+        return len(self._rows) - sum(1 for k in self._gone if k in self._rows)
 
 
 def _same_rows(a: list, b: list) -> bool:
@@ -60,8 +73,7 @@ class LedgerFit:
         self.as_of = as_of
         shared = base is not None and base.shares(ledger, as_of, self.exclude)
         # A fit started from another keeps the other's rows less the extra ones left out.
-        self.ms = ([m for m in base.ms if m.id not in self.exclude] if shared
-                   else before(ledger.measurements, as_of, self.exclude))
+        self.ms = base._less(self.exclude - base.exclude) if shared else before(ledger.measurements, as_of, self.exclude)
         # Dry runs are computations, not observations: any of them could have been run on any date,
         # so only the measured rows their remainder is fitted on are limited to ``as_of``. A fit
         # started from another of the very same dry-run rows (leave-one-out asks one per row) keeps
@@ -78,16 +90,26 @@ class LedgerFit:
         # shared less the extra rows (the same figures as a fresh one, at the cost of their groups).
         self.base = base if base is not None and base.shares(ledger, as_of, self.exclude) else None
         self.peaks = self.base.peaks.without(self.exclude - self.base.exclude) if self.base else PeakModel(self.ms)
-        if self.base is not None:
-            self.limit_rows = self.base.limit_rows
-            # (the rows the limits rest on are the first fit's: every row left out since is removed)
-            self.lims = self.limit_rows.limits(ledger, self.peaks, frozenset(self.exclude))
-        else:
-            self.limit_rows = LimitRows(self.ms)
-            self.lims = self.limit_rows.limits(ledger, self.peaks)
+        # The rows the limits rest on are the first fit's: every row left out since is removed.
+        # Each card's limit is made when first asked (a held-out answer asks its own card's alone).
+        self.limit_rows = self.base.limit_rows if self.base is not None else LimitRows(self.ms)
+        self._limits: dict[tuple[str, str], Optional[Limit]] = {}
         self.pair_rows, self.pairs_by_key = self._pairs()
         self.pairs = sorted_pairs(self.pairs_by_key.values())
         self.over: Overestimate = overestimate(self.ms, self.pairs)
+
+    def limit(self, gpu: str, kind: str = "probe") -> Optional[Limit]:
+        """One of the ledger's cards' limits from one kind of row (None where it has no such row)."""
+        key = (gpu, kind)
+        if key not in self._limits:
+            removed = frozenset(self.exclude) if self.base is not None else frozenset()
+            self._limits[key] = self.limit_rows.limit(self.ledger, self.peaks, gpu, kind, removed)
+        return self._limits[key]
+
+    @cached_property
+    def lims(self) -> list[Limit]:
+        """Every card's limits, probe then real, in the ledger's order of cards."""
+        return [lim for gpu in self.ledger.gpus for kind in ("probe", "real") if (lim := self.limit(gpu, kind)) is not None]
 
     def _pairs(self) -> tuple[dict, dict]:
         """The rows of each recipe key pairs are made of, and its pairs: the base's, with the keys of
@@ -112,96 +134,127 @@ class LedgerFit:
         """Whether a fit of ``ledger`` as of ``as_of`` less ``exclude`` may start from this one."""
         return ledger is self.ledger and as_of == self.as_of and self.exclude <= exclude
 
-    @cached_property
+    @property
     def widths(self) -> dict[str, Optional[float]]:
-        """Largest held-out relative error of each rung (fractions), from the ledger's own probes."""
+        """Largest held-out relative error of each rung (fractions), from the ledger's own probes,
+        and how many probes each rests on (``<rung>_n``)."""
+        return {**{rung: self.width(rung) for rung in RUNGS}, **{f"{rung}_n": self.width_n(rung) for rung in RUNGS}}
+
+    def width(self, rung: str) -> Optional[float]:
+        """A rung's width: its largest held-out relative error over the ledger's ok probes (a fraction)."""
+        return self._width(rung)[0]
+
+    def width_n(self, rung: str) -> int:
+        """How many ok probes a rung's width rests on."""
+        return self._width(rung)[1]
+
+    def _width(self, rung: str) -> tuple[Optional[float], int]:
+        """(width, probes) of one rung, computed when first asked: an answer reads one rung's
+        width, and a fit left without a row (held-out scoring makes one per row) often never asks
+        the other's."""
+        widths = self.__dict__.setdefault("_widths", {})
+        if rung not in widths:
+            widths[rung] = self._width_of(rung)
+        return widths[rung]
+
+    def _width_of(self, rung: str) -> tuple[Optional[float], int]:
         base = self.base
         if base is None:
-            return _widest(self._held_out_errors.values())
+            return _widest(self._held_out(rung).values())
         gone = [m for m in base.removed(self.exclude - base.exclude) if ok_peak(m) is not None and m.kind == "probe"]
         if not gone:
-            return base.widths  # the peak model reads ok probes alone: without them it is the same
+            return base._width(rung)  # the peak model reads ok probes alone: without them it is the same
         if base.base is not None:  # a fit started from a fit started from another: every probe asked again
-            return _widest(self._held_out_errors.values())
-        return self._widths_from_base()
+            return _widest(self._held_out(rung).values())
+        return self._width_from_base(rung, gone)
+
+    def _held_out(self, rung: str) -> dict[str, HeldOutError]:
+        """Each ok probe's held-out error on a rung, by id, in the ledger's order."""
+        found = self.__dict__.setdefault("_held_out_by_rung", {})
+        if rung not in found:
+            ask = self._interpolated_error if rung == "interpolated" else self._transferred_error
+            found[rung] = {m.id: ask(m) for m in self._ok_probes}
+        return found[rung]
 
     @cached_property
-    def _held_out_errors(self) -> dict[str, HeldOutErrors]:
-        """Each ok probe's held-out errors, by id, in the ledger's order."""
-        return {m.id: self._errors(m) for m in probes(self.ms) if ok_peak(m) is not None}
+    def _ok_probes(self) -> list[Measurement]:
+        return [m for m in probes(self.ms) if ok_peak(m) is not None]
 
-    def _errors(self, m: Measurement) -> HeldOutErrors:
-        """An ok probe's held-out errors: this fit's model without the probe, and without its
-        card's rows of the group, asked about it."""
+    def _interpolated_error(self, m: Measurement) -> HeldOutError:
+        """An ok probe's held-out error on its own card: this fit's model without the probe, asked
+        about it from its card's other rows of the group."""
+        peak = ok_peak(m)
+        kept, answered, pred = self.peaks.own_held_out(m, m.lora.rank)
+        if not kept:
+            return HeldOutError(None, False)
+        if not answered:  # one rank left: that model's pooled slope is needed, so fit it
+            pred, _ = self.peaks.without((m.id,)).predict(m.gpu, m_group(m), m.lora.rank)
+        return HeldOutError(None if pred is None else abs(pred - peak) / peak, not answered)
+
+    def _transferred_error(self, m: Measurement) -> HeldOutError:
+        """An ok probe's held-out error from the other cards: this fit's model without any row of
+        the probe's card and group (the others' rows, shifted), asked about it."""
         peak = ok_peak(m)
         group = m_group(m)
-        interp = transfer = None
-        interp_slope = transfer_slope = False
-        # The model without this probe, asked about it: its card's other rows of the group.
-        kept, answered, pred = self.peaks.own_held_out(m, m.lora.rank)
-        if kept:
-            if not answered:  # one rank left: that model's pooled slope is needed, so fit it
-                interp_slope = True
-                pred, _ = self.peaks.without((m.id,)).predict(m.gpu, group, m.lora.rank)
-            if pred is not None:
-                interp = abs(pred - peak) / peak
         # Removing the probe changes its own card's rows alone: the other cards' are the model's.
-        if any(g != m.gpu for g in self.peaks.by_group.get(group, ())):
-            # The same model without any row of this card and group: the others' rows, shifted.
-            answered, pred = self.peaks.transfer_held_out(m.gpu, group, m.lora.rank)
-            if not answered:  # that model needs its pooled slope: fit it
-                transfer_slope = True
-                # (the full fit's rows of the cell: the ones this fit left out are out already)
-                alone = self.peaks.without((m.id, *(self.base or self)._cell_ids.get((m.gpu, group), ())))
-                pred, _ = alone.predict(m.gpu, group, m.lora.rank)
-            if pred is not None:
-                transfer = abs(pred - peak) / peak
-        return HeldOutErrors(interp, interp_slope, transfer, transfer_slope)
+        if not any(g != m.gpu for g in self.peaks.by_group.get(group, ())):
+            return HeldOutError(None, False)
+        answered, pred = self.peaks.transfer_held_out(m.gpu, group, m.lora.rank)
+        if not answered:  # that model needs its pooled slope: fit it
+            # (the full fit's rows of the cell: the ones this fit left out are out already)
+            alone = self.peaks.without((m.id, *(self.base or self)._cell_ids.get((m.gpu, group), ())))
+            pred, _ = alone.predict(m.gpu, group, m.lora.rank)
+        return HeldOutError(None if pred is None else abs(pred - peak) / peak, not answered)
 
-    def _widths_from_base(self) -> dict[str, Optional[float]]:
-        """``widths`` of a fit less some ok probes, from its base's errors: only the probes whose
-        answers read what the left-out rows changed (``PeakModel.held_out_changes``: their cells,
-        their groups' rows on other cards and the shifts to them, the pooled slope) are asked again;
-        every other probe's errors are the base's."""
+    def _width_from_base(self, rung: str, gone: list[Measurement]) -> tuple[Optional[float], int]:
+        """A rung's width for a fit less some ok probes, from its base's errors: only the probes
+        whose answers read what the left-out rows changed are asked again; every other probe's
+        error is the base's. On its own card a probe's answer reads its cell's rows (changed only
+        in the cells of the probes left out) and, where one rank is left, the pooled slope; from
+        the other cards it reads the group's rows there and the shifts over them
+        (``PeakModel.held_out_changes``) and, where they have one rank, the pooled slope."""
         base = self.base
-        moved, slope_moved = self.peaks.held_out_changes()
         by_cell = base._probes_by_cell
+        if rung == "interpolated":
+            moved, slope_moved = {(m.gpu, m_group(m)) for m in gone}, self.peaks.slope_moved()
+        else:
+            moved, slope_moved = self.peaks.held_out_changes()
         ask = {i for key in moved for i in by_cell.get(key, ())}
         if slope_moved:
-            ask.update(base._slope_readers)
-        gone = self.exclude - base.exclude
-        errors = {i: self._errors(base.by_id[i]) for i in ask - gone}
-        was = base._held_out_errors
-        widest, counts = {}, {}
-        for rung in RUNGS:
-            asked = [getattr(e, rung) for e in errors.values() if getattr(e, rung) is not None]
-            # The largest of the base's errors this fit keeps as they are.
-            kept = next((value for value, i in base._errors_ordered[rung] if i not in errors and i not in gone), None)
-            widest[rung] = max([*asked, *([kept] if kept is not None else [])], default=None)
-            dropped = sum(1 for i in errors.keys() | (gone & was.keys()) if getattr(was[i], rung) is not None)
-            counts[f"{rung}_n"] = base.widths[f"{rung}_n"] - dropped + len(asked)
-        return {**widest, **counts}
+            ask.update(base._slope_readers(rung))
+        left_out = self.exclude - base.exclude
+        error = self._interpolated_error if rung == "interpolated" else self._transferred_error
+        errors = {i: error(base.by_id[i]) for i in ask - left_out}
+        was = base._held_out(rung)
+        asked = [e.error for e in errors.values() if e.error is not None]
+        # The largest of the base's errors this fit keeps as they are.
+        kept = next((value for value, i in base._errors_ordered(rung) if i not in errors and i not in left_out), None)
+        dropped = sum(1 for i in errors.keys() | (left_out & was.keys()) if was[i].error is not None)
+        return (max([*asked, *([kept] if kept is not None else [])], default=None),
+                base._width(rung)[1] - dropped + len(asked))
 
     @cached_property
     def _probes_by_cell(self) -> dict[tuple, list[str]]:
         """(card, group) -> the ids of this fit's ok probes in it."""
         out: dict[tuple, list[str]] = {}
-        for i in self._held_out_errors:
-            m = self.by_id[i]
-            out.setdefault((m.gpu, m_group(m)), []).append(i)
+        for m in self._ok_probes:
+            out.setdefault((m.gpu, m_group(m)), []).append(m.id)
         return out
 
-    @cached_property
-    def _slope_readers(self) -> list[str]:
-        """The ok probes whose held-out errors read the pooled slope (a cell or group with one rank left)."""
-        return [i for i, e in self._held_out_errors.items() if e.interpolated_slope or e.transferred_slope]
+    def _slope_readers(self, rung: str) -> list[str]:
+        """The ok probes whose held-out error on a rung read the pooled slope (a cell or group with one rank left)."""
+        found = self.__dict__.setdefault("_readers", {})
+        if rung not in found:
+            found[rung] = [i for i, e in self._held_out(rung).items() if e.slope]
+        return found[rung]
 
-    @cached_property
-    def _errors_ordered(self) -> dict[str, list[tuple[float, str]]]:
-        """Each rung's held-out errors, largest first, with the probe's id."""
-        errors = self._held_out_errors
-        return {rung: sorted(((getattr(e, rung), i) for i, e in errors.items() if getattr(e, rung) is not None),
-                             reverse=True) for rung in RUNGS}
+    def _errors_ordered(self, rung: str) -> list[tuple[float, str]]:
+        """A rung's held-out errors, largest first, with the probe's id."""
+        found = self.__dict__.setdefault("_ordered", {})
+        if rung not in found:
+            found[rung] = sorted(((e.error, i) for i, e in self._held_out(rung).items() if e.error is not None),
+                                 reverse=True)
+        return found[rung]
 
     @cached_property
     def _cell_ids(self) -> dict[tuple, list[str]]:
@@ -307,8 +360,28 @@ class LedgerFit:
         return {m.id for m in self.dry}
 
     @cached_property
-    def by_id(self) -> dict[str, Measurement]:
+    def by_id(self) -> Mapping[str, Measurement]:
+        """This fit's rows by id (a fit started from another: the other's, less the rows it leaves out)."""
+        if self.base is not None:
+            return _RowsLess(self.base.by_id, frozenset(self.exclude - self.base.exclude))
         return {m.id: m for m in self.ms}
+
+    @cached_property
+    def _position(self) -> dict[str, int]:
+        """Each row's position in ``ms``, by id."""
+        return {m.id: i for i, m in enumerate(self.ms)}
+
+    def _less(self, ids: set[str]) -> list[Measurement]:
+        """``ms`` less the rows ``ids``, in order (leave-one-out makes one such list per row: the
+        runs between the rows left out are sliced, not filtered row by row)."""
+        at = self._position
+        out: list[Measurement] = []
+        start = 0
+        for cut in sorted(at[i] for i in ids if i in at):
+            out += self.ms[start:cut]
+            start = cut + 1
+        out += self.ms[start:]
+        return out
 
     def vendor(self, gpu: Optional[str]) -> Optional[str]:
         g = self.ledger.gpus.get(gpu or "")

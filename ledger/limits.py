@@ -9,7 +9,7 @@ import statistics
 from functools import cached_property
 from typing import Literal, Optional
 
-from .calibration import Limit, limit_for
+from .calibration import Limit
 from .cards import derives_usable, usable_ratio
 from .ledger_fit import LedgerFit
 from .models import Gpu
@@ -39,7 +39,7 @@ class CardLimits:
     def _card_limit(self, gpu: str, entry: Optional[Gpu], run: Run) -> tuple[Optional[float], Optional[float], str]:
         lim: Optional[Limit] = None
         if gpu in self.fit.ledger.gpus:
-            lim = (limit_for(self.fit.lims, gpu, "real") if run == "real" else None) or limit_for(self.fit.lims, gpu, "probe")
+            lim = (self.fit.limit(gpu, "real") if run == "real" else None) or self.fit.limit(gpu, "probe")
         if lim is not None and lim.low_mib is not None:
             return lim.low_mib, lim.high_mib, (f"{gpu}'s {lim.kind} limit: largest peak that fit {lim.low_mib} MiB "
                                                f"({lim.fit_id}), smallest that did not {lim.high_mib} MiB "

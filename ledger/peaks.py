@@ -401,7 +401,11 @@ class PeakModel:
                 if group not in self._touched and (gpu, group) not in moved and \
                         self._shift_less_cell(gpu, other, group, True) != root._shift_less_cell(gpu, other, group, True):
                     moved.add((gpu, group))
-        return moved, self._slope_terms() is not root._slope_terms()
+        return moved, self.slope_moved()
+
+    def slope_moved(self) -> bool:
+        """Whether this view changed the pooled slope's terms (what an answer from one rank falls back on)."""
+        return self._root is not None and self._slope_terms() is not self._root._slope_terms()
 
     def _pair_groups(self) -> dict[tuple, list[tuple]]:
         """(card, another card) -> the groups with rows on both (a transfer to the first card in

@@ -96,11 +96,11 @@ class InterpolatedOnCard:
         group = recipe.group()
         if self.fit.peaks.by_group.get(group, {}).get(gpu):
             pred, ids = self.fit.peaks.predict(gpu, group, recipe.rank)
-            w = self.fit.widths["interpolated"] or self.fit.widths["transferred"] or 0.0
+            w = self.fit.width("interpolated") or self.fit.width("transferred") or 0.0
             if pred is not None:
                 return Evidence(around(pred, w), "interpolated",
                                 f"affine in rank over this card's probes of the same recipe; ±{w * 100:.2f}% (largest "
-                                f"held-out error over {self.fit.widths['interpolated_n']} probes)", ids)
+                                f"held-out error over {self.fit.width_n('interpolated')} probes)", ids)
         return self._in_length(recipe, gpu)
 
     def _in_length(self, recipe: Recipe, gpu: str) -> Optional[Evidence]:
@@ -118,7 +118,7 @@ class InterpolatedOnCard:
         if y1 is None or y2 is None:
             return None
         y = y1 + (y2 - y1) * (recipe.seq_len - s1) / (s2 - s1)
-        w = self.fit.widths["interpolated"] or 0.0
+        w = self.fit.width("interpolated") or 0.0
         return Evidence(interval(y, min(y1, y) * (1 - w), max(y2, y) * (1 + w)), "interpolated",
                         f"linear in length between this card's probes at {s1} and {s2} tokens (a longer sequence "
                         f"never needs less); ±{w * 100:.2f}%", i1 + i2)
@@ -149,7 +149,7 @@ class TransferredFromCard:
         if not self.fit.peaks.by_group.get(group):
             return None
         pred, ids = self.fit.peaks.predict(gpu, group, recipe.rank)
-        w = self.fit.widths["transferred"] or self.fit.widths["interpolated"] or 0.0
+        w = self.fit.width("transferred") or self.fit.width("interpolated") or 0.0
         if pred is None:
             return None
         return Evidence(around(pred, w), "transferred",

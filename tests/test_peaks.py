@@ -3,6 +3,7 @@ the remaining rows: leave-one-out and the held-out widths rely on it."""
 
 from __future__ import annotations
 
+import operator
 import random
 import sys
 from pathlib import Path
@@ -237,6 +238,16 @@ def test_every_held_out_fits_widths_and_limits_are_a_fresh_fits(source):
         started, fresh = LedgerFit(lg, dry, exclude=[m.id], base=full), LedgerFit(lg, dry, exclude=[m.id])
         assert started.widths == fresh.widths, m.id
         assert started.lims == fresh.lims, m.id
+        # Its rows are the fresh fit's, the same objects in the same order, and by id.
+        assert len(started.ms) == len(fresh.ms) and all(map(operator.is_, started.ms, fresh.ms)), m.id
+        assert dict(started.by_id) == fresh.by_id and len(started.by_id) == len(fresh.by_id), m.id
+        assert m.id not in started.by_id and started.by_id.get(m.id) is None, m.id
+        # Each rung's width is made when first asked, either one first: the same figures.
+        other = LedgerFit(lg, dry, exclude=[m.id], base=full)
+        assert [(other.width(r), other.width_n(r)) for r in ("transferred", "interpolated")] == \
+            [(fresh.widths[r], fresh.widths[f"{r}_n"]) for r in ("transferred", "interpolated")], m.id
+        # Each card's limit, asked alone, is the one in the full list.
+        assert [other.limit(lim.gpu, lim.kind) for lim in fresh.lims] == fresh.lims, m.id
 
 
 def test_a_fit_started_from_a_held_out_fit_is_a_fresh_fit():
