@@ -139,8 +139,13 @@ def key_pairs(key: tuple, ps: list[Measurement], rs: list[Measurement]) -> list[
     return out
 
 
+def pair_order(p: Pair) -> tuple[str, str]:
+    """Pairs are ordered by date, then probe id (a probe is in one pair at most: no two tie)."""
+    return p.on or "", p.probe
+
+
 def sorted_pairs(by_key: Iterable[list[Pair]]) -> list[Pair]:
-    return sorted((p for ps in by_key for p in ps), key=lambda x: (x.on or "", x.probe))
+    return sorted((p for ps in by_key for p in ps), key=pair_order)
 
 
 def pairs(ms: list[Measurement]) -> list[Pair]:

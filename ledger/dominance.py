@@ -15,7 +15,7 @@ from .peaks import ok_peak
 from .ledger_fit import LedgerFit
 from .model_configs import model_name
 from .models import Measurement
-from .recipe import Recipe, fixes_key
+from .recipe import Recipe, fixes_key, group_key
 from .response_span import recipe_keep
 
 
@@ -95,14 +95,27 @@ class Dominance:
         peak, what an OOM needed at least, id, kept logit positions), in ledger order."""
         if key not in self._keys:
             if self.base is not None:  # the base's entries, but for those this fit reads otherwise
-                done = {e[4]: e for e in self.base.rows(key)}
+                done = self.base._entries_by_id(key)
                 changed = self.fit.changed_reals()
-                entries = [done.get(m.id) if m.id not in changed and not (m.kind == "probe" and m.outcome.status == "oom")
-                           else self._entry(m) for _, m in self._positions().get(key, ())]
+                peaks = self.fit.peaks
+                # What an OOM probe needed is its peak model's figure: the base's where this fit's
+                # model answers its cell as the base's does.
+                as_base = self.base.fit.peaks is peaks.root
+                entries = [self._entry(m) if m.id in changed or (
+                    m.kind == "probe" and m.outcome.status == "oom"
+                    and not (as_base and peaks.answers_as_root(m.gpu, group_key(m)))) else done.get(m.id)
+                           for _, m in self._positions().get(key, ())]
             else:
                 entries = [self._entry(m) for _, m in self._positions().get(key, ())]
             self._keys[key] = [e for e in entries if e is not None]
         return self._keys[key]
+
+    def _entries_by_id(self, key: tuple) -> dict[str, tuple]:
+        """``rows(key)`` by id (a fit started from this one reuses them)."""
+        found = self.__dict__.setdefault("_by_id", {})
+        if key not in found:
+            found[key] = {e[4]: e for e in self.rows(key)}
+        return found[key]
 
     def _entry(self, m: Measurement) -> Optional[tuple]:
         r = self.fit.recipe_for(m)

@@ -5,13 +5,15 @@ over-estimate, and how wide each rung's interval is on this ledger."""
 from __future__ import annotations
 
 import datetime as dt
+from bisect import insort
 from collections import Counter
 from collections.abc import Mapping
 from functools import cached_property
 from operator import is_
 from typing import Iterable, Iterator, NamedTuple, Optional
 
-from .calibration import Limit, LimitRows, Overestimate, key_pairs, overestimate, pair_rows, sorted_pairs
+from .calibration import (Limit, LimitRows, Overestimate, key_pairs, overestimate, pair_order, pair_rows,
+                          sorted_pairs)
 from .peaks import PeakModel, before, dry_readable, ok_peak, probes
 from .model_configs import model_name
 from .models import Ledger, Measurement
@@ -94,9 +96,19 @@ class LedgerFit:
         # Each card's limit is made when first asked (a held-out answer asks its own card's alone).
         self.limit_rows = self.base.limit_rows if self.base is not None else LimitRows(self.ms)
         self._limits: dict[tuple[str, str], Optional[Limit]] = {}
-        self.pair_rows, self.pairs_by_key = self._pairs()
-        self.pairs = sorted_pairs(self.pairs_by_key.values())
-        self.over: Overestimate = overestimate(self.ms, self.pairs)
+        self.pair_rows, self.pairs_by_key, changed = self._pairs()
+        if self.base is None:
+            self.pairs = sorted_pairs(self.pairs_by_key.values())
+        elif not changed:  # no pair changed: the base's pairs and their over-estimate
+            self.pairs, self.over = self.base.pairs, self.base.over
+        else:  # the base's pairs, in order, with the changed keys' swapped
+            gone = {id(p) for k in changed for p in self.base.pairs_by_key[k]}
+            self.pairs = [p for p in self.base.pairs if id(p) not in gone]
+            for k in changed:
+                for p in self.pairs_by_key[k]:
+                    insort(self.pairs, p, key=pair_order)
+        if "over" not in self.__dict__:
+            self.over: Overestimate = overestimate(self.ms, self.pairs)
 
     def limit(self, gpu: str, kind: str = "probe") -> Optional[Limit]:
         """One of the ledger's cards' limits from one kind of row (None where it has no such row)."""
@@ -111,20 +123,24 @@ class LedgerFit:
         """Every card's limits, probe then real, in the ledger's order of cards."""
         return [lim for gpu in self.ledger.gpus for kind in ("probe", "real") if (lim := self.limit(gpu, kind)) is not None]
 
-    def _pairs(self) -> tuple[dict, dict]:
-        """The rows of each recipe key pairs are made of, and its pairs: the base's, with the keys of
-        the rows it excludes besides made again."""
+    def _pairs(self) -> tuple[dict, dict, list]:
+        """The rows of each recipe key pairs are made of, its pairs, and the keys whose pairs differ
+        from the base's: the base's, with the keys of the rows it excludes besides made again."""
         if self.base is None:
             rows = pair_rows(self.ms)
-            return rows, {k: key_pairs(k, ps, rs) for k, (ps, rs) in rows.items()}
+            return rows, {k: key_pairs(k, ps, rs) for k, (ps, rs) in rows.items()}, []
         extra = self.exclude - self.base.exclude
         touched = {recipe_key(m) for m in self.base.removed(extra)}
         rows, by_key = dict(self.base.pair_rows), dict(self.base.pairs_by_key)
+        changed = []
         for k in touched & rows.keys():
             ps, rs = ([m for m in lst if m.id not in extra] for lst in rows[k])
             rows[k] = (ps, rs)
-            by_key[k] = key_pairs(k, ps, rs)
-        return rows, by_key
+            made = key_pairs(k, ps, rs)
+            if made != by_key[k]:
+                by_key[k] = made
+                changed.append(k)
+        return rows, by_key, changed
 
     def removed(self, ids: Iterable[str]) -> list[Measurement]:
         """This fit's rows among ``ids`` (the rows a fit started from this one leaves out)."""
@@ -295,7 +311,7 @@ class LedgerFit:
             for m in reals:
                 out.pop(m.id, None)
             for k in touched:
-                for p in sorted(self.pairs_by_key[k], key=lambda x: (x.on or "", x.probe)):
+                for p in sorted(self.pairs_by_key[k], key=pair_order):
                     for rid in p.reals:
                         if p.probe_seq_len:
                             out.setdefault(rid, p.probe_seq_len)

@@ -238,6 +238,7 @@ def test_every_held_out_fits_widths_and_limits_are_a_fresh_fits(source):
         started, fresh = LedgerFit(lg, dry, exclude=[m.id], base=full), LedgerFit(lg, dry, exclude=[m.id])
         assert started.widths == fresh.widths, m.id
         assert started.lims == fresh.lims, m.id
+        assert started.pairs == fresh.pairs and started.over == fresh.over, m.id
         # Its rows are the fresh fit's, the same objects in the same order, and by id.
         assert len(started.ms) == len(fresh.ms) and all(map(operator.is_, started.ms, fresh.ms)), m.id
         assert dict(started.by_id) == fresh.by_id and len(started.by_id) == len(fresh.by_id), m.id
