@@ -42,6 +42,7 @@ class Dominance:
         self.base = base if base is not None and fit.base is base.fit else None
         self._keys: dict[tuple, list] = {}
         self._fail_keys: dict[tuple, list] = {}
+        self._by_id: dict[tuple, dict[str, tuple]] = {}
 
     def clamp(self, recipe: Recipe, gpu: str, run: Run, iv: Optional[Interval]) -> tuple[Optional[Interval], list[str], str]:
         """Clamp an interval by rows of harder recipes that fit (top) and easier ones that did not
@@ -112,10 +113,9 @@ class Dominance:
 
     def _entries_by_id(self, key: tuple) -> dict[str, tuple]:
         """``rows(key)`` by id (a fit started from this one reuses them)."""
-        found = self.__dict__.setdefault("_by_id", {})
-        if key not in found:
-            found[key] = {e[4]: e for e in self.rows(key)}
-        return found[key]
+        if key not in self._by_id:
+            self._by_id[key] = {e[4]: e for e in self.rows(key)}
+        return self._by_id[key]
 
     def _entry(self, m: Measurement) -> Optional[tuple]:
         r = self.fit.recipe_for(m)

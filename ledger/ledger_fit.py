@@ -97,8 +97,10 @@ class LedgerFit:
         self.limit_rows = self.base.limit_rows if self.base is not None else LimitRows(self.ms)
         self._limits: dict[tuple[str, str], Optional[Limit]] = {}
         self.pair_rows, self.pairs_by_key, changed = self._pairs()
+        self.over: Overestimate
         if self.base is None:
             self.pairs = sorted_pairs(self.pairs_by_key.values())
+            self.over = overestimate(self.ms, self.pairs)
         elif not changed:  # no pair changed: the base's pairs and their over-estimate
             self.pairs, self.over = self.base.pairs, self.base.over
         else:  # the base's pairs, in order, with the changed keys' swapped
@@ -107,8 +109,13 @@ class LedgerFit:
             for k in changed:
                 for p in self.pairs_by_key[k]:
                     insort(self.pairs, p, key=pair_order)
-        if "over" not in self.__dict__:
-            self.over: Overestimate = overestimate(self.ms, self.pairs)
+            self.over = overestimate(self.ms, self.pairs)
+        # Per rung (``RUNGS``), made when first read: the width and its probes, each ok probe's
+        # held-out error, the probes whose error read the pooled slope, the errors largest first.
+        self._widths: dict[str, tuple[Optional[float], int]] = {}
+        self._held_out_by_rung: dict[str, dict[str, HeldOutError]] = {}
+        self._readers: dict[str, list[str]] = {}
+        self._ordered: dict[str, list[tuple[float, str]]] = {}
 
     def limit(self, gpu: str, kind: str = "probe") -> Optional[Limit]:
         """One of the ledger's cards' limits from one kind of row (None where it has no such row)."""
@@ -168,10 +175,9 @@ class LedgerFit:
         """(width, probes) of one rung, computed when first asked: an answer reads one rung's
         width, and a fit left without a row (held-out scoring makes one per row) often never asks
         the other's."""
-        widths = self.__dict__.setdefault("_widths", {})
-        if rung not in widths:
-            widths[rung] = self._width_of(rung)
-        return widths[rung]
+        if rung not in self._widths:
+            self._widths[rung] = self._width_of(rung)
+        return self._widths[rung]
 
     def _width_of(self, rung: str) -> tuple[Optional[float], int]:
         base = self.base
@@ -186,14 +192,14 @@ class LedgerFit:
 
     def _held_out(self, rung: str) -> dict[str, HeldOutError]:
         """Each ok probe's held-out error on a rung, by id, in the ledger's order."""
-        found = self.__dict__.setdefault("_held_out_by_rung", {})
-        if rung not in found:
+        if rung not in self._held_out_by_rung:
             ask = self._interpolated_error if rung == "interpolated" else self._transferred_error
-            found[rung] = {m.id: ask(m) for m in self._ok_probes}
-        return found[rung]
+            self._held_out_by_rung[rung] = {m.id: ask(m) for m in self._ok_probes}
+        return self._held_out_by_rung[rung]
 
     @cached_property
     def _ok_probes(self) -> list[Measurement]:
+        """This fit's probes with an ok peak (the ones the widths are measured on), in order."""
         return [m for m in probes(self.ms) if ok_peak(m) is not None]
 
     def _interpolated_error(self, m: Measurement) -> HeldOutError:
@@ -259,18 +265,16 @@ class LedgerFit:
 
     def _slope_readers(self, rung: str) -> list[str]:
         """The ok probes whose held-out error on a rung read the pooled slope (a cell or group with one rank left)."""
-        found = self.__dict__.setdefault("_readers", {})
-        if rung not in found:
-            found[rung] = [i for i, e in self._held_out(rung).items() if e.slope]
-        return found[rung]
+        if rung not in self._readers:
+            self._readers[rung] = [i for i, e in self._held_out(rung).items() if e.slope]
+        return self._readers[rung]
 
     def _errors_ordered(self, rung: str) -> list[tuple[float, str]]:
         """A rung's held-out errors, largest first, with the probe's id."""
-        found = self.__dict__.setdefault("_ordered", {})
-        if rung not in found:
-            found[rung] = sorted(((e.error, i) for i, e in self._held_out(rung).items() if e.error is not None),
-                                 reverse=True)
-        return found[rung]
+        if rung not in self._ordered:
+            self._ordered[rung] = sorted(((e.error, i) for i, e in self._held_out(rung).items()
+                                          if e.error is not None), reverse=True)
+        return self._ordered[rung]
 
     @cached_property
     def _cell_ids(self) -> dict[tuple, list[str]]:
