@@ -193,7 +193,7 @@ class LedgerFit:
     def _held_out(self, rung: str) -> dict[str, HeldOutError]:
         """Each ok probe's held-out error on a rung, by id, in the ledger's order."""
         if rung not in self._held_out_by_rung:
-            ask = self._interpolated_error if rung == "interpolated" else self._transferred_error
+            ask = self._error_on(rung)
             self._held_out_by_rung[rung] = {m.id: ask(m) for m in self._ok_probes}
         return self._held_out_by_rung[rung]
 
@@ -201,6 +201,10 @@ class LedgerFit:
     def _ok_probes(self) -> list[Measurement]:
         """This fit's probes with an ok peak (the ones the widths are measured on), in order."""
         return [m for m in probes(self.ms) if ok_peak(m) is not None]
+
+    def _error_on(self, rung: str):
+        """The function giving an ok probe's held-out error on ``rung``."""
+        return self._interpolated_error if rung == "interpolated" else self._transferred_error
 
     def _interpolated_error(self, m: Measurement) -> HeldOutError:
         """An ok probe's held-out error on its own card: this fit's model without the probe, asked
@@ -245,7 +249,7 @@ class LedgerFit:
         if slope_moved:
             ask.update(base._slope_readers(rung))
         left_out = self.exclude - base.exclude
-        error = self._interpolated_error if rung == "interpolated" else self._transferred_error
+        error = self._error_on(rung)
         errors = {i: error(base.by_id[i]) for i in ask - left_out}
         was = base._held_out(rung)
         asked = [e.error for e in errors.values() if e.error is not None]

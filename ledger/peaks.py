@@ -516,7 +516,7 @@ class PeakModel:
         if len(rows_by_gpu.get(gpu, ())) >= 2:  # the card's own rows alone
             return True
         root = self._root
-        if self._slope_terms() is not root._slope_terms():
+        if self.slope_moved():
             return False
         return gpu in rows_by_gpu or all(self._diff_list(gpu, o) is root._diff_list(gpu, o) for o in rows_by_gpu)
 
