@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import replace
-from typing import Iterable
+from functools import lru_cache
+from typing import Iterable, Optional
 
-from .model_configs import Arch
+from .model_configs import Arch, load_arch
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 #: What ``--target-modules`` accepts besides a comma list: peft's ``all-linear`` (every projection of
@@ -42,7 +43,9 @@ def projection_shapes(arch: Arch) -> dict[str, tuple[int, int]]:
     kv = arch.kv_heads * arch.head_dim
     return {"q_proj": (arch.hidden, q), "k_proj": (arch.hidden, kv), "v_proj": (arch.hidden, kv),
             "o_proj": (q, arch.hidden), "gate_proj": (arch.hidden, arch.intermediate),
-            "up_proj": (arch.hidden, arch.intermediate), "down_proj": (arch.intermediate, arch.hidden)}
+            "up_proj": (arch.hidden, arch.intermediate), "down_proj": (arch.intermediate, arch.hidden),
+            # Phi-3's fused projections, as that family names them
+            "qkv_proj": (arch.hidden, q + 2 * kv), "gate_up_proj": (arch.hidden, 2 * arch.intermediate)}
 
 
 def trainable_shapes(arch: Arch, rank: int, targets: Iterable[str] = ALL_LINEAR, dora: bool = False
@@ -72,3 +75,26 @@ def trainable_params(arch: Arch, rank: int, targets: Iterable[str] = ALL_LINEAR,
             n *= d
         total += n
     return total
+
+
+#: A model's architecture read once per process (the fit table asks it per rank and recipe).
+arch_of = lru_cache(maxsize=256)(load_arch)
+
+
+@lru_cache(maxsize=65536)
+def adapter_mib(model: Optional[str], rank: int, targets: tuple[str, ...] = ALL_LINEAR, dora: bool = False
+                ) -> Optional[float]:
+    """MiB of the adapter's trainable tensors in fp32 (peft's adapter: its weights, and as much
+    again for their gradients), each a block rounded up to 512 bytes as the allocator holds it;
+    None without a config for the model."""
+    arch = arch_of(model) if model else None
+    if arch is None:
+        return None
+    layer = Counter(trainable_shapes(replace(arch, layers=1), rank, targets, dora))
+    total = 0
+    for shape, k in layer.items():
+        n = 1
+        for d in shape:
+            n *= d
+        total += k * ((n * 4 + 511) // 512 * 512)
+    return total * arch.layers / 2**20

@@ -11,6 +11,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from .adapter import adapter_mib
 from .model_configs import model_name
 from .models import Measurement
 from .recipe import Recipe, fixes_key, recipe_of
@@ -43,6 +44,7 @@ class DryTable:
         self._by_model: Optional[dict] = None
         self._slopes: dict = {}
         self._figures: dict = {}  # rank_figure's, by what it reads of the recipe
+        self._weights: Optional[dict] = None  # weights_figure's rows, by what the weights depend on
 
     def table(self, name: Optional[str], quant: str, fixes: str, dropout: bool, dora: bool,
               response_len: Optional[int], checkpointing: bool = True, batch: int = 1
@@ -112,6 +114,71 @@ class DryTable:
         return found
 
     def _rank_figure(self, recipe: Recipe) -> Callable[[int], tuple[Optional[float], list[str]]]:
+        """The chord of the table's rows (``_chord_figure``), never below the end of the step's
+        backward (``end_figure``): past the largest rank a row has, a chord of the rows is a lower
+        bound, since the peak is the highest of the step's moments, each affine in the rank (the
+        gradients that exist at the end of backward grow faster with the rank than the activations
+        that peak at its start)."""
+        chord, end = self._chord_figure(recipe), self.end_figure(recipe)
+        if end is None:
+            return chord
+
+        def figure(rank: int) -> tuple[Optional[float], list[str]]:
+            y, ids = chord(rank)
+            return (y, ids) if y is None else (max(y, end(rank)), ids)
+
+        def column(ranks: np.ndarray) -> np.ndarray:
+            y = chord.column(ranks)
+            return np.where(np.isnan(y), y, np.maximum(y, end.column(ranks)))
+        figure.column = column
+        return figure
+
+    def weights_figure(self, recipe: Recipe) -> Optional[Callable[[int], float]]:
+        """What the step's weights hold at a rank, as the dry runs measured it before their step:
+        the model as prepared (its quantised or bf16 weights, what peft upcasts) and the adapter, from
+        a dry-run row of the same model, quant, memory fixes and DoRA (at any length or rank: the
+        adapter's share is exact from the config, ``ledger.adapter.adapter_mib``). None where no
+        row or no config says."""
+        if self._weights is None:
+            self._weights = {}
+            for d in self.dry:
+                if d.outcome.pre_step_mib is None or d.optimizer:
+                    continue
+                targets = tuple(d.lora.target_modules)
+                own = adapter_mib(d.model, d.lora.rank, targets, bool(d.lora.dora))
+                if own is None:
+                    continue
+                key = (model_name(d.model), d.quant, fixes_key(d.memory_fixes), bool(d.lora.dora))
+                base = d.outcome.pre_step_mib - own
+                found = self._weights.get(key)
+                if found is None or base > found[0]:
+                    self._weights[key] = (base, d.model, targets)
+        found = self._weights.get((model_name(recipe.model), recipe.quant, recipe.fixes, recipe.dora))
+        if found is None:
+            return None
+        base, model, targets = found
+        dora = recipe.dora
+
+        def weights(rank: int) -> float:
+            return base + adapter_mib(model, rank, targets, dora)
+        return weights
+
+    def end_figure(self, recipe: Recipe) -> Optional[Callable[[int], float]]:
+        """The step at the end of its backward, as a function of the rank: the weights
+        (``weights_figure``) and the adapter's gradients (as large as its fp32 weights). A floor of
+        the step's peak; None where ``weights_figure`` is."""
+        weights = self.weights_figure(recipe)
+        if weights is None:
+            return None
+        found = self._weights[(model_name(recipe.model), recipe.quant, recipe.fixes, recipe.dora)]
+        model, targets, dora = found[1], found[2], recipe.dora
+
+        def end(rank: int) -> float:
+            return weights(rank) + adapter_mib(model, rank, targets, dora)
+        end.column = lambda ranks: np.array([end(int(r)) for r in ranks], dtype=float)
+        return end
+
+    def _chord_figure(self, recipe: Recipe) -> Callable[[int], tuple[Optional[float], list[str]]]:
         none = _unreached()
         if recipe.seq_len is None:
             return none

@@ -19,6 +19,13 @@ and checked against the state the optimizer really allocates after its first ste
   keeps a row and a column second-moment vector, a vector one of its own size, and each tensor its
   RMS as a one-element tensor.
 - ``sgd``: ``torch.optim.SGD`` as the Trainer builds it (momentum 0): no state.
+
+The step itself holds more for a moment (``transient``): on a GPU torch's AdamW steps every tensor
+at once (foreach), and its ``_foreach_sqrt`` of the second moment is a temporary the size of every
+parameter together; the fused AdamW, SGD without momentum and bitsandbytes' kernels work in place;
+Adafactor steps one tensor at a time, with two temporaries the size of that tensor. A training
+run's peak is at least what the step holds: the weights, the adapter, its gradients, the state and
+this transient (``tests/test_optimizers.py`` checks it on the real step of tiny configs).
 """
 
 from __future__ import annotations
@@ -48,6 +55,20 @@ def optimizer_for(fixes: str, asked: Optional[str] = None) -> Optional[str]:
 
 def _block(nbytes: int) -> int:
     return (nbytes + BLOCK - 1) // BLOCK * BLOCK
+
+
+def transient_bytes(name: str, shapes: Union[Iterable[tuple[int, ...]], Mapping[tuple[int, ...], int]],
+                    param_bytes: int = 4) -> int:
+    """Bytes the optimizer's step holds for a moment beyond its state (see the module's text), as
+    torch steps on a GPU. Raises ValueError for an optimizer this module does not know."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r} (known: {', '.join(OPTIMIZERS)})")
+    counts = shapes if isinstance(shapes, Mapping) else Counter(tuple(s) for s in shapes)
+    if name == "adamw_torch":
+        return sum(k * _block(prod(shape) * param_bytes) for shape, k in counts.items())
+    if name == "adafactor":
+        return 2 * max((_block(prod(shape) * param_bytes) for shape in counts), default=0)
+    return 0
 
 
 @dataclass(frozen=True)

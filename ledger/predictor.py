@@ -57,8 +57,8 @@ from .limits import CardLimits
 from .model_configs import model_name
 from .models import Gpu, Ledger, Measurement
 from .recipe import Recipe
-from .response_span import (ProbeToReal, answerable, batch_err, fewer_targets, state_growth, state_mib,
-                            steady_state_text, upper_bound, with_optimizer_state)
+from .response_span import (ProbeToReal, answerable, batch_err, fewer_targets, floored, state_growth, state_mib,
+                            steady_state_text, step_floor_mib, upper_bound, with_optimizer_state)
 from .rungs import CalibratedDryRun, MeasuredRealRun, probe_ladder
 
 
@@ -215,6 +215,13 @@ class Predictor:
         if found is None:
             found = self.cores[key] = self._core(*key)
         probe, method, text, evidence, real, basis = found
+        if run == "real" and optimizer and real is not None:
+            floor = step_floor_mib(self.table, recipe.replace(targets=asked.targets), optimizer)
+            if floor is not None:
+                rem = self.remainder(gpu, entry.vendor if entry else None)[0] or 0.0
+                real, how = floored(real, floor + rem, self.dry_cal.width_fraction(True, recipe))
+                if how and full:
+                    text = f"{text}; {how}"
         if run == "real":
             if optimizer and full:
                 real, text = with_optimizer_state(real, recipe.replace(targets=asked.targets), optimizer, text,

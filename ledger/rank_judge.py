@@ -14,7 +14,7 @@ import numpy as np
 from .answers import Run, verdict_for
 from .models import Gpu
 from .recipe import Recipe
-from .response_span import growth_mib, state_mib
+from .response_span import growth_mib, state_mib, step_floor_mib
 
 
 def dry_judge(p, recipe: Recipe, gpu: str, entry: Optional[Gpu] = None,
@@ -187,6 +187,7 @@ class _Spec(NamedTuple):
     added_at: Callable
     raw_column: Callable
     added_column: Callable
+    floor_column: Callable  # ranks -> the optimizer step's floor (raw), nan where none
 
 
 def _spec(p, recipe: Recipe, widened: float, run: Run, optimizer: Optional[str]) -> _Spec:
@@ -199,15 +200,37 @@ def _spec(p, recipe: Recipe, widened: float, run: Run, optimizer: Optional[str])
         over = (1 - o.high_pct / 100, 1 - o.low_pct / 100)
     state = optimizer if run == "real" and recipe.model else None
     measured_rank = p.over.max_rank if over is not None and state is None else None
-    return _Spec(exact, narrow, wide, over, off, widened, *_per_rank(p, recipe, state, measured_rank))
+    return _Spec(exact, narrow, wide, over, off, widened, *_per_rank(p, recipe, state, measured_rank),
+                 _floor_of(p, recipe, state)[1])
+
+
+def _floor_of(p, recipe: Recipe, state: Optional[str]) -> tuple[Callable, Callable]:
+    """(rank -> the optimizer step's floor or None, ranks -> the same as an array, nan for None):
+    ``response_span.step_floor_mib`` rank by rank, what ``Predictor.predict`` floors a training run
+    with; None everywhere without an optimizer."""
+    key = ("floor", recipe, state)
+    found = p.rank_bounds.get(key)
+    if found is None:
+        seen: dict[int, Optional[float]] = {}
+
+        def floor_at(rank: int) -> Optional[float]:
+            if rank not in seen:
+                seen[rank] = None if state is None else step_floor_mib(p.table, recipe.replace(rank=rank), state)
+            return seen[rank]
+
+        def floor_column(ranks) -> np.ndarray:
+            return np.array([np.nan if (f := floor_at(int(r))) is None else f for r in ranks], dtype=float)
+        found = p.rank_bounds[key] = floor_at, floor_column
+    return found
 
 
 def _bounds(p, recipe: Recipe, rem: float, widened: float, run: Run, optimizer: Optional[str]):
     """(rank -> (bottom, top) of the judged interval, or None where the table does not reach; the
     ranks dry-run exactly), each rank's computed once. The dry-run figure and the state added
     at a rank do not depend on the card: made once per recipe (``_per_rank``) for every remainder."""
-    exact, narrow, wide, over, off, widened, raw_at, added_at, raw_column, added_column = _spec(
+    exact, narrow, wide, over, off, widened, raw_at, added_at, raw_column, added_column, floor_column = _spec(
         p, recipe, widened, run, optimizer)
+    floor_at = _floor_of(p, recipe, optimizer if run == "real" and recipe.model else None)[0]
     cache: dict[int, Optional[tuple[float, float]]] = {}
 
     def bounds(rank: int) -> Optional[tuple[float, float]]:
@@ -222,6 +245,10 @@ def _bounds(p, recipe: Recipe, rem: float, widened: float, run: Run, optimizer: 
         bottom, top = round(mib * (1 - width), 1), round(mib * (1 + width), 1)
         if over is not None:  # as ProbeToReal.probe_to_real: the core, then the over-estimate
             bottom, top = round(round(bottom - off, 1) * over[0], 1), round(round(top - off, 1) * over[1], 1)
+        floor = floor_at(rank)
+        if floor is not None:  # as response_span.floored: each end the higher of the two
+            floor += rem
+            bottom, top = max(bottom, round(floor * (1 - wide), 1)), max(top, round(floor * (1 + wide), 1))
         add = added_at(rank)
         if add:
             bottom, top = round(bottom + add, 1), round(top + add, 1)
@@ -238,6 +265,8 @@ def _bounds(p, recipe: Recipe, rem: float, widened: float, run: Run, optimizer: 
         ends = round1(np.stack((mib * (1 - wide), mib * (1 + wide))))
         if over is not None:
             ends = round1(round1(ends - off) * np.array(((over[0],), (over[1],))))
+        floor = floor_column(ranks) + rem
+        ends = np.where(np.isnan(ends), ends, np.fmax(ends, round1(np.stack((floor * (1 - wide), floor * (1 + wide))))))
         ends = round1(ends + added_column(ranks))
         if widened:
             ends = round1(ends * np.array(((1 - widened,), (1 + widened,))))
@@ -266,6 +295,7 @@ def dry_ceilings_many(p, asks: list[tuple[Recipe, float, Optional[str]]],
         return out
     raw = np.stack([s.raw_column(grid) for s in specs])
     added = np.stack([s.added_column(grid) for s in specs])
+    floors = np.stack([s.floor_column(grid) for s in specs])
     exact = np.zeros((n, k), dtype=bool)
     for i, s in enumerate(specs):
         for r in s.exact:
@@ -289,6 +319,10 @@ def dry_ceilings_many(p, asks: list[tuple[Recipe, float, Optional[str]]],
         if with_over.any():
             bottom = np.where(with_over[:, None], round1(round1(bottom - off) * over_lo), bottom)
             top = np.where(with_over[:, None], round1(round1(top - off) * over_hi), top)
+        floor = floors + rem
+        floor_width = np.array([[s.wide] for s in specs])
+        bottom = np.where(np.isnan(bottom), bottom, np.fmax(bottom, round1(floor * (1 - floor_width))))
+        top = np.where(np.isnan(top), top, np.fmax(top, round1(floor * (1 + floor_width))))
         bottom, top = round1(bottom + added), round1(top + added)
         if with_widened.any():
             bottom = np.where(with_widened[:, None], round1(bottom * (1 - widened)), bottom)

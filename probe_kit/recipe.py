@@ -449,6 +449,11 @@ def make_optimizer(model: torch.nn.Module, name: str, fake: bool = False):
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(output_dir=out, optim=name, report_to=[], use_cpu=True)
     cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    if issubclass(cls, torch.optim.Optimizer) and cls.__module__.startswith("torch.optim") and not kwargs.get("fused"):
+        # On a GPU torch's optimizers step every tensor at once (foreach), with temporaries the size
+        # of the parameters (AdamW's sqrt of its second moment); on a CPU they default to one tensor
+        # at a time. The step is made as on the card, wherever it runs.
+        kwargs = {**kwargs, "foreach": True}
     params = [p for p in model.parameters() if p.requires_grad]
     if fake:
         # bitsandbytes computes its quantile maps from values (``tolist``) when it is made: made

@@ -135,7 +135,11 @@ def test_a_stock_llama_8b_r512_real_run_does_not_fit_a_4090_because_of_adamw_sta
     plain = _estimate(capsys, "--fixes", "none", "--optim", "sgd")
     assert plain["answer"]["verdict"] in ("fits", "tight")
     gap = stock["answer"]["real_allocated"]["mib"] - plain["answer"]["real_allocated"]["mib"]
-    assert gap == pytest.approx(10240.0, abs=0.2)
+    # The state, and where AdamW's step holds more than the backward (its foreach temporary, the
+    # size of the adapter: 5,120 MiB), the difference too.
+    assert 10240.0 - 0.2 <= gap <= 10240.0 + 5120.0 + 0.2
+    if gap > 10240.2:
+        assert "the optimizer's step holds more than the step before it" in stock["answer"]["method_text"]
     # The program's preset (--fixes all) names no optimizer: its measured runs hold their own state,
     # and AdamW's state grows past the largest rank they measured (leaning high).
     preset = _estimate(capsys, "--fixes", "all")
