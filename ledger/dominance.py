@@ -157,12 +157,24 @@ class Dominance:
         return self.__dict__["_ids_key"]
 
     def _failure_entries(self, key: tuple) -> list:
+        """The rows of ``key`` that ran out of memory or spilled, as (recipe, status, id, kept
+        positions). A real run that records no longest example (and pairs with no probe) failed
+        on some example of its corpus: it bounds the recipes at least as long as the longest
+        example any real run of the same key on the card trained (the worst case it could have
+        met, if its corpus was no longer than theirs: the program's runs share one corpus)."""
         if key not in self._fail_keys:
             out = []
-            for _, m in self._positions().get(key, ()):
+            rows = self._positions().get(key, ())
+            longest = None
+            for _, m in rows:
                 if m.outcome.status not in ("oom", "spilled"):
                     continue
                 r = self.fit.recipe_for(m)
+                if r is not None and r.seq_len is None and m.kind == "real":
+                    if longest is None:
+                        longest = max((x.seq_len for x in (self.fit.recipe_for(m2) for _, m2 in rows)
+                                       if x is not None and x.seq_len), default=0)
+                    r = r.replace(seq_len=longest) if longest else None
                 if r is not None and r.seq_len is not None:
                     out.append((r, m.outcome.status, m.id, kept_positions(m)))
             self._fail_keys[key] = out
