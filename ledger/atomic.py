@@ -82,6 +82,10 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     try:
         if path.is_dir():
             raise LedgerError(Issue(str(shown_path), "", "is a directory, not a file"))
+        if path.exists() and not path.stat().st_mode & 0o222:
+            # A rename replaces a file whatever its mode: a file its owner made read-only is kept.
+            raise LedgerError(Issue(str(shown_path), "", f"is read-only (mode {path.stat().st_mode & 0o777:04o}): not "
+                                    "replaced; make it writable (chmod u+w) to write to it"))
         path.parent.mkdir(parents=True, exist_ok=True)
         data = text.encode("utf-8")
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{_temp_prefix(path)}{os.getpid()}.", suffix=".tmp")

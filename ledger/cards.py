@@ -4,7 +4,9 @@ public source of each figure). No torch, no fits: names in, entries out."""
 
 from __future__ import annotations
 
+import difflib
 import json
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
@@ -97,10 +99,49 @@ def known_card_names(ledger: Ledger) -> list[str]:
     return sorted(set(ledger.gpus) | set(card_table()))
 
 
+#: Words a card's name may carry or lack without naming another card.
+_VENDOR_WORDS = ("nvidia", "geforce", "amd", "radeon")
+
+
+def compact(name: str) -> str:
+    """A card's name as people type it, compared: lower case, vendor words and everything but
+    letters and digits dropped ('NVIDIA GeForce RTX 4090', 'RTX4090' and 'rtx-4090' are one)."""
+    low = name.lower()
+    for word in _VENDOR_WORDS:
+        low = re.sub(rf"\b{word}\b", " ", low)
+    return re.sub(r"[^a-z0-9]+", "", low)
+
+
+def _spellings(ledger: Ledger) -> dict[str, tuple[str, set[str]]]:
+    """Every card a command accepts: key -> (its name, the compact forms of its key, name and aliases)."""
+    out = {k: (c.gpu.name, {compact(n) for n in (k, c.gpu.name, *c.gpu.aliases)}) for k, c in card_table().items()}
+    for k, g in ledger.gpus.items():
+        out[k] = (g.name, {compact(n) for n in (k, g.name, *g.aliases)})
+    return out
+
+
 def require_card(ledger: Ledger, name: str, where: str = "--gpu") -> tuple[str, Gpu, str]:
-    """``resolve_card``, or a one-line error listing every card a command accepts."""
+    """``resolve_card`` (a key, name or alias, spaced and prefixed as people type it: ``compact``),
+    or a one-line error: a name that could be several cards lists them (an ``A100`` is 40 or 80 GB),
+    else the nearest names."""
     found = resolve_card(ledger, name)
-    if found is None:
-        raise UserError(Issue(where, "", f"unknown gpu {name!r} (known: {', '.join(known_card_names(ledger))}; for "
-                              "another card give --gpu-mib with the total nvidia-smi shows for it)"))
-    return found
+    if found is not None:
+        return found
+    want = compact(name)
+    cards = _spellings(ledger)
+    exact = sorted(k for k, (_, forms) in cards.items() if want in forms)
+    if len(exact) == 1:
+        return resolve_card(ledger, exact[0])
+    other = "for another card give --gpu-mib with the total nvidia-smi shows for it; `vram cards` lists them"
+    if len(exact) > 1 or not want:
+        candidates = exact
+    else:
+        candidates = sorted(k for k, (_, forms) in cards.items() if any(f.startswith(want) for f in forms))
+    if len(candidates) > 1 and len(exact) != 1:
+        listed = ", ".join(f"{k} ({cards[k][0]})" for k in candidates[:8])
+        raise UserError(Issue(where, "", f"ambiguous gpu {name!r}: it could be {listed}; name one ({other})"))
+    if not candidates:
+        forms = {f: k for k, (_, fs) in cards.items() for f in fs}
+        candidates = sorted({forms[f] for f in difflib.get_close_matches(want, list(forms), n=3, cutoff=0.75)})
+    hint = f"; did you mean {' or '.join(f'{k} ({cards[k][0]})' for k in candidates)}?" if candidates else ""
+    raise UserError(Issue(where, "", f"unknown gpu {name!r}{hint} ({other})"))

@@ -29,6 +29,8 @@ from __future__ import annotations
 import datetime as dt
 import json
 import re
+from bisect import bisect_right
+from itertools import accumulate
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -153,13 +155,108 @@ def _new_run(ev: RunEvidence, line: str) -> bool:
                 or _TORCH_NAMES.search(line) or _PEAK_PLAIN.search(line))
 
 
-def parse_runs(text: str, name: str = "log") -> list[RunEvidence]:
+#: What a line must hold for anything but a progress counter to be read off it: a short trigger of
+#: every pattern ``_read_line`` and ``_new_run`` read (a necessary condition, never spanning a line).
+#: The lines without one are read for their progress alone (``parse_runs``' fast scan): most of a
+#: long log is progress bars redrawn. Literals are found with ``str.find`` on the lower-cased text;
+#: the two that are patterns are checked where their literal part is.
+_TRIGGER_WORDS = ("running training", "starting ", "step", "vram-ledger:", "out of memory", "_status_alloc_failed",
+                  "xid", "error:", "illegal memory", "segmentation fault", "core dumped", "device-side", "misaligned",
+                  "_mem_", "memory/", "peak", "max_ma", "max_memory")
+_TRIGGER_DATE = re.compile(r"\d{4}-\d\d-\d\d")  # checked at each '-' (four places before it)
+_TRIGGER_MAX = re.compile(r"max(?:imum)?[_ ]?(?:gpu|cuda|vram|device|mem)")  # checked at each 'max'
+_TRIGGER_LITERAL = re.compile("|".join([re.escape(w) for w in _TRIGGER_WORDS] + ["max"]))  # on lower-cased text
+_TRIGGER = re.compile("|".join([re.escape(w) for w in _TRIGGER_WORDS] + [_TRIGGER_DATE.pattern, _TRIGGER_MAX.pattern]),
+                      re.I)
+
+
+def _trigger_positions(text: str) -> list[int]:
+    """Where a ``_TRIGGER`` starts in the text (at least one place on every line that holds one)."""
+    low = text.lower()
+    if len(low) != len(text):  # a character whose lower case is longer: offsets would drift
+        return [m.start() for m in _TRIGGER.finditer(text)]
+    hits = [m.start() for m in _TRIGGER_LITERAL.finditer(low)
+            if low[m.start():m.start() + 3] != "max" or _TRIGGER_MAX.match(low, m.start())]
+    at = low.find("-")
+    while at >= 0:
+        if at >= 4 and _TRIGGER_DATE.match(low, at - 4):
+            hits.append(at - 4)
+        at = low.find("-", at + 1)
+    return hits
+
+
+def _special_lines(text: str, ends: list[int]) -> set[int]:
+    """The numbers (from 1) of the lines of ``text`` that hold a ``_TRIGGER`` (``ends``: where
+    each line ends, its separator included)."""
+    return {bisect_right(ends, at) + 1 for at in _trigger_positions(text)}
+
+
+#: ``_PROGRESS`` from its '/' (a literal first: found fast), and the step just before that '/'.
+_TQDM_TAIL = re.compile(r"/(\d+)\s*\[")
+_STEP_TAIL = re.compile(r"\d+\Z")
+_STEP_WINDOW = 24  # characters looked at before the '/' for the step; a longer number is read by _PROGRESS
+
+
+def _last_tqdm(line: str) -> tuple[Optional[tuple[str, str]], int]:
+    """``_PROGRESS.findall(line)[-1]`` (or None) and where that match ends: each '/' with digits and
+    a '[' after it, and before it a run of digits that does not follow a digit, '/' or '.'."""
+    found, end = None, 0
+    m = _TQDM_TAIL.search(line)
+    while m:
+        at = m.start()
+        step = _STEP_TAIL.search(line, max(0, at - _STEP_WINDOW), at)
+        if step is not None:
+            first = step.start()
+            if first == 0 or line[first - 1] not in "/.0123456789":
+                found, end = (step[0], m[1]), m.end()
+            elif line[first - 1] not in "/.":  # a step longer than the window: as the pattern reads it
+                every = list(_PROGRESS.finditer(line))
+                return (every[-1].groups(), every[-1].end()) if every else (None, 0)
+        m = _TQDM_TAIL.search(line, m.end())
+    return found, end
+
+
+def parse_runs(text: str, name: str = "log", fast: bool = True) -> list[RunEvidence]:
     """Read every run a log holds, each with its line range (``first_line``, ``last_line``).
-    Raises LogError naming what was missing when no run holds evidence."""
+    Raises LogError naming what was missing when no run holds evidence. ``fast``: a line with no
+    ``_TRIGGER`` is read for its progress counter alone, as the whole reading would read it
+    (``benchmarks/ingest_bench.py --check`` compares the two)."""
     runs: list[RunEvidence] = []
     ev = RunEvidence()
     lineno = 0
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    lines = text.splitlines()
+    special = None
+    if fast:
+        special = _special_lines(text, list(accumulate(map(len, text.splitlines(keepends=True)))))
+    # A progress bar is redrawn many times at one step: a line that starts with the last one's
+    # text up to the end of its tqdm counter, with no other counter after that, has the same counter.
+    seen_head, seen = None, None
+    for lineno, line in enumerate(lines, start=1):
+        if special is not None and lineno not in special:
+            # Only a progress counter can be read here: a new run where it goes back (or after
+            # a run ended), else the run's last step (as ``_progress`` reads it).
+            if "/" not in line:
+                continue
+            if seen_head is not None and line.startswith(seen_head) and not _TQDM_TAIL.search(line, len(seen_head)):
+                progress = seen
+            else:
+                found, end = _last_tqdm(line)
+                if found is None:
+                    seen_head = None
+                    progress = _plain_progress(line)
+                else:
+                    step, total = int(found[0]), int(found[1])
+                    progress = (step, total) if step <= total and total > 1 else None
+                    seen_head, seen = line[:end], progress
+            if progress is None:
+                continue
+            if lineno > ev.first_line and (ev.ended or (ev.last_step is not None and ev.total_steps == progress[1]
+                                                         and progress[0] < ev.last_step)):
+                ev.last_line = lineno - 1
+                runs.append(ev)
+                ev = RunEvidence(first_line=lineno)
+            ev.last_step, ev.total_steps = progress
+            continue
         if lineno > ev.first_line and _new_run(ev, line):
             ev.last_line = lineno - 1
             runs.append(ev)
@@ -210,13 +307,22 @@ def _finish(ev: RunEvidence) -> RunEvidence:
 
 
 def _progress(line: str) -> Optional[tuple[int, int]]:
-    """(step, total) of the last progress counter on a line, if it is one."""
-    progress = [(int(m[1]), int(m[2])) for m in _PROGRESS.finditer(line)]
-    if not progress:
-        progress = [(int(m[1] or m[3]), int(m[2] or m[4])) for m in _PROGRESS_PLAIN.finditer(line)]
-    if progress and progress[-1][0] <= progress[-1][1] and progress[-1][1] > 1:
-        return progress[-1]
-    return None
+    """(step, total) of the last progress counter on a line, if it is one: tqdm's, else a plain one."""
+    found = _PROGRESS.findall(line)
+    if not found:
+        return _plain_progress(line)
+    step, total = int(found[-1][0]), int(found[-1][1])
+    return (step, total) if step <= total and total > 1 else None
+
+
+def _plain_progress(line: str) -> Optional[tuple[int, int]]:
+    """``_progress`` of a line with no tqdm counter."""
+    found = _PROGRESS_PLAIN.findall(line)
+    if not found:
+        return None
+    a, b, c, d = found[-1]
+    step, total = int(a or c), int(b or d)
+    return (step, total) if step <= total and total > 1 else None
 
 
 def _read_line(ev: RunEvidence, line: str, lineno: int, name: str) -> None:

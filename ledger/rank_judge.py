@@ -250,6 +250,9 @@ def _bounds(p, recipe: Recipe, rem: float, widened: float, run: Run, optimizer: 
             floor += rem
             bottom, top = max(bottom, round(floor * (1 - wide), 1)), max(top, round(floor * (1 + wide), 1))
         add = added_at(rank)
+        if add != add:  # nan: the optimizer's state is not known
+            cache[rank] = None
+            return None
         if add:
             bottom, top = round(bottom + add, 1), round(top + add, 1)
         if widened:
@@ -449,9 +452,9 @@ def _per_rank(p, recipe: Recipe, state: Optional[str], measured_rank: Optional[i
 
         def added_at(rank: int) -> float:
             if rank not in added:
-                if state is not None:
+                if state is not None:  # a state that cannot be counted leaves the figure unknown
                     s = state_mib(model, rank, targets, dora, state)
-                    added[rank] = 0.0 if s is None else s
+                    added[rank] = float("nan") if s is None else s
                 elif measured_rank and rank > measured_rank:
                     added[rank] = growth_mib(model, rank, targets, dora, measured_rank)
                 else:

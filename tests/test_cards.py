@@ -121,3 +121,27 @@ def test_a_stock_recipe_on_a_16gb_card_is_answered(predictor):
     a = predictor.predict(Recipe("qwen2.5-7b", rank=16, seq_len=2048, fixes="none", optimizer="adamw_torch"),
                           "rtx-5070-ti", entry=table["rtx-5070-ti"].gpu, run="real")
     assert a.verdict in ("fits", "tight") and a.limit_low_mib > 13000
+
+
+@pytest.mark.parametrize("typed,key", [("RTX4090", "rtx-4090"), ("GeForce RTX 4090", "rtx-4090"),
+                                       ("NVIDIA GeForce RTX 4090", "rtx-4090"), ("rtx 3090", "rtx-3090"),
+                                       ("Radeon RX 7900 XTX", "rx-7900-xtx"), ("RTX 3070 Ti", "rtx-3070-ti")])
+def test_a_card_is_found_however_its_name_is_spaced_or_prefixed(typed, key):
+    from ledger.cards import require_card
+
+    assert require_card(store.load(BUNDLED), typed)[0] == key
+
+
+@pytest.mark.parametrize("typed,says", [
+    ("A100", "ambiguous gpu 'A100': it could be a100-40gb (NVIDIA A100-SXM4-40GB), a100-80gb"),
+    ("RTX 4060 Ti", "unknown gpu 'RTX 4060 Ti'; did you mean rtx-4060-ti-16gb"),
+    ("RTX 4050", "unknown gpu 'RTX 4050'; did you mean rtx-4080"),
+])
+def test_a_card_name_that_is_not_one_card_is_refused_with_its_candidates(typed, says, capsys):
+    """Never a silent pick (an "A100" was the 40 GB card) and never a dump of every key: the
+    candidates, or the nearest names, on one line."""
+    assert cli.main(["estimate", "--model", "qwen2.5-7b", "--rank", "16", "--seq-len", "1024", "--gpu", typed,
+                     "--no-compute"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("--gpu: ") and says in err
+    assert "a10," not in err  # no list of every card

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import os
+import sys
 
 from .. import store
 from ..calibration_report import calibrate
@@ -110,9 +112,15 @@ def cmd_predict(args: argparse.Namespace) -> int:
     does not hold yet is added with the prediction. Dry-run rows the answer rests on are copied
     into it, so the ledger holds its whole basis. When a matching real run is ingested later, the
     prediction is scored and stays in the ledger."""
+    if not os.path.lexists(args.ledger) and not args.model:
+        raise UserError(Issue(str(args.ledger), "", "no such ledger: give --model to start one with this prediction "
+                              "(as `vram init` would), or --ledger an existing file"))
     ledger = store.load_or_new(args.ledger)
     require_model(args.model, ledger)
     gpu, entry = card_from(args, ledger)
+    if not os.path.lexists(args.ledger) and not args.dry_run:
+        print(f"{args.ledger}: no ledger there yet: this prediction starts a new one (as `vram init` would)",
+              file=sys.stderr)
     made_on = parse_date(args.date, "--date") or dt.date.today()
     if made_on > dt.date.today():
         raise UserError(Issue("--date", "", f"{made_on} is in the future: a prediction is made from what is "

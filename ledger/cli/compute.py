@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import os
 import re
 import subprocess
@@ -149,6 +150,12 @@ def compute_points(points: list[dict], label: str, cache: Optional[str], *, no_c
     if not points:
         return
     target = cache_file(cache)
+    missing = [name for name in ("torch", "transformers", "peft") if importlib.util.find_spec(name) is None]
+    if missing and not no_compute:
+        raise UserError(Issue("--compute", "", f"{label} needs {len(points)} dry runs, which need {', '.join(missing)}: "
+                              "install the probe extra (pip install -e '.[probe]'), or answer from the shipped rows "
+                              "alone with --no-compute"))
+    _drop_crashed(target)
     shards = max(1, min(shards or os.cpu_count() or 1, len(points) // 2 or 1))
     secs = seconds_for(points)
     guess = f"about {secs / shards:.0f} s" if secs else "time unknown"
@@ -181,10 +188,34 @@ def compute_points(points: list[dict], label: str, cache: Optional[str], *, no_c
                 codes.append(proc.returncode)
     finally:
         os.unlink(path)
+    crashed = _drop_crashed(target)
     failed = [c for c in codes if c != 0]
     if failed:
         raise UserError(Issue("--compute", "", f"the dry-run sweep exited {failed[0]} (see above)"))
+    if crashed:
+        raise UserError(Issue("--compute", "", f"{len(crashed)} of the dry runs crashed and were not kept: "
+                              f"{crashed[0]}"))
     print(f"computed in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+
+
+def _drop_crashed(target: Path) -> list[str]:
+    """Remove the cache's crashed dry runs (a missing library, a bug: never an answer, and a kept
+    one would stop ``--resume`` from running the point again); their first lines of error."""
+    if not Path(target).is_file():
+        return []
+    from .. import store
+
+    found: list[str] = []
+
+    def change(lg):
+        crashed = [m for m in lg.measurements if m.kind == "dry_run" and m.outcome.status == "crashed"]
+        if not crashed:
+            return store.UNCHANGED
+        found.extend(f"{m.id}: {(m.outcome.result_text or 'crashed').splitlines()[0]}" for m in crashed)
+        ids = {m.id for m in crashed}
+        return lg.model_copy(update={"measurements": [m for m in lg.measurements if m.id not in ids]})
+    store.update(target, change)
+    return found
 
 
 def ensure_dry_runs(args: argparse.Namespace, predictor, recipe: Recipe) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import textwrap
 
 from .. import store
 from ..errors import Issue, UserError
@@ -27,6 +28,8 @@ def add_estimate_options(p: argparse.ArgumentParser) -> None:
     add_dry_runs_option(p)
     add_compute_option(p)
     add_json_option(p)
+    p.add_argument("--verbose", action="store_true", help="every part of how the answer was made (by default the "
+                   "first two: its basis and its interval; --json has them all)")
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
@@ -38,8 +41,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     requested card when it has one). How each fares against the ledger is on the estimator page."""
     require_model(args.model)
     arch = load_arch(args.model)
-    if args.rank <= 0 or args.seq_len <= 0 or args.batch_size <= 0:
-        raise UserError(Issue("--rank", "", "rank, seq-len and batch size must be > 0"))
+    if args.rank <= 0:
+        raise UserError(Issue("--rank", "", f"must be > 0, got {args.rank}"))
     ledger = store.load(args.ledger)
     gpu, entry = card_from(args, ledger, required=False)
     card = capacity_mib(entry) if entry is not None else None
@@ -90,9 +93,11 @@ def cmd_estimate(args: argparse.Namespace) -> int:
               f"allocated ({span})"
               + (f", {answer.reserved.mib} MiB reserved" if answer.reserved and answer.reserved.mib else "")
               + f", by {answer.method}")
-        print(f"    {answer.method_text}")
+        for line in _details(answer.method_text, args.verbose):
+            print(line)
         if gpu:
-            print(f"    {answer.why} ({answer.limit_source})")
+            print(textwrap.fill(f"{answer.why} ({answer.limit_source})", WIDTH, initial_indent="    ",
+                                subsequent_indent="      "))
         else:
             print("    give --gpu (or --gpu-mib for a card not in `vram cards`) for a verdict on a card")
     elif answer is not None:
@@ -114,6 +119,29 @@ def cmd_estimate(args: argparse.Namespace) -> int:
               f"{n['peak_allocated_mib']:,.1f} MiB allocated"
               + (f", {n['peak_reserved_mib']:,.1f} MiB reserved" if n["peak_reserved_mib"] else ""))
     return 0
+
+
+#: Columns an answer's lines are wrapped to.
+WIDTH = 100
+#: Parts of the method's text shown without --verbose (the figure's basis and its interval).
+SHOWN_PARTS = 2
+
+
+def _details(text: str, verbose: bool) -> list[str]:
+    """The method's text as lines of at most ``WIDTH`` columns, one part (``; ``-separated) a
+    line: the first ``SHOWN_PARTS`` and how many more ``--verbose`` shows, or every part."""
+    parts, depth, start = [], 0, 0
+    for i, c in enumerate(text):  # "; " outside parentheses separates the parts
+        depth += (c == "(") - (c == ")")
+        if c == ";" and depth == 0 and text[i + 1:i + 2] == " ":
+            parts.append(text[start:i].strip())
+            start = i + 1
+    parts = [p for p in parts + [text[start:].strip()] if p]
+    shown = parts if verbose else parts[:SHOWN_PARTS]
+    lines = [textwrap.fill(p, WIDTH, initial_indent="    ", subsequent_indent="      ") for p in shown]
+    if len(parts) > len(shown):
+        lines.append(f"    ({len(parts) - len(shown)} more parts of how it was made: --verbose, or --json)")
+    return lines
 
 
 COMMANDS = [Command("estimate", "this project's answer for one configuration, then every outside estimator's figure",

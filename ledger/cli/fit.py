@@ -58,9 +58,13 @@ def cmd_fit(args: argparse.Namespace) -> int:
     quants = args.quant or ["4bit", "bf16"]
     fixes = list(dict.fromkeys(_fixes_key(text) for text in args.fixes or ["none"]))
     ckpt = not args.no_gradient_checkpointing
-    wanted = {(p["fixes"], p.get("batch_size", 1))
-              for p in grid_points(args.model, checkpointing=ckpt, fixes_settings=tuple(fixes), batch=args.batch_size)}
-    have = {(fixes_key(d.memory_fixes), d.batch_size or 1) for d in dry_rows(args)
+    # Every grid point of the table has its row (an answer's few dry runs at one length are not the grid).
+    wanted = {(p["quant"], p["fixes"], p.get("batch_size", 1), p["seq_len"], p["rank"], bool(p.get("dropout")),
+               bool(p.get("dora")))
+              for p in grid_points(args.model, checkpointing=ckpt, fixes_settings=tuple(fixes), batch=args.batch_size)
+              if p["quant"] in quants}
+    have = {(d.quant, fixes_key(d.memory_fixes), d.batch_size or 1, d.seq_len, d.lora.rank, bool(d.lora.dropout),
+             bool(d.lora.dora)) for d in dry_rows(args)
             if model_name(d.model) == name and (d.gradient_checkpointing is not False) == ckpt}
     has_rows = wanted <= have
     if args.compute or (not has_rows and not args.no_compute and config_path(args.model) is not None):
@@ -73,12 +77,20 @@ def cmd_fit(args: argparse.Namespace) -> int:
     if args.batch_size <= 0:
         raise UserError(Issue("--batch-size", "", f"must be > 0, got {args.batch_size}"))
     # The lengths its config allows, read from the config as given (a path's name alone finds none).
-    cells = [c for c in fit_table(p, models=[name], gpus=[gpu], extra_cards={gpu: entry}, budget_mib=args.budget_mib,
-                                  lengths=model_lengths(args.model),
-                                  batch=args.batch_size, fixes_settings=tuple(fixes), optimizer=args.optim,
-                                  checkpointing=not args.no_gradient_checkpointing)
+    # The model as its config is read (a user's config by its path: the adapter's size, what the
+    # optimizer keeps for it, comes from the config), each cell named by its short name.
+    source = args.model if config_path(args.model) is not None else name
+    cells = [c._replace(model=name)
+             for c in fit_table(p, models=[source], gpus=[gpu], extra_cards={gpu: entry}, budget_mib=args.budget_mib,
+                                lengths=model_lengths(args.model),
+                                batch=args.batch_size, fixes_settings=tuple(fixes), optimizer=args.optim,
+                                checkpointing=not args.no_gradient_checkpointing)
              if c.quant in quants]
     stale = [i for i in stale_rows(p.dry) if name in i]
+    unknown = sum(c.status == "unknown" for c in cells)
+    if unknown and not all(c.status == "unknown" for c in cells) and config_path(args.model) is not None:
+        print(f"warning: {unknown} of {len(cells)} cells are unknown: the grid's dry runs of them are not computed; "
+              "run again with --compute (needs torch) to compute them", file=sys.stderr)
     for f in fixes:
         if all(c.status == "unknown" for c in cells if c.fixes == f):
             print(f"warning: no dry runs of {name} with memory fixes {f}"

@@ -101,8 +101,8 @@ def add_batch_option(p: argparse.ArgumentParser) -> None:
                    help="the projections LoRA targets: all-linear (the 7 attention and MLP projections, the default), "
                         "attn (q,k,v,o) or a comma list; fewer than 7 are answered by all 7, an upper bound")
     p.add_argument("--no-gradient-checkpointing", action="store_true",
-                   help="a run without gradient checkpointing (answered unknown, with the dry run to compute it: "
-                        "every answer the ledger holds has it on)")
+                   help="a run without gradient checkpointing (answered by dry runs of it alone, computed when "
+                        "missing unless --no-compute: every measured row has checkpointing on)")
 
 
 def parse_date(text: Optional[str], flag: str) -> Optional[dt.date]:

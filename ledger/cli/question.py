@@ -10,6 +10,7 @@ from typing import Optional
 
 from ..errors import Issue, UserError
 from ..ingest import fixes_option
+from ..model_configs import max_length, model_name
 from ..recipe import fixes_key
 from ..paths import shown
 
@@ -116,6 +117,12 @@ def recipe_from(args: argparse.Namespace, rank: int = 16):
 
     if args.seq_len is not None and args.seq_len <= 0:
         raise UserError(Issue("--seq-len", "", f"must be > 0, got {args.seq_len}"))
+    if getattr(args, "batch_size", 1) is not None and getattr(args, "batch_size", 1) <= 0:
+        raise UserError(Issue("--batch-size", "", f"must be > 0, got {args.batch_size}"))
+    longest = max_length(args.model) if getattr(args, "model", None) else None
+    if args.seq_len is not None and longest and args.seq_len > longest:
+        raise UserError(Issue("--seq-len", "", f"{args.seq_len} tokens is past {model_name(args.model)}'s context "
+                              f"(max_position_embeddings {longest}): the model cannot take it"))
     if getattr(args, "response_len", None) is not None and (args.response_len <= 0 or (
             args.seq_len and args.response_len >= args.seq_len)):
         raise UserError(Issue("--response-len", "", "must be in [1, --seq-len)"))

@@ -13,6 +13,7 @@ from ..fits import CellLabels, cell_results, fit_table, fits_document, ledger_gr
 from ..models import Ledger
 from ..held_out import shared_predictor
 from ..results import FitCard, Fits
+from .filters import neutral
 
 #: Above this many rows the whole ladder per cell (and leave-one-out) is too slow for a build.
 LOO_LIMIT = 1000
@@ -182,6 +183,7 @@ def _cell(c, label: str) -> list:
 
 def data_script(m: FitModel) -> str:
     """The picker's data for one model as a script (a page opened from file:// cannot fetch JSON,
-    but it can load a script): it registers the JSON under the model's name."""
-    safe = m.data_json.replace("</", "<\\/")
+    but it can load a script): it registers the JSON under the model's name. The picker shows its
+    texts: every bidirectional control is written out (``filters.neutral``), as the pages write it."""
+    safe = neutral(m.data_json).replace("</", "<\\/")
     return f"window.VRAM_FITS=window.VRAM_FITS||{{}};window.VRAM_FITS[{json.dumps(m.name)}]={safe};\n"
