@@ -4,6 +4,7 @@ recipe interpolated in length), with how well that derivation does on rows it di
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from bisect import bisect_left
 from functools import cached_property
@@ -135,7 +136,8 @@ class DryTable:
 
     def weights_figure(self, recipe: Recipe) -> Optional[Callable[[int], float]]:
         """What the step's weights hold at a rank, as the dry runs measured it before their step:
-        the model as prepared (its quantised or bf16 weights, what peft upcasts) and the adapter, from
+        the model as prepared (its quantised or bf16 weights, what peft upcasts), the adapter, and
+        what the dry run adds to the tracker's figures (``_extras``), from
         a dry-run row of the same model, quant, memory fixes and DoRA (at any length or rank: the
         adapter's share is exact from the config, ``ledger.adapter.adapter_mib``). None where no
         row or no config says."""
@@ -149,7 +151,7 @@ class DryTable:
                 if own is None:
                     continue
                 key = (model_name(d.model), d.quant, fixes_key(d.memory_fixes), bool(d.lora.dora))
-                base = d.outcome.pre_step_mib - own
+                base = d.outcome.pre_step_mib - own + _extras(d)
                 found = self._weights.get(key)
                 if found is None or base > found[0]:
                     self._weights[key] = (base, d.model, targets)
@@ -328,6 +330,22 @@ class DryTable:
         if found and found["n"] >= MIN_KIND_ROWS:
             return found["max_abs_err_pct"], found["n"], kind
         return d["max_abs_err_pct"], len(d["errors_pct"]), None
+
+
+#: What a dry run adds to the tracker's figures when no row says (two cuBLAS handles' workspaces,
+#: PyTorch's default): ``probe_kit.dry_run.CUBLAS_HANDLES`` x ``CUBLAS_WORKSPACE_MIB``.
+DEFAULT_EXTRAS_MIB = 16.2
+_TRACKER_PEAK = re.compile(r'"tracker_peak_mib": ([0-9.]+)')
+
+
+def _extras(d: Measurement) -> float:
+    """What the dry run added to its tracker's figures (the cuBLAS workspaces, a vision tower the
+    text model does not hold): its peak less the tracker's, as its breakdown records it."""
+    for note in d.provenance.notes:
+        found = _TRACKER_PEAK.search(note)
+        if found and d.outcome.peak_allocated_mib is not None:
+            return max(0.0, d.outcome.peak_allocated_mib - float(found[1]))
+    return DEFAULT_EXTRAS_MIB
 
 
 def _unreached() -> Callable[[int], tuple[Optional[float], list[str]]]:

@@ -263,7 +263,7 @@ def _fake_step(cfg: ProbeConfig, config, budget_mib: Optional[float], marks: Opt
                 try:
                     train_step(model, ids, cfg, lambda: offload(cfg, torch.device("cpu"), meter.exclude), fake=True,
                                warmed=warmed, backward_context=backward,
-                               offloader=step_offloader(model, cfg, torch.device("cpu"), meter))
+                               offloader=step_offloader(model, cfg, torch.device("cpu"), meter), unified=meter.never_count)
                 except torch.OutOfMemoryError as exc:
                     oom = str(exc)
                 meter.mark("end")

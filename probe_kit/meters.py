@@ -170,6 +170,15 @@ class TrackerMeter(TorchDispatchMode):
         if entry is not None:
             self.live_bytes -= entry[1]
 
+    def never_count(self, t: torch.Tensor) -> None:
+        """``exclude`` t's storage for good: ops that write it in place later do not count it again
+        (a paged optimizer's state, in CUDA unified memory on a GPU)."""
+        self.exclude(t)
+        st = t.untyped_storage()
+        key = st._cdata
+        self.host_storages[key] = weakref.ref(st, lambda ref, key=key: self.host_storages.pop(key, None)
+                                              if self.host_storages.get(key) is ref else None)
+
     # -- the dispatch hook --------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))

@@ -334,7 +334,8 @@ def run_probe(
 
                     exclude = meter.exclude if isinstance(meter, TrackerMeter) else None
                     train_step(model, ids, cfg, lambda: offload(cfg, dev, exclude), warmed=warmed,
-                               offloader=step_offloader(model, cfg, dev, meter if exclude else None))
+                               offloader=step_offloader(model, cfg, dev, meter if exclude else None),
+                               unified=meter.never_count if exclude else None)
                     if dev.type == "cuda":
                         torch.cuda.synchronize(dev)
                     out["step_s"] = round(time.perf_counter() - t0, 3)

@@ -439,9 +439,13 @@ def checkpointing_as_asked(model: torch.nn.Module, cfg: ProbeConfig) -> None:
         raise RecipeError("gradient checkpointing is active although the recipe turns it off")
 
 
-def make_optimizer(model: torch.nn.Module, name: str, fake: bool = False):
+def make_optimizer(model: torch.nn.Module, name: str, fake: bool = False,
+                   unified: Optional[Callable[[torch.Tensor], None]] = None):
     """The optimizer ``transformers.Trainer`` builds for its TrainingArguments name, over the
-    trainable parameters (weight decay 0, the Trainer's default learning rate)."""
+    trainable parameters (weight decay 0, the Trainer's default learning rate). ``unified``: told
+    of each state buffer a paged bitsandbytes optimizer keeps in CUDA unified memory on a GPU (a
+    tensor of at least 100,000 elements), which off a GPU it makes as a plain tensor: the tracker
+    meter then stops counting it, as the allocator does not count unified memory."""
     import tempfile
 
     from transformers import Trainer, TrainingArguments
@@ -461,8 +465,19 @@ def make_optimizer(model: torch.nn.Module, name: str, fake: bool = False):
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         with unset_fake_temporarily():
-            return cls(params, **kwargs)
-    return cls(params, **kwargs)
+            opt = cls(params, **kwargs)
+    else:
+        opt = cls(params, **kwargs)
+    if unified is not None and getattr(opt, "is_paged", False) and hasattr(opt, "get_state_buffer"):
+        made = opt.get_state_buffer
+
+        def get_state_buffer(p, dtype=torch.float32):
+            buffer = made(p, dtype=dtype)
+            if p.numel() >= 1e5:  # what bitsandbytes pages on a GPU
+                unified(buffer)
+            return buffer
+        opt.get_state_buffer = get_state_buffer
+    return opt
 
 
 def optimizer_step(opt, fake: bool = False) -> None:
@@ -482,19 +497,21 @@ def train_step(model: torch.nn.Module, ids: torch.Tensor, cfg: ProbeConfig,
                forward_context: Optional[Callable[[], contextlib.AbstractContextManager]] = None, *,
                fake: bool = False, warmed: Optional[Callable[[], None]] = None,
                backward_context: Optional[Callable[[], contextlib.AbstractContextManager]] = None,
-               offloader: Optional[contextlib.AbstractContextManager] = None) -> torch.Tensor:
+               offloader: Optional[contextlib.AbstractContextManager] = None,
+               unified: Optional[Callable[[torch.Tensor], None]] = None) -> torch.Tensor:
     """The step a probe measures: forward and backward (``step``); with ``cfg.optimizer``, the
     steady state of training: one optimizer step first (its state then exists, as from a run's
     second step on), ``warmed()`` called, then forward, backward and an optimizer step, gradients
     freed after each as the Trainer frees them. Each backward runs inside ``backward_context()``
     when given (the dry run marks the step's phases there); each step, forward and backward, inside
-    ``offloader`` when given (``step_offloader``: TRL's activation offloading)."""
+    ``offloader`` when given (``step_offloader``: TRL's activation offloading). ``unified``: see
+    ``make_optimizer`` (the tracker meter's ``exclude``; None on a GPU, whose allocator is the meter)."""
     context = forward_context or contextlib.nullcontext
     if cfg.optimizer is None:
         if warmed is not None:
             warmed()
         return step(model, ids, cfg, context(), backward_context, fake, offloader)
-    opt = make_optimizer(model, cfg.optimizer, fake)
+    opt = make_optimizer(model, cfg.optimizer, fake, unified)
     step(model, ids, cfg, context(), backward_context, fake, offloader)
     optimizer_step(opt, fake)
     model.zero_grad(set_to_none=True)

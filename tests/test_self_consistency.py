@@ -1,0 +1,39 @@
+"""Every answer at or above the project's own dry run of the same recipe (``probe_kit.self_check``):
+200 random recipes on tiny configs of three families (fixed seed), each answered as ``vram
+estimate --gpu`` answers it (a training run, the dry runs it lacks computed first) and held against
+the dry run of the recipe itself with its optimizer's step, plus the card's remainder."""
+
+from __future__ import annotations
+
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+
+from conftest import BUNDLED
+from ledger import store
+from ledger.dry_runs import load_dry_runs
+from probe_kit.self_check import check, sample_recipes
+
+FAMILIES = ("tiny-llama", "tiny-qwen2", "tiny-gemma3")
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_no_answer_falls_below_its_own_dry_run():
+    recipes = sample_recipes(FAMILIES, 200, seed=0, max_tokens=1024, lengths=(128, 256, 512))
+    # Every axis the commands answer is sampled.
+    assert {r.optimizer for r in recipes} >= {"adamw_torch", "adamw_8bit", "paged_adamw_32bit", "adafactor", "sgd"}
+    assert {r.batch for r in recipes} >= {1, 2, 4} and {r.checkpointing for r in recipes} == {True, False}
+    assert {r.quant for r in recipes} == {"4bit", "bf16"} and max(r.rank for r in recipes) == 512
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        checks = check(store.load(BUNDLED), load_dry_runs(), recipes, "rtx-4090", runner=pool.map)
+    answered = [c for c in checks if c.answer_top_mib is not None]
+    assert len(answered) >= 190
+    below = [f"{short(c.recipe)}: top {c.answer_top_mib} < dry run {c.dry_mib:.1f} MiB ({c.method})"
+             for c in answered if c.below]
+    assert not below, "\n".join(below)
+
+
+def short(r) -> str:
+    return (f"{r.model} {r.quant} r{r.rank} {r.batch}x{r.seq_len} {r.fixes} {r.optimizer}"
+            + (" dropout" if r.dropout else "") + (" DoRA" if r.dora else "") + ("" if r.checkpointing else " no-ckpt"))
