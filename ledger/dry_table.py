@@ -12,10 +12,10 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from .adapter import adapter_mib
+from .adapter import ALL_LINEAR, adapter_mib
 from .model_configs import model_name
 from .models import Measurement
-from .recipe import Recipe, fixes_key, recipe_of
+from .recipe import FUSED_PROJECTIONS, Recipe, fixes_key, module_names, recipe_of, targets_of_row
 
 
 #: The rank the fit grid computes at every length it computes (rank 64, dropout and DoRA only at a
@@ -48,12 +48,12 @@ class DryTable:
         self._weights: Optional[dict] = None  # weights_figure's rows, by what the weights depend on
 
     def table(self, name: Optional[str], quant: str, fixes: str, dropout: bool, dora: bool,
-              response_len: Optional[int], checkpointing: bool = True, batch: int = 1
-              ) -> dict[int, dict[int, tuple[float, str]]]:
+              response_len: Optional[int], checkpointing: bool = True, batch: int = 1,
+              targets: tuple[str, ...] = ALL_LINEAR) -> dict[int, dict[int, tuple[float, str]]]:
         """Dry-run peaks by length and rank for one model, quant, fixes, dropout and DoRA, with
-        gradient checkpointing on or off, at one micro-batch (the highest where several response
-        lengths match)."""
-        key = (name, quant, fixes, dropout, dora, response_len, checkpointing, batch)
+        gradient checkpointing on or off, at one micro-batch, of LoRA on ``targets`` (the highest
+        where several response lengths match)."""
+        key = (name, quant, fixes, dropout, dora, response_len, checkpointing, batch, targets)
         if key not in self._tables:
             if self._by_model is None:
                 self._by_model = defaultdict(list)
@@ -64,7 +64,8 @@ class DryTable:
                 if (d.quant == quant and bool(d.lora.dropout) == dropout and bool(d.lora.dora) == dora
                         and (d.gradient_checkpointing is not False) == checkpointing
                         and (d.batch_size or 1) == batch
-                        and fixes_key(d.memory_fixes) == fixes and (response_len is None or d.response_len == response_len)):
+                        and fixes_key(d.memory_fixes) == fixes and (response_len is None or d.response_len == response_len)
+                        and targets_of_row(d.lora.target_modules) == targets):
                     cell = table[d.seq_len]
                     if d.lora.rank not in cell or d.outcome.peak_allocated_mib > cell[d.lora.rank][0]:
                         cell[d.lora.rank] = (d.outcome.peak_allocated_mib, d.id)
@@ -108,7 +109,7 @@ class DryTable:
         """``raw`` as a function of the rank alone, the tables and lengths it reads looked up once
         (the fit table asks some ten ranks of each of ten thousand cells)."""
         key = (model_name(recipe.model), recipe.quant, recipe.fixes, recipe.dropout, recipe.dora, recipe.span(),
-               recipe.checkpointing, recipe.seq_len, recipe.batch)
+               recipe.checkpointing, recipe.seq_len, recipe.batch, recipe.targets)
         found = self._figures.get(key)
         if found is None:
             found = self._figures[key] = self._rank_figure(recipe)
@@ -154,12 +155,12 @@ class DryTable:
                 base = d.outcome.pre_step_mib - own + _extras(d)
                 found = self._weights.get(key)
                 if found is None or base > found[0]:
-                    self._weights[key] = (base, d.model, targets)
+                    self._weights[key] = (base, d.model, any(t in FUSED_PROJECTIONS for t in targets))
         found = self._weights.get((model_name(recipe.model), recipe.quant, recipe.fixes, recipe.dora))
         if found is None:
             return None
-        base, model, targets = found
-        dora = recipe.dora
+        base, model, fused = found
+        dora, targets = recipe.dora, _as_named(recipe.targets, fused)
 
         def weights(rank: int) -> float:
             return base + adapter_mib(model, rank, targets, dora)
@@ -173,7 +174,7 @@ class DryTable:
         if weights is None:
             return None
         found = self._weights[(model_name(recipe.model), recipe.quant, recipe.fixes, recipe.dora)]
-        model, targets, dora = found[1], found[2], recipe.dora
+        model, targets, dora = found[1], _as_named(recipe.targets, found[2]), recipe.dora
 
         def end(rank: int) -> float:
             return weights(rank) + adapter_mib(model, rank, targets, dora)
@@ -186,8 +187,9 @@ class DryTable:
             return none
         name, seq = model_name(recipe.model), recipe.seq_len
         args = (name, recipe.quant, recipe.fixes)
-        own = self.table(*args, recipe.dropout, recipe.dora, recipe.span(), recipe.checkpointing, recipe.batch)
-        plain = self.table(*args, False, False, recipe.span(), recipe.checkpointing, recipe.batch)
+        own = self.table(*args, recipe.dropout, recipe.dora, recipe.span(), recipe.checkpointing, recipe.batch,
+                         recipe.targets)
+        plain = self.table(*args, False, False, recipe.span(), recipe.checkpointing, recipe.batch, recipe.targets)
 
         def bracket(s: int) -> bool:
             # A length whose only row is of another rank than the grid's (a held-out point)
@@ -281,7 +283,7 @@ class DryTable:
     def exact_ranks(self, recipe: Recipe) -> set:
         """The ranks a committed dry-run row has of this very recipe at its length."""
         table = self.table(model_name(recipe.model), recipe.quant, recipe.fixes, recipe.dropout, recipe.dora,
-                           recipe.span(), recipe.checkpointing, recipe.batch)
+                           recipe.span(), recipe.checkpointing, recipe.batch, recipe.targets)
         return set(table.get(recipe.seq_len, {}))
 
     def exact(self, recipe: Recipe) -> bool:
@@ -330,6 +332,15 @@ class DryTable:
         if found and found["n"] >= MIN_KIND_ROWS:
             return found["max_abs_err_pct"], found["n"], kind
         return d["max_abs_err_pct"], len(d["errors_pct"]), None
+
+
+def _as_named(targets: tuple[str, ...], fused: bool) -> tuple[str, ...]:
+    """The recipe's projections as a model names its modules (its fused ones where it fuses them);
+    as they are where a fused module is asked in part (an upper bound: the parts' adapters apart)."""
+    try:
+        return tuple(module_names(targets, fused))
+    except ValueError:
+        return targets
 
 
 #: What a dry run adds to the tracker's figures when no row says (two cuBLAS handles' workspaces,

@@ -21,6 +21,7 @@ from .optimizers import optimizer_for
 from .dry_table import MIN_KIND_ROWS
 from .predictor import Predictor
 from .rank_judge import card_limits, dry_ceilings_many
+from .adapter import ALL_LINEAR
 from .recipe import Recipe, recipe_of, row_keys_cached
 from .response_span import answerable, batch_err
 from .recipe import fixes_key
@@ -46,12 +47,16 @@ AFFINE_FROM = 2048
 FUSED_TARGETS = {"phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
 
 
-def target_option(model: str) -> dict:
-    """A dry-run point's target_modules where the model's architecture fuses its projections."""
+def target_option(model: str, targets: tuple[str, ...] = ALL_LINEAR) -> dict:
+    """A dry-run point's target_modules: the projections as the model names them (its fused
+    modules where its architecture fuses them); none for all 7 of an unfused model."""
     from .model_configs import model_type
+    from .recipe import module_names
 
-    fused = FUSED_TARGETS.get(model_type(model) or "")
-    return {"target_modules": fused} if fused else {}
+    fused = bool(FUSED_TARGETS.get(model_type(model) or ""))
+    if not fused and targets == ALL_LINEAR:
+        return {}
+    return {"target_modules": module_names(targets, fused)}
 SETTINGS = (("plain", False, False), ("dropout", True, False), ("DoRA", False, True))
 STEP, MAX_RANK = 8, 512
 

@@ -47,6 +47,7 @@ from functools import cached_property
 from typing import Iterable, Optional
 
 from . import ceilings
+from .adapter import ALL_LINEAR
 from .answers import (Answer, CeilingAnswer, Interval, Run, Verdict, around, decide, scale, shift, verdict_for,
                       widen)
 from .dominance import Dominance
@@ -132,11 +133,12 @@ class Predictor:
         first rung of the ladder that answers. Without gradient checkpointing, or at a micro-batch
         above 1 (the preset's, which is not one longer sequence), only the dry run's: every measured
         row has checkpointing on and one sequence."""
-        if not recipe.checkpointing or recipe.batch != 1:
+        if not recipe.checkpointing or recipe.batch != 1 or recipe.targets != ALL_LINEAR:
             found = self.dry_rung.evidence(recipe, gpu, vendor)
             if found is not None:
                 return found.interval, found.method, found.text, list(found.ids)
-            what = "gradient checkpointing off" if not recipe.checkpointing else f"micro-batch {recipe.batch}"
+            what = ("gradient checkpointing off" if not recipe.checkpointing else f"micro-batch {recipe.batch}"
+                    if recipe.batch != 1 else f"LoRA on {','.join(recipe.targets)}")
             return None, "", (f"{what}: no dry run of it near this recipe (every measured row has checkpointing on and "
                               "one sequence); without --no-compute the answer dry-runs it"), []
         for rung in self.ladder:
@@ -144,6 +146,12 @@ class Predictor:
             if found is not None:
                 return found.interval, found.method, found.text, list(found.ids)
         return None, "", "no probe, real run or dry run of this recipe near it in the ledger", []
+
+    def has_target_rows(self, recipe: Recipe) -> bool:
+        """Whether dry runs of LoRA on the recipe's own projections reach it (its micro-batch
+        answered as ``answerable`` answers it)."""
+        one, _ = answerable(recipe.replace(optimizer=None))
+        return one is not None and one.model is not None and self.table.raw(one.replace(rank=8))[0] is not None
 
     def resolve_model(self, recipe: Recipe, gpu: str) -> Recipe:
         """A recipe that names no model: the one model this card's probes (else all probes) are of."""
@@ -195,7 +203,12 @@ class Predictor:
         only for the first."""
         asked = recipe
         optimizer = recipe.optimizer  # the rows record none: its state is added to a real run below
-        recipe, targets_text = fewer_targets(self.resolve_model(recipe, gpu))
+        recipe = self.resolve_model(recipe, gpu)
+        if recipe.targets == ALL_LINEAR or not self.has_target_rows(recipe):
+            # LoRA on fewer projections without dry runs of them: the all-7 figure, an upper bound
+            recipe, targets_text = fewer_targets(recipe)
+        else:  # answered by those dry runs alone (every measured row trains all 7)
+            targets_text = ""
         if optimizer is not None:
             recipe = recipe.replace(optimizer=None)
         one, batch_text = answerable(recipe)
@@ -257,7 +270,7 @@ class Predictor:
                        "of it can say (python -m probe_kit.dry_run --target-modules ...)")
         # A measured failure on the card is one under any budget below the card's limit too.
         # (not for fewer targets than the rows trained: their failure says nothing of an easier recipe)
-        failed = self.dominance.measured_failure(recipe, gpu, run) if not targets_text and recipe.checkpointing and (
+        failed = self.dominance.measured_failure(recipe, gpu, run) if recipe.targets == ALL_LINEAR and recipe.checkpointing and (
             budget_mib is None or (
             budget_mib <= (self.card_limit(gpu, entry, run)[0] or float("inf")))) else None
         if not full:
@@ -295,7 +308,8 @@ class Predictor:
             text = f"{text}; {span_text}" if span_text else text
         # Measured rows all have checkpointing on: none bounds a recipe without it.
         probe, dom_ids, dom_text = (self.dominance.clamp(recipe, gpu, "probe", probe)
-                                    if recipe.checkpointing and recipe.batch == 1 else (probe, [], ""))
+                                    if recipe.checkpointing and recipe.batch == 1 and recipe.targets == ALL_LINEAR
+                                    else (probe, [], ""))
         if dom_text:
             text = f"{text}; {dom_text}" if text else dom_text
             evidence += [i for i in dom_ids if i not in evidence]
@@ -310,7 +324,7 @@ class Predictor:
         probe-to-real step, bounded by the card's real runs; with its basis: "measured", "calibrated"
         (the pairs' over-estimate, whose runs hold their own optimizer state) or "steady state" (the
         probe, to which the optimizer's state is added)."""
-        found = self.real_rung.evidence(recipe, gpu) if recipe.checkpointing else None
+        found = self.real_rung.evidence(recipe, gpu) if recipe.checkpointing and recipe.targets == ALL_LINEAR else None
         if found is not None:
             return found.interval, found.method, found.text, list(found.ids), "measured"
         real = None
@@ -321,7 +335,8 @@ class Predictor:
         elif probe is not None:
             real = probe
             text += "; " + steady_state_text(recipe.fixes, self.over.fixes)
-        real, ids, dom = self.dominance.clamp(recipe, gpu, "real", real) if recipe.checkpointing else (real, [], "")
+        real, ids, dom = (self.dominance.clamp(recipe, gpu, "real", real)
+                          if recipe.checkpointing and recipe.targets == ALL_LINEAR else (real, [], ""))
         if dom:
             text = f"{text}; {dom}" if text else dom
             evidence = evidence + [i for i in ids if i not in evidence]

@@ -334,3 +334,26 @@ def targets_of_row(names: Optional[list[str]]) -> tuple[str, ...]:
 #: Projections some architectures fuse into one module (Phi-3 and Phi-4): LoRA on the fused module
 #: trains the same weights as on its parts.
 FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def module_names(targets: tuple[str, ...], fused: bool) -> list[str]:
+    """The modules LoRA targets for these projections, as a model names them: a model that fuses
+    its projections (``fused``: Phi-3's ``qkv_proj`` and ``gate_up_proj``) has its fused module
+    for the whole set of its parts. Raises ValueError for a part of a fused module without the
+    rest (LoRA can wrap only the whole module)."""
+    if not fused:
+        return list(targets)
+    out: list[str] = []
+    for name in ALL_LINEAR:
+        if name not in targets:
+            continue
+        whole = next((f for f, parts in FUSED_PROJECTIONS.items() if name in parts), None)
+        if whole is None:
+            out.append(name)
+            continue
+        parts = FUSED_PROJECTIONS[whole]
+        if not all(p in targets for p in parts):
+            raise ValueError(f"this model fuses {', '.join(parts)} into {whole}: target all of them or none")
+        if whole not in out:
+            out.append(whole)
+    return out

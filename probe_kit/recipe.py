@@ -282,6 +282,26 @@ def build_model(cfg: ProbeConfig, device: torch.device) -> torch.nn.Module:
         raise RecipeError(f"{cfg.model}: cannot load: {str(exc).splitlines()[0]}") from None
 
 
+def model_targets(model: torch.nn.Module, targets: list[str]) -> list[str]:
+    """The LoRA targets as this model names its modules: the projections of a model that fuses them
+    (Phi-3's ``qkv_proj``, ``gate_up_proj``) as its fused modules. RecipeError for a target that
+    names no module of the model (peft would wrap the others and say nothing)."""
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+             or type(m).__name__.startswith("Linear")}
+    fused = any(f in names for f in ledger_recipe.FUSED_PROJECTIONS)
+    try:
+        wanted = ledger_recipe.module_names(ledger_recipe.targets_of_row(list(targets)), fused) \
+            if all(t.rsplit(".", 1)[-1] in set(ledger_recipe.ALL_LINEAR) | set(ledger_recipe.FUSED_PROJECTIONS)
+                   for t in targets) else list(targets)
+    except ValueError as exc:
+        raise RecipeError(f"--target-modules: {exc}") from None
+    missing = [t for t in wanted if t.rsplit(".", 1)[-1] not in names]
+    if missing:
+        raise RecipeError(f"--target-modules: {missing[0]} names no module of this model "
+                          f"(its linear modules: {', '.join(sorted(names)[:12])})")
+    return wanted
+
+
 def prepare(model: torch.nn.Module, cfg: ProbeConfig) -> torch.nn.Module:
     """Freeze the base, enable gradient checkpointing (the library's default, reentrant), LoRA."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
@@ -306,8 +326,8 @@ def prepare(model: torch.nn.Module, cfg: ProbeConfig) -> torch.nn.Module:
         model.enable_input_require_grads()
     lora = LoraConfig(
         r=cfg.rank, lora_alpha=cfg.alpha if cfg.alpha is not None else cfg.rank, lora_dropout=cfg.dropout,
-        use_rslora=cfg.rslora, use_dora=cfg.dora, target_modules=list(cfg.target_modules), bias="none",
-        task_type="CAUSAL_LM",
+        use_rslora=cfg.rslora, use_dora=cfg.dora, target_modules=model_targets(model, cfg.target_modules),
+        bias="none", task_type="CAUSAL_LM",
     )
     try:
         with _deprecated_checkpointing_names():  # peft reads is_gradient_checkpointing

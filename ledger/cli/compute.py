@@ -100,7 +100,7 @@ def needed_points(predictor, recipe: Recipe, model_rows: str) -> list[dict]:
             **({"dropout": 0.1} if recipe.dropout else {}), **({"dora": True} if recipe.dora else {}),
             **({} if recipe.checkpointing else {"no_gradient_checkpointing": True}),
             **({"batch_size": recipe.batch} if recipe.batch != 1 else {}),
-            **target_option(recipe.model)}
+            **target_option(recipe.model, recipe.targets)}
     return [{**base, "rank": r} for r in RANKS]
 
 
@@ -222,14 +222,18 @@ def ensure_dry_runs(args: argparse.Namespace, predictor, recipe: Recipe) -> bool
     """Compute the dry runs ``recipe`` lacks (see ``needed_points``); whether any were computed
     (the caller then fits its predictor again). None are when the recipe cannot use them: a model
     without a config."""
-    from ..response_span import answerable, fewer_targets
+    from ..response_span import answerable
 
     model = getattr(args, "model", None)
     if not model or config_path(model) is None:
         return False
-    one, _ = answerable(fewer_targets(recipe)[0])
+    one, _ = answerable(recipe)  # LoRA on fewer projections: the dry runs of those projections
     if one is None:
         return False
+    try:
+        target_option(model, one.targets)
+    except ValueError as exc:
+        raise UserError(Issue("--target-modules", "", f"{model_name(model)}: {exc}")) from None
     points = needed_points(predictor, one, model_for_rows(model, args.cache))
     if not points:
         return False

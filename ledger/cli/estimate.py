@@ -54,8 +54,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if gpu is not None:
         answer = predictor.predict(question, gpu, entry=entry, run="real" if args.real else "probe",
                                    budget_mib=args.budget_mib)
-    else:
-        answer = predictor.dry_answer(question)
+    else:  # no card: the same answer, with no limit to judge it against
+        answer = predictor.predict(question, "", run="real" if args.real else "probe")
     figures = estimate_all(arch, question, card)
     near = nearest_row(ledger, args.model, question, None if gpu == BUDGET_CARD else gpu)
     doc = {"model": arch.name, "params": arch.total_params,
