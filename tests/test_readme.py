@@ -58,3 +58,41 @@ def test_the_download_snippet_prints_the_real_run_it_names(tmp_path):
             if m.kind == "real" and m.gpu == "rtx-3070-ti" and m.lora and m.lora.rank == 96
             and (m.lora.dropout or 0) > 0 and m.outcome.status == "ok" and m.outcome.peak_allocated_mib]
     assert want and out.getvalue().strip() == f"{max(want)} MiB peak allocated"
+
+
+#: Every command the README shows with its output: ``$ COMMAND`` lines in console blocks, each
+#: followed by the output it prints (``...``: the rest is left out).
+CONSOLE = re.findall(r"^```console\n(.*?)^```", README, re.S | re.M)
+
+
+def _examples() -> list[tuple[str, list[str]]]:
+    out = []
+    for block in CONSOLE:
+        for chunk in re.split(r"^\$ ", block, flags=re.M)[1:]:
+            command, *expected = chunk.rstrip("\n").split("\n")
+            out.append((command, expected))
+    return out
+
+
+EXAMPLES = _examples()
+
+
+def test_the_readme_shows_commands_with_their_output():
+    assert len(EXAMPLES) >= 4
+
+
+@pytest.mark.parametrize("command,expected", EXAMPLES, ids=[c for c, _ in EXAMPLES])
+def test_every_command_shown_prints_what_the_readme_says(command, expected, monkeypatch, tmp_path, capsys):
+    import shlex
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("VRAM_LEDGER_CACHE", str(tmp_path / "cache"))
+    argv = shlex.split(command)
+    assert argv[0] == "vram", "a README example runs the vram command"
+    cli.main(argv[1:])
+    out = capsys.readouterr()
+    got = (out.out + out.err).rstrip("\n").split("\n")
+    if expected and expected[-1] == "...":
+        expected = expected[:-1]
+        got = got[:len(expected)]
+    assert got == expected
