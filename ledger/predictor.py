@@ -48,8 +48,8 @@ from typing import Iterable, Optional
 
 from . import ceilings
 from .adapter import ALL_LINEAR
-from .answers import (Answer, CeilingAnswer, Interval, Run, Verdict, around, decide, scale, shift, verdict_for,
-                      widen)
+from .answers import (Answer, CeilingAnswer, Interval, Run, Verdict, around, decide, interval, scale, shift,
+                      verdict_for, widen)
 from .dominance import Dominance
 from .dry_calibration import DryCalibration
 from .dry_table import DryTable
@@ -228,6 +228,11 @@ class Predictor:
         if found is None:
             found = self.cores[key] = self._core(*key)
         probe, method, text, evidence, real, basis = found
+        if run == "real" and optimizer and basis == "calibrated" and real is not None and probe is not None:
+            # A named optimizer's run is its steady state: the pairs' over-estimate (their runs held
+            # their own optimizer's state) never takes it below its one-step probe.
+            real = interval(*(None if r is None or q is None else max(r, q) for r, q in
+                              ((real.mib, probe.mib), (real.low_mib, probe.low_mib), (real.high_mib, probe.high_mib))))
         if run == "real" and optimizer and real is not None:
             floor = step_floor_mib(self.table, recipe.replace(targets=asked.targets), optimizer)
             if floor is not None:

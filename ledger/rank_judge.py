@@ -194,7 +194,8 @@ def _spec(p, recipe: Recipe, widened: float, run: Run, optimizer: Optional[str])
     exact = p.table.exact_ranks(recipe)
     narrow, wide = p.dry_cal.width_fraction(False), p.dry_cal.width_fraction(True, recipe)
     over = off = None
-    if run == "real" and p.calibrated_real(recipe):
+    # The pairs' over-estimate never takes a named optimizer's run below its probe (Predictor.predict).
+    if run == "real" and p.calibrated_real(recipe) and not optimizer:
         o = p.over
         off = o.logits_off_mib(recipe.model, p.span.figure_keep(recipe, []))
         over = (1 - o.high_pct / 100, 1 - o.low_pct / 100)

@@ -25,8 +25,8 @@ from typing import Iterable, Optional
 from ledger.optimizers import OPTIMIZERS
 from ledger.recipe import Recipe
 
-#: The recipes' memory settings: stock, and the settings users set whose batch is one longer sequence.
-FIXES = ("none", "none", "none", "fused_linear_ce", "activation_offloading")
+#: The recipes' memory settings: stock, the settings users set, and the program's preset.
+FIXES = ("none", "none", "none", "fused_linear_ce", "activation_offloading", "all")
 
 
 @dataclass
@@ -54,8 +54,8 @@ def sample_recipes(models: Iterable[str], n: int, seed: int = 0, max_tokens: int
                    lengths: Optional[Iterable[int]] = None) -> list[Recipe]:
     """``n`` random recipes over ``models``: rank 8-512, a length (from ``lengths``, else 256 up to
     the model's context and ``max_tokens`` tokens a micro-batch), both quants, every optimizer,
-    micro-batch 1-8, checkpointing on and off, dropout, DoRA, the stock recipe and the settings users
-    set, LoRA on the 7 projections."""
+    micro-batch 1-8, checkpointing on and off, dropout, DoRA, the stock recipe, the settings users
+    set and the program's preset (its response span 64 tokens), LoRA on the 7 projections."""
     from ledger.model_configs import max_length
 
     rng = random.Random(seed)
@@ -69,10 +69,12 @@ def sample_recipes(models: Iterable[str], n: int, seed: int = 0, max_tokens: int
         choices = [s for s in (lengths or (256, 512, 1024, 2048, 4096, 8192)) if s <= longest]
         if not choices:
             continue
+        fixes, seq = rng.choice(FIXES), rng.choice(choices)
         out.append(Recipe(model=model, rank=rng.choice((8, 16, 24, 40, 64, 96, 128, 200, 256, 320, 432, 512)),
                           quant=rng.choice(("4bit", "bf16")), dropout=rng.random() < 0.2, dora=rng.random() < 0.15,
-                          seq_len=rng.choice(choices), fixes=rng.choice(FIXES), response_len=None,
-                          optimizer=rng.choice(OPTIMIZERS), batch=batch, checkpointing=rng.random() < 0.75))
+                          seq_len=seq, fixes=fixes, response_len=min(64, seq - 1) if fixes == "all" else None,
+                          optimizer=rng.choice(OPTIMIZERS), batch=batch,
+                          checkpointing=fixes == "all" or rng.random() < 0.75))
     return out
 
 
@@ -81,7 +83,8 @@ def _config(recipe: Recipe, rank: Optional[int] = None, optimizer: Optional[str]
 
     return ProbeConfig(model=recipe.model, rank=rank or recipe.rank, quant=recipe.quant,
                        dropout=0.1 if recipe.dropout else 0.0, dora=recipe.dora, seq_len=recipe.seq_len,
-                       response_len=min(64, recipe.seq_len - 1), fixes=parse_fixes(recipe.fixes),
+                       response_len=recipe.response_len or min(64, recipe.seq_len - 1),
+                       fixes=parse_fixes(recipe.fixes),
                        random_weights=True, batch_size=recipe.batch, gradient_checkpointing=recipe.checkpointing,
                        optimizer=optimizer)
 
