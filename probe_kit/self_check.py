@@ -86,6 +86,7 @@ def _config(recipe: Recipe, rank: Optional[int] = None, optimizer: Optional[str]
                        response_len=recipe.response_len or min(64, recipe.seq_len - 1),
                        fixes=parse_fixes(recipe.fixes),
                        random_weights=True, batch_size=recipe.batch, gradient_checkpointing=recipe.checkpointing,
+                       target_modules=list(recipe.targets),
                        optimizer=optimizer)
 
 

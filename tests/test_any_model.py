@@ -285,3 +285,61 @@ def test_the_presets_micro_batch_is_answered_by_dry_runs_of_it(tmp_path, capsys)
     out, err = capsys.readouterr()
     assert "dry runs of preset-tiny's fit table" in err
     assert all(c["status"] != "unknown" for c in json.loads(out)["cells"])
+
+
+def test_without_the_probe_libraries_an_unlisted_model_names_the_extra_and_keeps_nothing(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """The README's base install has no torch: the dry runs an answer needs are refused in one
+    line naming the extra, never run to a crash, and nothing is cached."""
+    import importlib.util
+
+    mine, _ = tiny_config(tmp_path, "base-tiny")
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("torch", "transformers", "peft") else found(name, *a))
+    cache = tmp_path / "cache"
+    assert cli.main(["estimate", "--ledger", str(BUNDLED), "--model", str(mine), "--rank", "16", "--seq-len", "256",
+                     "--gpu", "rtx-4090", "--cache", str(cache)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip install -e '.[probe]'" in err and "torch, transformers, peft" in err
+    assert not (cache / "dry-runs.json").exists()
+
+
+def test_a_crashed_dry_run_is_never_kept_in_the_cache(tmp_path):
+    """A crashed row would stop --resume from running its point again: the compute path removes
+    the cache's crashed rows and says why they crashed."""
+    from ledger.cli.compute import _drop_crashed
+    from ledger.models import Measurement
+
+    cache = tmp_path / "dry-runs.json"
+    rows = json.loads((CONFIG_DIR.parent / "dry-runs.json").read_text())["measurements"][:2]
+    crashed = {**rows[1], "id": rows[1]["id"] + "-crashed",
+               "outcome": {"status": "crashed", "result_text": "the dry run failed: ImportError: no transformers"}}
+    doc = {"schema_version": json.loads(BUNDLED.read_text())["schema_version"], "measurements": [rows[0], crashed]}
+    Measurement.model_validate(crashed)
+    cache.write_text(json.dumps(doc))
+    assert _drop_crashed(cache) == [f"{crashed['id']}: the dry run failed: ImportError: no transformers"]
+    left = json.loads(cache.read_text())["measurements"]
+    assert [m["id"] for m in left] == [rows[0]["id"]]
+    assert _drop_crashed(cache) == []
+
+
+def test_fit_after_an_estimate_computes_the_grid_it_lacks_and_counts_the_optimizer(tmp_path, capsys):
+    """An estimate's two dry runs at one length are not the fit table's grid: fit computes the rest
+    (not "unknown" in most cells), and a user config's optimizer state is counted (the AdamW table
+    lower than SGD's somewhere)."""
+    mine, _ = tiny_config(tmp_path, "after-tiny")
+    cache = str(tmp_path / "cache")
+    assert cli.main(["estimate", "--ledger", str(BUNDLED), "--model", str(mine), "--rank", "16", "--seq-len", "512",
+                     "--budget-mib", "300", "--cache", cache]) == 0
+    capsys.readouterr()
+    base = ["fit", "--ledger", str(BUNDLED), "--model", str(mine), "--budget-mib", "300", "--quant", "4bit",
+            "--fixes", "none", "--cache", cache, "--json"]
+    assert cli.main(base) == 0
+    out, err = capsys.readouterr()
+    assert "computing" in err
+    adamw = json.loads(out)["cells"]
+    assert all(c["status"] != "unknown" for c in adamw)
+    assert cli.main([*base, "--optim", "sgd"]) == 0
+    sgd = json.loads(capsys.readouterr().out)["cells"]
+    assert any((a["tight_rank"] or 0) < (s["tight_rank"] or 0) for a, s in zip(adamw, sgd))

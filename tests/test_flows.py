@@ -236,12 +236,16 @@ def test_bidi_controls_are_shown_never_obeyed_and_long_notes_are_clipped(tmp_pat
     doc = json.loads(SMALL.read_text())
     doc["measurements"][7]["provenance"]["notes"] = ["peak \u202e0.0917\u202c MiB \u2066x\u2069", "long " * 4000]
     doc["measurements"][7]["provenance"]["source"] = "sweep \u202elog.txt"
+    gpu = doc["measurements"][7]["gpu"]
+    doc["gpus"][gpu]["name"] = "card \u202eIT 0903 XTR"  # reaches the picker's data (fits/<model>.js)
     ledger = tmp_path / "l.json"
     ledger.write_text(json.dumps(doc))
     assert run("build", "--ledger", ledger, "--out", tmp_path / "site", "-q") == 0
     site = tmp_path / "site"
     controls = "\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069"
-    for name in ("index.html", "vram.md", "vram.csv", "feed.xml", "estimators.html", "fits.html"):
+    scripts = sorted(p.relative_to(site).as_posix() for p in (site / "fits").glob("*.js"))
+    assert scripts
+    for name in ("index.html", "vram.md", "vram.csv", "feed.xml", "estimators.html", "fits.html", *scripts):
         text = (site / name).read_text(encoding="utf-8")
         assert not any(c in text for c in controls), name
     assert "[U+202E]0.0917[U+202C]" in (site / "index.html").read_text()

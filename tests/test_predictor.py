@@ -399,21 +399,28 @@ def test_the_fit_table_without_checkpointing_never_fits_more_than_with_it(capsys
            "run again with --compute and without --no-compute" in capsys.readouterr().err
 
 
-def test_fewer_target_modules_are_bounded_by_all_seven_and_never_wont_fit(capsys):
-    """Attention-only LoRA from rows that train all 7 projections: an upper bound, so "fits" when it
-    fits, "unknown" (never "won't fit", never a hedge that sounds close) when it does not; the
-    optimizer's state counts the recipe's own adapters."""
+def test_fewer_target_modules_are_bounded_by_all_seven_and_never_wont_fit(capsys, tmp_path):
+    """Attention-only LoRA without dry runs of it (--no-compute): from rows that train all 7
+    projections, an upper bound, so "fits" when it fits, "unknown" (never "won't fit", never a hedge
+    that sounds close) when it does not; the optimizer's state counts the recipe's own adapters.
+    With its dry runs computed: its own figure, with a lower end."""
+    cache = str(tmp_path / "cache")
+
     def answer(*flags):
         assert cli.main(["estimate", "--ledger", str(BUNDLED), "--model", "llama-3.1-8b", "--rank", "64", "--seq-len",
-                         "2048", "--real", "--json", *flags]) == 0
+                         "2048", "--real", "--json", "--cache", cache, *flags]) == 0
         return json.loads(capsys.readouterr().out)["answer"]
 
-    seven, attn = answer("--gpu", "RTX 4090"), answer("--gpu", "RTX 4090", "--target-modules", "attn")
+    seven = answer("--gpu", "RTX 4090")
+    attn = answer("--gpu", "RTX 4090", "--target-modules", "attn", "--no-compute")
     assert attn["verdict"] == "fits" and attn["real_allocated"]["low_mib"] is None
     assert attn["real_allocated"]["mib"] < seven["real_allocated"]["mib"]  # AdamW's state of 4 projections, not 7
     assert "an upper bound" in attn["method_text"]
-    small = answer("--gpu", "rtx-3070-ti", "--target-modules", "q_proj,v_proj")
+    small = answer("--gpu", "rtx-3070-ti", "--target-modules", "q_proj,v_proj", "--no-compute")
     assert small["verdict"] == "unknown" and "only a dry run of it can say" in small["why"]
+    own = answer("--gpu", "RTX 4090", "--target-modules", "attn")
+    assert own["verdict"] == "fits" and own["real_allocated"]["low_mib"] is not None
+    assert own["real_allocated"]["high_mib"] < attn["real_allocated"]["high_mib"] and "upper bound" not in own["method_text"]
     assert cli.main(["estimate", "--probe", "--model", "llama-3.1-8b", "--rank", "8", "--seq-len", "512",
                      "--target-modules", "lm_head"]) == 1
     assert capsys.readouterr().err.startswith("--target-modules: unknown target module 'lm_head'")
@@ -651,3 +658,36 @@ def test_stale_rows_are_those_of_other_library_versions(monkeypatch, capsys):
         err = capsys.readouterr().err.strip()
         assert err.startswith("VRAM_LEDGER_LIBRARY_VERSIONS: must name each of torch, transformers, peft once") and "\n" not in err
         assert not out.exists()
+
+
+def test_a_real_run_that_ran_out_of_memory_makes_its_recipe_and_harder_ones_not_fit(p):
+    """real-v14: r112, dropout 0.1, the program's preset on the RTX 3070 Ti ran out of memory at
+    steps 236 and 239, recording no longest example: that recipe and every harder one won't fit,
+    whatever an interval says (its card's runs trained 7,177 tokens at most)."""
+    model = "unsloth/gemma-3-4b-it"
+    for rank in (112, 120, 128):
+        a = p.predict(Recipe(model=model, rank=rank, dropout=True, seq_len=7177, fixes="all"), "rtx-3070-ti", run="real")
+        assert a.verdict == "won't fit", rank
+        if rank < 128:  # r128's own interval is past the limit already
+            assert {"real-v14-run2", "real-v14-run3"} & set(a.evidence), rank
+    easier = p.predict(Recipe(model=model, rank=96, dropout=True, seq_len=7177, fixes="all"), "rtx-3070-ti", run="real")
+    assert easier.verdict != "won't fit"  # real-v15 fit there
+    ceiling = p.ceiling(Recipe(model=model, dropout=True, seq_len=7177, fixes="all"), "rtx-3070-ti", run="real")
+    assert ceiling.tight_rank is not None and ceiling.tight_rank < 112
+
+
+def test_lora_on_fewer_projections_is_answered_by_their_own_dry_runs(ledger, tmp_path):
+    """With dry runs of the asked projections, the answer is theirs (below the all-7 figure, with a
+    lower end); without, the all-7 figure as an upper bound only."""
+    from probe_kit.self_check import _config, dry_row
+
+    asked = Recipe(model="qwen2.5-0.5b", rank=16, seq_len=512, fixes="none", optimizer="adamw_torch",
+                   targets=("q_proj", "v_proj"))
+    rows = load_dry_runs()
+    card = resolve_card(ledger, "rtx-4090")[1]
+    bound = Predictor(ledger, rows).predict(asked, "rtx-4090", entry=card, run="real")
+    assert bound.real_allocated.low_mib is None and "upper bound" in bound.method_text
+    own = [dry_row(_config(asked.replace(optimizer=None), rank=r)) for r in (8, 64)]
+    exact = Predictor(ledger, rows + own).predict(asked, "rtx-4090", entry=card, run="real")
+    assert exact.real_allocated.low_mib is not None and exact.real_allocated.high_mib < bound.real_allocated.high_mib
+    assert exact.verdict == "fits" and set(exact.evidence) >= {m.id for m in own}

@@ -25,6 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
+from ..adapter import ALL_LINEAR
 from ..atomic import atomic_write_text
 from ..dry_runs import cache_file, load_dry_runs
 from ..errors import Issue, UserError
@@ -237,6 +238,8 @@ def ensure_dry_runs(args: argparse.Namespace, predictor, recipe: Recipe) -> bool
     points = needed_points(predictor, one, model_for_rows(model, args.cache))
     if not points:
         return False
+    if args.no_compute and one.targets != ALL_LINEAR:  # answered by the all-7 figure, an upper bound
+        return ensure_dry_runs(args, predictor, recipe.replace(targets=ALL_LINEAR))
     batch = f"micro-batch {one.batch} x " if one.batch != 1 else ""
     compute_points(points, f"{model_name(model)} at {batch}{one.seq_len} tokens", args.cache, no_compute=args.no_compute)
     return True
