@@ -346,16 +346,16 @@ def _as_named(targets: tuple[str, ...], fused: bool) -> tuple[str, ...]:
 #: What a dry run adds to the tracker's figures when no row says (two cuBLAS handles' workspaces,
 #: PyTorch's default): ``probe_kit.dry_run.CUBLAS_HANDLES`` x ``CUBLAS_WORKSPACE_MIB``.
 DEFAULT_EXTRAS_MIB = 16.2
-_TRACKER_PEAK = re.compile(r'"tracker_peak_mib": ([0-9.]+)')
+_EXTRAS = re.compile(r'"(?:cublas_workspace|vision_tower)_mib": ([0-9.]+)')
 
 
 def _extras(d: Measurement) -> float:
     """What the dry run added to its tracker's figures (the cuBLAS workspaces, a vision tower the
-    text model does not hold): its peak less the tracker's, as its breakdown records it."""
+    text model does not hold), as its breakdown records them."""
     for note in d.provenance.notes:
-        found = _TRACKER_PEAK.search(note)
-        if found and d.outcome.peak_allocated_mib is not None:
-            return max(0.0, d.outcome.peak_allocated_mib - float(found[1]))
+        found = _EXTRAS.findall(note)
+        if found:
+            return sum(float(x) for x in found)
     return DEFAULT_EXTRAS_MIB
 
 

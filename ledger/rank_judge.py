@@ -209,10 +209,12 @@ def _floor_of(p, recipe: Recipe, state: Optional[str]) -> tuple[Callable, Callab
     """(rank -> the optimizer step's floor or None, ranks -> the same as an array, nan for None):
     ``response_span.step_floor_mib`` rank by rank, what ``Predictor.predict`` floors a training run
     with; None everywhere without an optimizer."""
-    key = ("floor", recipe, state)
+    # The floor reads neither the length, the micro-batch nor dropout: shared by every such recipe.
+    key = ("floor", recipe.model, recipe.quant, recipe.fixes, recipe.dora, recipe.targets, state)
     found = p.rank_bounds.get(key)
     if found is None:
         seen: dict[int, Optional[float]] = {}
+        columns: dict[tuple, np.ndarray] = {}
 
         def floor_at(rank: int) -> Optional[float]:
             if rank not in seen:
@@ -220,7 +222,10 @@ def _floor_of(p, recipe: Recipe, state: Optional[str]) -> tuple[Callable, Callab
             return seen[rank]
 
         def floor_column(ranks) -> np.ndarray:
-            return np.array([np.nan if (f := floor_at(int(r))) is None else f for r in ranks], dtype=float)
+            at = tuple(ranks)
+            if at not in columns:
+                columns[at] = np.array([np.nan if (f := floor_at(int(r))) is None else f for r in ranks], dtype=float)
+            return columns[at]
         found = p.rank_bounds[key] = floor_at, floor_column
     return found
 

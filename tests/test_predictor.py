@@ -588,6 +588,14 @@ def test_a_verdict_alone_is_the_answers_verdict(ledger):
         paths.add("measured failure" if "was measured on" in a.why else "upper bound" if "upper bound for LoRA" in a.why
                   else "batch" if a.why.startswith("no prediction: micro-batch")
                   else "no length" if a.why.endswith("needs the sequence length") else a.method)
+    # A length no row of the card reaches, bounded by its measured rows of harder recipes (a path
+    # the random questions may miss once a measured failure decides theirs first).
+    asked = next(r for r, g in measured if g == "rx-7900-xtx" and r.rank == 96 and r.dropout and r.fixes == "all")
+    for run in ("probe", "real"):
+        recipe = asked.replace(seq_len=6931)
+        a = p.predict(recipe, "rx-7900-xtx", run=run)
+        assert p.verdict(recipe, "rx-7900-xtx", run=run) == (a.verdict, a.limit_low_mib, a.limit_high_mib)
+        paths.add(a.method)
     assert seen == {"fits", "tight", "won't fit", "unknown"}
     assert {"measured failure", "upper bound", "batch", "no length", "dry run", "interpolated", "measured probe",
             "measured real run", "bounded by measured rows"} <= paths, paths
