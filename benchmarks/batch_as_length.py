@@ -1,5 +1,5 @@
 """A micro-batch as one longer sequence: the dry run of B sequences of L tokens against the dry run of
-one sequence of B x L tokens, which is how the predictor answers a batch (``ledger.response_span.
+one sequence of B x L tokens, which is how the predictor answers a batch (``ledger.fit.response_span.
 answerable``), without memory fixes and with the program's.
 
     python benchmarks/batch_as_length.py [--models qwen2.5-0.5b,llama-3.2-1b,gemma-3-1b-it,qwen2.5-1.5b]
@@ -24,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ledger.recipe import fixes_key, fixes_value, parse_fixes  # noqa: E402
-from ledger.response_span import BATCH_AS_LENGTH_ERR, BATCH_AS_LENGTH_ERR_NO_CKPT  # noqa: E402
+from ledger.vocab.recipe import fixes_key, fixes_value, parse_fixes  # noqa: E402
+from ledger.fit.response_span import BATCH_AS_LENGTH_ERR, BATCH_AS_LENGTH_ERR_NO_CKPT  # noqa: E402
 from probe_kit.dry_run import dry_run  # noqa: E402
 from probe_kit.recipe import ProbeConfig  # noqa: E402
 

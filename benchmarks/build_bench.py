@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from synthetic import realistic_ledger, synthetic_ledger  # noqa: E402
 
-from ledger import store  # noqa: E402
-from ledger.paths import DEFAULT_LEDGER  # noqa: E402
+from ledger.storage import store  # noqa: E402
+from ledger.core.paths import DEFAULT_LEDGER  # noqa: E402
 from ledger.site.render import render_site  # noqa: E402
 
 

@@ -37,16 +37,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from build_bench import cpu  # noqa: E402
-from ledger import store  # noqa: E402
-from ledger.dry_runs import rows_from  # noqa: E402
-from ledger.held_out import shared_held_out  # noqa: E402
-from ledger.paths import DEFAULT_LEDGER  # noqa: E402
-from ledger.recipe import row_keys_cached  # noqa: E402
+from ledger.storage import store  # noqa: E402
+from ledger.storage.dry_runs import rows_from  # noqa: E402
+from ledger.report.held_out import shared_held_out  # noqa: E402
+from ledger.core.paths import DEFAULT_LEDGER  # noqa: E402
+from ledger.vocab.recipe import row_keys_cached  # noqa: E402
 from ledger.site import filters  # noqa: E402
 from ledger.site.index_page import canonical_json  # noqa: E402
 from ledger.site.render import (SiteWriter, compute_site, data_files, download, environment,  # noqa: E402
                                 render_outputs, render_site, template_dirs)
-from ledger.store import gc_paused  # noqa: E402
+from ledger.storage.store import gc_paused  # noqa: E402
 
 
 def fastest(fn, repeat: int) -> tuple[float, object]:

@@ -28,9 +28,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from ledger import store  # noqa: E402
-from ledger.dry_runs import load_dry_runs  # noqa: E402
-from ledger.paths import DRY_RUNS  # noqa: E402
+from ledger.storage import store  # noqa: E402
+from ledger.storage.dry_runs import load_dry_runs  # noqa: E402
+from ledger.core.paths import DRY_RUNS  # noqa: E402
 
 
 def breakdown(m) -> dict:

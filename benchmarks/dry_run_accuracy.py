@@ -26,8 +26,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from ledger import store  # noqa: E402
-from ledger.calibration import card_mib, limit_for, limits  # noqa: E402
+from ledger.storage import store  # noqa: E402
+from ledger.fit.calibration import card_mib, limit_for, limits  # noqa: E402
 
 
 def main() -> None:

@@ -33,13 +33,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "sweeps"))
 
-from ledger import store  # noqa: E402
-from ledger.fits import GRID_MODELS, cards, fit_table, grid_points  # noqa: E402
-from ledger.paths import DEFAULT_LEDGER, DRY_RUNS  # noqa: E402
-from ledger.dry_runs import load_dry_runs  # noqa: E402
-from ledger.model_configs import model_name  # noqa: E402
-from ledger.predictor import Predictor  # noqa: E402
-from ledger.recipe import Recipe, recipe_of  # noqa: E402
+from ledger.storage import store  # noqa: E402
+from ledger.answer.fits import GRID_MODELS, cards, fit_table, grid_points  # noqa: E402
+from ledger.core.paths import DEFAULT_LEDGER, DRY_RUNS  # noqa: E402
+from ledger.storage.dry_runs import load_dry_runs  # noqa: E402
+from ledger.vocab.model_configs import model_name  # noqa: E402
+from ledger.answer.predictor import Predictor  # noqa: E402
+from ledger.vocab.recipe import Recipe, recipe_of  # noqa: E402
 from make_fit_grid import held_out  # noqa: E402
 
 

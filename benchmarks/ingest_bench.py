@@ -4,7 +4,7 @@
 
 The log is what a long HF Trainer run leaves behind: tqdm progress bars redrawn with carriage
 returns (most of the bytes), the Trainer's loss dicts, timestamped INFO lines, a few warnings,
-one restart after an OOM (two runs), and the memory metrics at the end. ``ledger.logs.parse_runs``
+one restart after an OOM (two runs), and the memory metrics at the end. ``ledger.intake.logs.parse_runs``
 reads it (what ``vram ingest-log`` calls); the rate is the log's size over the CPU seconds of that
 call. ``--check`` also reads the same log with the line-by-line reader (``parse_runs`` with the
 fast scan off) and fails unless both give the same runs. The target is at least 30 MB/s on a
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     p.add_argument("--check", action="store_true", help="compare with the line-by-line reader")
     args = p.parse_args(argv)
 
-    from ledger import logs
+    from ledger.intake import logs
 
     text = make_log(args.mb)
     size = len(text.encode("utf-8")) / 1e6

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from synthetic import synthetic_ledger  # noqa: E402
 
-from ledger import store  # noqa: E402
+from ledger.storage import store  # noqa: E402
 
 
 def best(fn, repeat: int) -> float:

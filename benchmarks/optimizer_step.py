@@ -9,7 +9,7 @@ runs the probe on ``--device`` (on a GPU: ``torch.cuda.max_memory_allocated`` an
 on a CPU: the tracker meter), the one-step probe without an optimizer and the steady state with
 each optimizer (an optimizer step first, then forward, backward and a step), and the dry run of the
 same recipe under fake tensors. It prints each peak (MiB), the dry run's difference from the real
-step (% of the real step), and the floor ``ledger.response_span`` models for a training run (the
+step (% of the real step), and the floor ``ledger.fit.response_span`` models for a training run (the
 weights and adapter before the step, its gradients and the step's temporaries, plus the state):
 on a GPU, torch's AdamW steps every tensor at once, and its ``_foreach_sqrt`` temporary is the size
 of every trainable parameter together.
@@ -39,9 +39,9 @@ def main(argv=None) -> int:
 
     import torch
 
-    from ledger.adapter import adapter_mib
-    from ledger.optimizers import state_bytes, transient_bytes
-    from ledger.adapter import arch_of, trainable_shape_counts
+    from ledger.vocab.adapter import adapter_mib
+    from ledger.vocab.optimizers import state_bytes, transient_bytes
+    from ledger.vocab.adapter import arch_of, trainable_shape_counts
     from probe_kit.dry_run import dry_run
     from probe_kit.probe_vram import run_probe
     from probe_kit.recipe import ProbeConfig

@@ -1,4 +1,4 @@
-"""The one predictor (ledger.predictor) against the bundled ledger, leave-one-out, and its targets.
+"""The one predictor (ledger.answer.predictor) against the bundled ledger, leave-one-out, and its targets.
 
     python benchmarks/predictor_targets.py [--ledger PATH] [--dry-runs PATH] [--cli N]
 
@@ -31,12 +31,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from ledger import store  # noqa: E402
-from ledger.calibration_report import loo  # noqa: E402
-from ledger.scoreboard import scoreboard  # noqa: E402
-from ledger.paths import DEFAULT_LEDGER, DRY_RUNS  # noqa: E402
-from ledger.dry_runs import load_dry_runs  # noqa: E402
-from ledger.predictor import Predictor  # noqa: E402
+from ledger.storage import store  # noqa: E402
+from ledger.report.calibration_report import loo  # noqa: E402
+from ledger.report.scoreboard import scoreboard  # noqa: E402
+from ledger.core.paths import DEFAULT_LEDGER, DRY_RUNS  # noqa: E402
+from ledger.storage.dry_runs import load_dry_runs  # noqa: E402
+from ledger.answer.predictor import Predictor  # noqa: E402
 
 
 def main() -> None:

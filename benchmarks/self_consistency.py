@@ -38,10 +38,10 @@ def main(argv=None) -> int:
 
     import numpy as np
 
-    from ledger import store
-    from ledger.cards import require_card
-    from ledger.dry_runs import load_dry_runs
-    from ledger.paths import DEFAULT_LEDGER
+    from ledger.storage import store
+    from ledger.vocab.cards import require_card
+    from ledger.storage.dry_runs import load_dry_runs
+    from ledger.core.paths import DEFAULT_LEDGER
     from probe_kit.self_check import check, sample_recipes
 
     ledger = store.load(DEFAULT_LEDGER)

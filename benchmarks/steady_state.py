@@ -6,9 +6,9 @@ For each model (a shipped config, random weights), rank, and weights (4-bit and 
 (the real step under fake tensors, tracker meter) of the one-step probe (no optimizer step) and of
 the steady state with ``--optim`` adamw_torch and adamw_8bit (an optimizer step first, so its state
 exists, then forward, backward and a step: ``probe_kit.recipe``), no memory fixes. Printed: both
-peaks (MiB), the state ``ledger.optimizers`` computes for the adapter, and the steady state's
+peaks (MiB), the state ``ledger.vocab.optimizers`` computes for the adapter, and the steady state's
 difference from probe + state, as a % of the steady state. The predictor models a stock training
-run as probe + state (``ledger.response_span.STEADY_STATE_ERR_PCT`` is the largest |difference|
+run as probe + state (``ledger.fit.response_span.STEADY_STATE_ERR_PCT`` is the largest |difference|
 this printed).
 """
 
@@ -21,9 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ledger.adapter import ALL_LINEAR, trainable_shape_counts  # noqa: E402
-from ledger.model_configs import load_arch  # noqa: E402
-from ledger.optimizers import state_bytes  # noqa: E402
+from ledger.vocab.adapter import ALL_LINEAR, trainable_shape_counts  # noqa: E402
+from ledger.vocab.model_configs import load_arch  # noqa: E402
+from ledger.vocab.optimizers import state_bytes  # noqa: E402
 from probe_kit.dry_run import dry_run  # noqa: E402
 from probe_kit.recipe import ProbeConfig  # noqa: E402
 

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ledger import store
+from ledger.storage import store
 from probe_kit import run_sweep
 from probe_kit.probe_vram import run_probe
 

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import random
 
-from ledger.models import SCHEMA_VERSION, Dataset, Gpu, Ledger, Lora, Measurement, Oom, Outcome, Provenance
+from ledger.core.models import (
+    SCHEMA_VERSION,
+    Dataset,
+    Gpu,
+    Ledger,
+    Lora,
+    Measurement,
+    Oom,
+    Outcome,
+    Provenance,
+)
 
 GPUS = {
     "rtx-3070-ti": Gpu(name="NVIDIA GeForce RTX 3070 Ti", vendor="nvidia", total_mib=8192),
@@ -52,8 +62,8 @@ def realistic_ledger(n: int, base=None) -> Ledger:
     ids (what a user's ledger looks like after a few sweeps of the same recipes: a third of the rows
     pair with a committed dry run, against a few percent of the synthetic ones). The bundled
     findings and predictions are kept (they cite the original rows, which stay)."""
-    from ledger import store
-    from ledger.paths import DEFAULT_LEDGER
+    from ledger.storage import store
+    from ledger.core.paths import DEFAULT_LEDGER
 
     base = base or store.load(DEFAULT_LEDGER)
     rows = list(base.measurements)

@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ledger.paths import MODEL_CONFIGS  # noqa: E402
+from ledger.core.paths import MODEL_CONFIGS  # noqa: E402
 
 FIT_TARGET_S = 180.0
 

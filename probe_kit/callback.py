@@ -32,7 +32,7 @@ from typing import Iterator, Optional
 import torch
 from transformers import TrainerCallback
 
-from ledger.logs import CALLBACK_PREFIX
+from ledger.intake.logs import CALLBACK_PREFIX
 
 from .meters import MIB, TrackerMeter
 
@@ -46,9 +46,9 @@ class VramLedgerCallback(TrainerCallback):
         self.ledger = ledger
         self.log_file = log_file
         self.stream = stream
-        # The run's description for the ledger entry: the fields of ledger.ingest.RunSpec (gpu, model,
+        # The run's description for the ledger entry: the fields of ledger.intake.ingest.RunSpec (gpu, model,
         # quant, rank, alpha, rslora, dropout, dora, seq_len, fixes, dataset, examples, epochs).
-        from ledger.ingest import RunSpec
+        from ledger.intake.ingest import RunSpec
 
         unknown = sorted(set(config) - set(RunSpec.__dataclass_fields__))
         if unknown:
@@ -152,9 +152,9 @@ class VramLedgerCallback(TrainerCallback):
         hours of a finished run must not end in a traceback because a ledger could not be
         written. On failure the record goes to ``LEDGER.unrecorded.log`` (one line that
         ``vram ingest-log`` reads) and a warning says how to add it."""
-        from ledger.errors import UserError
-        from ledger.ingest import RunSpec, record_callback
-        from ledger.predictions import score_predictions
+        from ledger.core.errors import UserError
+        from ledger.intake.ingest import RunSpec, record_callback
+        from ledger.answer.predictions import score_predictions
 
         spec = dict(self.config)
         if doc.get("meter") != "allocator" and spec.get("gpu"):

@@ -40,10 +40,10 @@ from typing import Iterator, Optional
 
 import torch
 
-from ledger import store
-from ledger.paths import DEFAULT_LEDGER
-from ledger.recipe import fixes_key, fixes_value
-from ledger.models import Environment, Measurement, Outcome, Provenance
+from ledger.storage import store
+from ledger.core.paths import DEFAULT_LEDGER
+from ledger.vocab.recipe import fixes_key, fixes_value
+from ledger.core.models import Environment, Measurement, Outcome, Provenance
 
 from .depth import depth_plan, extrapolate, phase_marks, phase_peaks, with_layers
 from .meters import MIB, TrackerMeter
@@ -338,7 +338,7 @@ def dry_id(cfg: ProbeConfig) -> str:
 
 
 def measurement(cfg: ProbeConfig, outcome: dict, breakdown: dict, gpu: Optional[str], mid: Optional[str]) -> Measurement:
-    from ledger.oom import parse_oom_message
+    from ledger.intake.oom import parse_oom_message
 
     v = versions()
     return cfg.measurement(
@@ -355,8 +355,8 @@ def measurement(cfg: ProbeConfig, outcome: dict, breakdown: dict, gpu: Optional[
 
 
 def _predictor(ledger: Optional[str]):
-    from ledger.dry_runs import load_dry_runs
-    from ledger.predictor import Predictor
+    from ledger.storage.dry_runs import load_dry_runs
+    from ledger.answer.predictor import Predictor
 
     return Predictor(store.load(ledger or DEFAULT_LEDGER), load_dry_runs())
 
@@ -389,7 +389,7 @@ def main(argv=None) -> int:
         predictor = _predictor(args.ledger)
         gpu = entry = None
         if args.gpu:
-            from ledger.cards import known_card_names, resolve_card
+            from ledger.vocab.cards import known_card_names, resolve_card
 
             found = resolve_card(predictor.ledger, args.gpu)
             if found is None:
@@ -424,7 +424,7 @@ def main(argv=None) -> int:
         print(json.dumps(doc, indent=2))
     elif "ceiling" in doc:
         print(f"ceiling: rank {doc['ceiling']} fits (tight up to {doc['tight']}) within {doc['limit']} "
-              f"({doc['probes']} dry runs; calibrated as ledger.predictor does)")
+              f"({doc['probes']} dry runs; calibrated as ledger.answer.predictor does)")
     else:
         o, b, a = doc["measurement"]["outcome"], doc["breakdown"], doc["answer"]
         d = b["depth"]

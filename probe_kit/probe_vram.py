@@ -27,13 +27,13 @@ import threading
 import time
 from typing import Iterator, Optional
 
-from ledger import store
-from ledger.recipe import slug, vendor_of
-from ledger.errors import UserError
-from ledger.models import Environment, Gpu, Measurement, Oom, Outcome, Provenance
-from ledger.oom import find_oom, parse_oom_message
-from ledger.optimizers import OPTIMIZERS
-from ledger.units import round_mib
+from ledger.storage import store
+from ledger.vocab.recipe import slug, vendor_of
+from ledger.core.errors import UserError
+from ledger.core.models import Environment, Gpu, Measurement, Oom, Outcome, Provenance
+from ledger.intake.oom import find_oom, parse_oom_message
+from ledger.vocab.optimizers import OPTIMIZERS
+from ledger.core.units import round_mib
 
 from .recipe import ProbeConfig, RecipeError, parse_fixes
 

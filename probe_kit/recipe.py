@@ -32,12 +32,12 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from ledger import recipe as ledger_recipe
-from ledger.models import Lora, Measurement
-from ledger.optimizers import OPTIMIZERS
-from ledger.model_configs import config_path
-from ledger.paths import MODEL_CONFIGS
-from ledger.recipe import FIX_NAMES, PRESET
+from ledger.vocab import recipe as ledger_recipe
+from ledger.core.models import Lora, Measurement
+from ledger.vocab.optimizers import OPTIMIZERS
+from ledger.vocab.model_configs import config_path
+from ledger.core.paths import MODEL_CONFIGS
+from ledger.vocab.recipe import FIX_NAMES, PRESET
 
 CONFIG_DIR = MODEL_CONFIGS
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -48,7 +48,7 @@ class RecipeError(Exception):
 
 
 def parse_fixes(text: str) -> list[str]:
-    """'all', 'none' or a comma list of fix names -> the list of fixes on (ledger.recipe's reading)."""
+    """'all', 'none' or a comma list of fix names -> the list of fixes on (ledger.vocab.recipe's reading)."""
     try:
         return ledger_recipe.parse_fixes(text)
     except ValueError as exc:
@@ -131,7 +131,7 @@ class ProbeConfig:
         return key
 
     def recipe(self) -> ledger_recipe.Recipe:
-        """The typed recipe the ledger answers for (``ledger.recipe.Recipe``), read as ``recipe_of``
+        """The typed recipe the ledger answers for (``ledger.vocab.recipe.Recipe``), read as ``recipe_of``
         reads the row this configuration records: every axis, the same way."""
         return ledger_recipe.Recipe(
             model=self.model, rank=self.rank, quant=self.quant, dropout=self.dropout > 0, dora=self.dora,
@@ -161,7 +161,7 @@ class ProbeConfig:
 
 
 def resolve_config_path(model: str) -> Optional[Path]:
-    """A config JSON (``ledger.model_configs.config_path``: a path or folder, a shipped name, a Hub
+    """A config JSON (``ledger.vocab.model_configs.config_path``: a path or folder, a shipped name, a Hub
     id in the local Hugging Face cache)."""
     found = config_path(model)
     if found is None and Path(model).suffix == ".json":

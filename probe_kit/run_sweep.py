@@ -41,10 +41,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-from ledger import store
-from ledger.errors import Issue, UserError
-from ledger.models import Environment, Gpu, Measurement, Outcome, Provenance
-from ledger.paths import DEFAULT_LEDGER, DRY_RUNS, shown
+from ledger.storage import store
+from ledger.core.errors import Issue, UserError
+from ledger.core.models import Environment, Gpu, Measurement, Outcome, Provenance
+from ledger.core.paths import DEFAULT_LEDGER, DRY_RUNS, shown
 
 from .bisect import find_ceiling
 from .probe_vram import EXIT_CRASHED, EXIT_REFUSED
@@ -361,7 +361,7 @@ class DryRows:
 def run_dry_point(point: Point, sweep: Sweep, ledger: str, rows: Optional[DryRows] = None) -> Result:
     """One dry run in this process (fake tensors hold no memory worth isolating), appended as a
     dry_run row with no card: the modelled terms use PyTorch's defaults, and each card's remainder
-    is fitted from its measured rows when the row is used (ledger.predictor). With ``rows`` the
+    is fitted from its measured rows when the row is used (ledger.answer.predictor). With ``rows`` the
     row joins that batch (the sweep writes it with the next ones); without, it is appended now."""
     from probe_kit.dry_run import measurement, predict
 
@@ -404,14 +404,14 @@ def ceiling_groups(sweep: Sweep, axis: str) -> list[list[Point]]:
 
 def predicted_start(group: list[Point], sweep: Sweep, ledger: str, start_rank: Optional[int]) -> tuple[Optional[int], str]:
     """Index of the predicted ceiling in a group: ``start_rank`` when given, else the one
-    predictor's ceiling (ledger.predictor) for the sweep's card; (None, why) when it cannot say."""
+    predictor's ceiling (ledger.answer.predictor) for the sweep's card; (None, why) when it cannot say."""
     if start_rank is None:
         if not sweep.gpu:
             return None, "no card to predict for: plain bisection"
-        from ledger.paths import DEFAULT_LEDGER as BUNDLED
-        from ledger.cards import resolve_card
-        from ledger.dry_runs import load_dry_runs
-        from ledger.predictor import Predictor
+        from ledger.core.paths import DEFAULT_LEDGER as BUNDLED
+        from ledger.vocab.cards import resolve_card
+        from ledger.storage.dry_runs import load_dry_runs
+        from ledger.answer.predictor import Predictor
 
         path = ledger if Path(ledger).exists() else str(BUNDLED)
         lg = store.load(path)

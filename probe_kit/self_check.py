@@ -7,7 +7,7 @@ calibrated as the commands calibrate it (the card's remainder added): a "fits" b
 costliest bug this project can have.
 
 ``sample_recipes`` draws random recipes (a fixed seed); ``check`` answers each as the commands do
-(``ledger.predictor.Predictor.predict`` on a card, a training run, the dry runs an answer lacks
+(``ledger.answer.predictor.Predictor.predict`` on a card, a training run, the dry runs an answer lacks
 computed first as ``vram estimate`` computes them: ranks 8 and 64 at its length) and runs the dry
 run of the recipe itself (with its optimizer's step), and returns one ``Check`` per recipe.
 ``tests/test_self_consistency.py`` samples tiny configs of three families;
@@ -22,8 +22,8 @@ import sys
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from ledger.optimizers import OPTIMIZERS
-from ledger.recipe import Recipe
+from ledger.vocab.optimizers import OPTIMIZERS
+from ledger.vocab.recipe import Recipe
 
 #: The recipes' memory settings: stock, the settings users set, and the program's preset.
 FIXES = ("none", "none", "none", "fused_linear_ce", "activation_offloading", "all")
@@ -56,7 +56,7 @@ def sample_recipes(models: Iterable[str], n: int, seed: int = 0, max_tokens: int
     the model's context and ``max_tokens`` tokens a micro-batch), both quants, every optimizer,
     micro-batch 1-8, checkpointing on and off, dropout, DoRA, the stock recipe, the settings users
     set and the program's preset (its response span 64 tokens), LoRA on the 7 projections."""
-    from ledger.model_configs import max_length
+    from ledger.vocab.model_configs import max_length
 
     rng = random.Random(seed)
     models = list(models)
@@ -108,8 +108,8 @@ def check(ledger, dry_rows: list, recipes: list[Recipe], gpu: str = "rtx-4090", 
     """Each recipe answered as the commands answer it, against its own dry run (see the module).
     ``runner``: a ``map`` that runs ``dry_row`` over configurations (a process pool's, to use
     every core), in order."""
-    from ledger.predictor import Predictor
-    from ledger.response_span import answerable, fewer_targets
+    from ledger.answer.predictor import Predictor
+    from ledger.fit.response_span import answerable, fewer_targets
 
     rows = list(dry_rows)
     predictor = Predictor(ledger, rows)

@@ -2,7 +2,7 @@
 
     python sweeps/make_fit_grid.py            # then: python -m probe_kit.run_sweep sweeps/fit-grid.toml --resume
 
-The grid is ``ledger.fits.grid_points`` for every model of ``ledger.fits.GRID_MODELS``: as few dry
+The grid is ``ledger.answer.fits.grid_points`` for every model of ``ledger.answer.fits.GRID_MODELS``: as few dry
 runs as the physics allows (rank 8 at each length the model allows, 512 to 131,072 tokens; rank 64,
 dropout and DoRA at the shortest, at 16,384 and at the longest), with gradient checkpointing and,
 for the stock recipe, without it; in the order ``priority`` gives. The held-out points at the end are computed directly only so that
@@ -16,8 +16,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ledger.fits import (GRID_MODELS, GRID_RESPONSE_LEN, PRESET_MAX_LEN, grid_points, sweep_toml,  # noqa: E402
-                         target_option)
+from ledger.answer.fits import (
+    GRID_MODELS,
+    GRID_RESPONSE_LEN,
+    PRESET_MAX_LEN,
+    grid_points,
+    sweep_toml,
+    target_option,
+)
 
 #: (model, quant, fixes, seq_len, rank, extra): points the table derives, computed directly.
 HELD_OUT = [("gemma-3-4b-it", "4bit", "all", 4096, 64, {}), ("qwen2.5-7b", "bf16", "none", 8192, 64, {}),

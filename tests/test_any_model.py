@@ -9,7 +9,7 @@ import shutil
 
 from conftest import BUNDLED
 from ledger import cli
-from ledger.model_configs import CONFIG_DIR, config_path, load_arch, where_looked
+from ledger.vocab.model_configs import CONFIG_DIR, config_path, load_arch, where_looked
 
 
 def tiny_config(folder, name: str, **changes):
@@ -68,7 +68,7 @@ def test_a_mixture_of_experts_config_is_refused_with_its_reason(tmp_path, capsys
 
 
 def test_a_length_past_the_grid_needs_dry_runs_and_no_compute_refuses(tmp_path, capsys):
-    from ledger import store
+    from ledger.storage import store
 
     argv = ["estimate", "--probe", "--ledger", str(BUNDLED), "--model", "llama-3.1-8b", "--rank", "16",
             "--seq-len", "28454", "--gpu", "RTX 4090", "--cache", str(tmp_path / "cache"), "--no-compute"]
@@ -199,10 +199,10 @@ def test_a_measured_probe_never_answers_the_same_recipe_without_checkpointing():
     checkpointing no measured row, real run or failure answers; only a dry run of it could."""
     from dataclasses import replace
 
-    from ledger import store
-    from ledger.dry_runs import load_dry_runs
-    from ledger.predictor import Predictor
-    from ledger.recipe import recipe_of
+    from ledger.storage import store
+    from ledger.storage.dry_runs import load_dry_runs
+    from ledger.answer.predictor import Predictor
+    from ledger.vocab.recipe import recipe_of
 
     ledger = store.load(BUNDLED)
     p = Predictor(ledger, load_dry_runs())
@@ -309,7 +309,7 @@ def test_a_crashed_dry_run_is_never_kept_in_the_cache(tmp_path):
     """A crashed row would stop --resume from running its point again: the compute path removes
     the cache's crashed rows and says why they crashed."""
     from ledger.cli.compute import _drop_crashed
-    from ledger.models import Measurement
+    from ledger.core.models import Measurement
 
     cache = tmp_path / "dry-runs.json"
     rows = json.loads((CONFIG_DIR.parent / "dry-runs.json").read_text())["measurements"][:2]

@@ -11,8 +11,8 @@ from decimal import Decimal
 import numpy as np
 import pytest
 
-from ledger.rank_judge import _Profile, ceiling_of, round1
-from ledger.results import FitCard, FitCellResult, Fits, maker
+from ledger.answer.rank_judge import _Profile, ceiling_of, round1
+from ledger.core.results import FitCard, FitCellResult, Fits, maker
 
 
 def test_round1_is_pythons_round():
@@ -143,7 +143,7 @@ def test_constructed_cells_are_model_constructs():
     assert Fits.model_construct(**doc, cells=fast).model_dump_json(exclude_unset=True) == \
         Fits.model_construct(**doc, cells=slow).model_dump_json(exclude_unset=True)
     # The fit table's own cells (named tuples) made into typed ones: the same objects.
-    from ledger.fits import FitCell, cell_results
+    from ledger.answer.fits import FitCell, cell_results
 
     tuples = [FitCell(**{k: (tuple(v) if k == "measured" else v) for k, v in r.items() if k != "label"})
               for r in rows]
@@ -153,7 +153,7 @@ def test_constructed_cells_are_model_constructs():
     # ...and from the plain tuples the build's workers send: the same cells, words and all.
     assert [c.__dict__ for c in cell_results([tuple(t) for t in tuples])] == [c.__dict__ for c in cell_results(tuples)]
 
-    from ledger.results import typed_rows
+    from ledger.core.results import typed_rows
 
     with pytest.raises(ValueError):  # a row without every field is refused, never half made
         typed_rows(FitCellResult, [tuple(rows[0].values())[:-1]])
@@ -162,7 +162,7 @@ def test_constructed_cells_are_model_constructs():
 def test_remembered_cell_words_are_each_cells_own():
     from itertools import product
 
-    from ledger.fits import CellLabels, FitCell
+    from ledger.answer.fits import CellLabels, FitCell
 
     labels = CellLabels()
     cells = [FitCell("m", "g", "4bit", "none", "plain", 512, f, t, s, a, "dry run", ())
@@ -178,13 +178,13 @@ def test_a_profiles_columns_are_its_bounds():
     """The arrays' arithmetic (``_bounds``' column) gives each derived rank's bounds exactly, for
     the fit table's recipes of three models on every remainder, probe and training run, with and
     without a micro-batch's widening and an optimizer's state."""
-    from ledger.dry_runs import load_dry_runs
-    from ledger.fits import LENGTHS, SETTINGS, cards
-    from ledger.paths import DEFAULT_LEDGER
-    from ledger.predictor import Predictor
-    from ledger.rank_judge import _profile_at, card_limits
-    from ledger.recipe import Recipe
-    from ledger import store
+    from ledger.storage.dry_runs import load_dry_runs
+    from ledger.answer.fits import LENGTHS, SETTINGS, cards
+    from ledger.core.paths import DEFAULT_LEDGER
+    from ledger.answer.predictor import Predictor
+    from ledger.answer.rank_judge import _profile_at, card_limits
+    from ledger.vocab.recipe import Recipe
+    from ledger.storage import store
 
     p = Predictor(store.load(DEFAULT_LEDGER), load_dry_runs())
     rems = sorted({rem for rem, _, _ in card_limits(p, list(cards(p).items()), None, "real")})
@@ -211,10 +211,10 @@ def test_the_dry_tables_columns_are_its_figures():
     """``DryTable.rank_figure``'s array of ranks (what the fit table's profiles read) is its figure
     rank by rank, bit for bit: every shipped model's committed rows, both weights and presets, the
     three settings, with and without checkpointing, at grid lengths, between them and past them."""
-    from ledger.dry_runs import load_dry_runs
-    from ledger.dry_table import DryTable
-    from ledger.fits import GRID_MODELS, LENGTHS, SETTINGS
-    from ledger.recipe import Recipe
+    from ledger.storage.dry_runs import load_dry_runs
+    from ledger.fit.dry_table import DryTable
+    from ledger.answer.fits import GRID_MODELS, LENGTHS, SETTINGS
+    from ledger.vocab.recipe import Recipe
 
     table = DryTable(load_dry_runs())
     ranks = [*range(1, 9), *range(8, 513, 8), 100, 1000]
@@ -238,7 +238,7 @@ def test_the_dry_tables_columns_are_its_figures():
 
 def test_intervals_are_model_constructs():
     """``answers.interval`` makes its Interval with ``results.maker``: the object model_construct makes."""
-    from ledger.answers import Interval, interval
+    from ledger.core.answers import Interval, interval
 
     for mib, low, high in ((1234.56, 1200.04, None), (None, None, None), (7.25, 7.15, 7.35), (0, -0.04, 1e6)):
         got = interval(mib, low, high)
@@ -259,13 +259,13 @@ def test_many_recipes_ceilings_at_once_are_each_recipes_own():
     the table does not reach between ranks it does."""
     import random
 
-    from ledger.dry_runs import load_dry_runs
-    from ledger.fits import LENGTHS, SETTINGS, cards
-    from ledger.paths import DEFAULT_LEDGER
-    from ledger.predictor import Predictor
-    from ledger.rank_judge import card_limits, dry_ceilings, dry_ceilings_many
-    from ledger.recipe import Recipe
-    from ledger import store
+    from ledger.storage.dry_runs import load_dry_runs
+    from ledger.answer.fits import LENGTHS, SETTINGS, cards
+    from ledger.core.paths import DEFAULT_LEDGER
+    from ledger.answer.predictor import Predictor
+    from ledger.answer.rank_judge import card_limits, dry_ceilings, dry_ceilings_many
+    from ledger.vocab.recipe import Recipe
+    from ledger.storage import store
 
     class Bumpy:
         """The dry-run table, but some recipes' figures dip past rank 200 or are unreached between
@@ -354,7 +354,7 @@ def test_the_scoreboards_slice_medians_are_statistics_medians():
     ``statistics.median`` of each did: odd and even groups, ties, numeric and text labels."""
     import statistics
 
-    from ledger.scoreboard import _slice_medians, _sort_key
+    from ledger.report.scoreboard import _slice_medians, _sort_key
 
     rng = random.Random(11)
     names = {"seq_len": ["<= 2048", "<= 4096", "> 16384"], "rank": ["8", "16", "128", "1024"],
@@ -386,10 +386,10 @@ def test_a_rows_recipe_is_the_dataclasss_own():
     bundled rows and the dry-run rows (every quant, fixes, batch, targets and checkpointing)."""
     from dataclasses import fields
 
-    from ledger import store
-    from ledger.dry_runs import load_dry_runs
-    from ledger.paths import DEFAULT_LEDGER
-    from ledger.recipe import Recipe, _recipe_of, _whole
+    from ledger.storage import store
+    from ledger.storage.dry_runs import load_dry_runs
+    from ledger.core.paths import DEFAULT_LEDGER
+    from ledger.vocab.recipe import Recipe, _recipe_of, _whole
 
     rows = store.load(DEFAULT_LEDGER).measurements + load_dry_runs()
     made = 0
@@ -413,10 +413,10 @@ def test_a_reports_records_are_asdicts():
     a record holding what is not a plain value (asdict's own)."""
     from dataclasses import asdict, dataclass
 
-    from ledger import store
-    from ledger.calibration_report import _record
-    from ledger.held_out import shared_predictor
-    from ledger.paths import DEFAULT_LEDGER
+    from ledger.storage import store
+    from ledger.report.calibration_report import _record
+    from ledger.report.held_out import shared_predictor
+    from ledger.core.paths import DEFAULT_LEDGER
 
     fit = shared_predictor(store.load(DEFAULT_LEDGER), []).fit
     records = [*fit.over.anchors, *fit.over.pairs, *fit.lims]
@@ -450,8 +450,8 @@ def test_a_cards_remainder_differences_are_the_filtered_pairs():
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
     from synthetic import realistic_ledger
 
-    from ledger.dry_runs import load_dry_runs
-    from ledger.predictor import Predictor
+    from ledger.storage.dry_runs import load_dry_runs
+    from ledger.answer.predictor import Predictor
 
     p = Predictor(realistic_ledger(600), load_dry_runs())
     cal = p.dry_cal
@@ -470,7 +470,7 @@ def test_a_plot_drawn_once_is_the_plot_drawn_twice(monkeypatch):
     import contextlib
 
     from conftest import SMALL
-    from ledger import store
+    from ledger.storage import store
     from ledger.site import plots
     from ledger.site.plot_data import make_plots
     from ledger.site.views import Plot, PlotPoint, PlotSeries
@@ -502,7 +502,7 @@ def test_a_title_placed_at_once_is_where_matplotlib_places_it(monkeypatch):
     or a multiplier, under a title it is in the way of (matplotlib raises the title above it), a log
     scale and a spilled band."""
     from conftest import SMALL
-    from ledger import store
+    from ledger.storage import store
     from ledger.site import plots
     from ledger.site.plot_data import make_plots
     from ledger.site.views import Plot, PlotPoint, PlotSeries

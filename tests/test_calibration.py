@@ -10,14 +10,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import FROZEN as BUNDLED
-from ledger import cli, store
-from ledger.calibration import overestimate, predict_real
-from ledger.peaks import before, rank_slope
-from ledger.calibration_report import calibrate, loo
-from ledger.dry_runs import load_dry_runs
-from ledger.predictor import Predictor
-from ledger.recipe import Recipe
-from ledger.models import SCHEMA_VERSION, Gpu, Ledger, Lora, Measurement, Outcome, Provenance
+from ledger import cli
+from ledger.storage import store
+from ledger.fit.calibration import overestimate, predict_real
+from ledger.fit.peaks import before, rank_slope
+from ledger.report.calibration_report import calibrate, loo
+from ledger.storage.dry_runs import load_dry_runs
+from ledger.answer.predictor import Predictor
+from ledger.vocab.recipe import Recipe
+from ledger.core.models import SCHEMA_VERSION, Gpu, Ledger, Lora, Measurement, Outcome, Provenance
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +188,7 @@ def test_predict_stores_a_prediction_and_a_real_run_scores_it(tmp_path, capsys):
     lg.measurements.append(Measurement(
         id="real-r88", kind="real", gpu="rtx-3070-ti", quant="4bit", lora=Lora(rank=88, dropout=0.1),
         outcome=Outcome(status="ok", peak_allocated_mib=6555.0), provenance=Provenance(measured_on="2026-12-01")))
-    from ledger.predictions import score_predictions
+    from ledger.answer.predictions import score_predictions
 
     assert score_predictions(lg).scored == [pred.id]
     assert lg.predictions[-1].score.measurement == "real-r88"
@@ -235,7 +236,7 @@ def test_predict_replays_the_program_prediction_from_what_was_known(capsys):
 
 def test_a_run_with_reserved_only_says_why_it_does_not_score_a_prediction(tmp_path, capsys):
     from conftest import DATA
-    from ledger.models import Lora, Prediction
+    from ledger.core.models import Lora, Prediction
 
     path = tmp_path / "l.json"
     path.write_bytes((DATA / "small-ledger.json").read_bytes())
@@ -269,7 +270,7 @@ def test_a_shorter_sequence_never_has_a_lower_ceiling(capsys):
 
 
 def test_leave_one_out_verdicts_never_say_fits_for_an_oom(ledger):
-    from ledger.calibration_report import calibrate
+    from ledger.report.calibration_report import calibrate
 
     loo_doc = calibrate(ledger, with_loo=True, dry_runs=load_dry_runs())["loo"]
     costly = [v["id"] for v in loo_doc["verdicts"] if v["verdict"] == "fits" and not v["fits_actual"]]

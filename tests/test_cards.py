@@ -10,12 +10,13 @@ import re
 import pytest
 
 from conftest import BUNDLED
-from ledger import cli, store
-from ledger.cards import card_table, derives_usable, usable_ratio
+from ledger import cli
+from ledger.storage import store
+from ledger.vocab.cards import card_table, derives_usable, usable_ratio
 from ledger.cli.question import BUDGET_CARD
-from ledger.dry_runs import load_dry_runs
-from ledger.predictor import Predictor
-from ledger.recipe import Recipe
+from ledger.storage.dry_runs import load_dry_runs
+from ledger.answer.predictor import Predictor
+from ledger.vocab.recipe import Recipe
 
 
 def test_the_table_covers_the_cards_people_fine_tune_on_each_with_its_source():
@@ -107,7 +108,7 @@ def test_a_card_asked_wrongly_is_one_located_line(argv, message, capsys):
 
 
 def test_the_fit_page_keeps_to_the_common_cards_and_says_how_to_ask_for_the_rest(predictor):
-    from ledger.fits import cards, page_cards
+    from ledger.answer.fits import cards, page_cards
 
     shown = page_cards(predictor)
     assert "rtx-4060-ti-16gb" in shown and "l4" in shown and set(predictor.ledger.gpus) <= set(shown)
@@ -127,7 +128,7 @@ def test_a_stock_recipe_on_a_16gb_card_is_answered(predictor):
                                        ("NVIDIA GeForce RTX 4090", "rtx-4090"), ("rtx 3090", "rtx-3090"),
                                        ("Radeon RX 7900 XTX", "rx-7900-xtx"), ("RTX 3070 Ti", "rtx-3070-ti")])
 def test_a_card_is_found_however_its_name_is_spaced_or_prefixed(typed, key):
-    from ledger.cards import require_card
+    from ledger.vocab.cards import require_card
 
     assert require_card(store.load(BUNDLED), typed)[0] == key
 

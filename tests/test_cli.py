@@ -38,7 +38,7 @@ def test_console_script_runs():
 def test_core_never_imports_torch():
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "import ledger, ledger.cli, ledger.store, ledger.legacy, ledger.models\n"
+        "import ledger, ledger.cli, ledger.storage.store, ledger.intake.legacy, ledger.core.models\n"
         "cli = ledger.cli.build_parser()\n"
         "import importlib, pkgutil\n"
         "for m in pkgutil.walk_packages(ledger.__path__, 'ledger.'):\n"

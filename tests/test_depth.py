@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ledger.paths import MODEL_CONFIGS as CONFIGS
+from ledger.core.paths import MODEL_CONFIGS as CONFIGS
 from probe_kit.depth import DepthPlan, depth_plan, phase_peaks
 from probe_kit.dry_run import dry_run
 from probe_kit.meters import MIB, TrackerMeter

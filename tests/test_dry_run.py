@@ -8,7 +8,7 @@ import pytest
 
 import probe_kit.recipe as recipe
 from conftest import DATA, SMALL
-from ledger import store
+from ledger.storage import store
 from probe_kit.dry_run import dry_run, main as dry_main, predict, stand_in_4bit, vision_mib
 from probe_kit.probe_vram import run_probe
 from probe_kit.recipe import ProbeConfig, parse_fixes
@@ -89,10 +89,10 @@ def test_cli_appends_a_dry_run_kind(tmp_path, capsys):
 
 
 def test_find_ceiling_without_measurements(capsys):
-    from ledger.paths import DEFAULT_LEDGER
-    from ledger.dry_runs import load_dry_runs
-    from ledger.predictor import Predictor
-    from ledger.recipe import Recipe
+    from ledger.core.paths import DEFAULT_LEDGER
+    from ledger.storage.dry_runs import load_dry_runs
+    from ledger.answer.predictor import Predictor
+    from ledger.vocab.recipe import Recipe
 
     outcome, _ = predict(ProbeConfig(**{**BASE, "rank": 64}))
     # Whatever rank 64 needs, calibrated as the command line calibrates it: the ceiling is 64.
@@ -123,7 +123,7 @@ def test_bad_input_is_one_line(capsys):
                                            ("deepseek-r1-distill-qwen-7b", 7.62),
                                            ("deepseek-r1-distill-qwen-14b", 14.77)])
 def test_shipped_configs_have_the_published_sizes(name, billions):
-    from ledger.model_configs import load_arch
+    from ledger.vocab.model_configs import load_arch
 
     recipe.load_config(name)  # transformers accepts it
     assert load_arch(name).total_params / 1e9 == pytest.approx(billions, abs=0.01)
@@ -145,10 +145,10 @@ def test_the_multimodal_class_is_chosen_from_the_config():
 def test_one_models_committed_grid_rows_are_rebuilt_on_the_cpu():
     """The fit table's rows of the smallest model, rebuilt here from the grid's points, are the
     committed ones (ledger/dry-runs.json): the table is reproducible from the repository."""
-    from ledger.fits import grid_points
-    from ledger.dry_runs import load_dry_runs
-    from ledger.model_configs import model_name
-    from ledger.recipe import recipe_of
+    from ledger.answer.fits import grid_points
+    from ledger.storage.dry_runs import load_dry_runs
+    from ledger.vocab.model_configs import model_name
+    from ledger.vocab.recipe import recipe_of
     from probe_kit.run_sweep import _config
 
     committed = {recipe_of(d): d for d in load_dry_runs() if model_name(d.model) == "qwen2.5-0.5b"

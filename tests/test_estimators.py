@@ -7,12 +7,13 @@ import json
 import pytest
 
 from conftest import FROZEN as BUNDLED
-from ledger import cli, store
-from ledger.estimators import FT01, GB, Canifinetune, UnslothStudio
-from ledger.recipe import Recipe
-from ledger.model_configs import Arch, load_arch
-from ledger.scoreboard import scoreboard
-from ledger.models import SCHEMA_VERSION, Ledger, Measurement, Outcome
+from ledger import cli
+from ledger.storage import store
+from ledger.report.estimators import FT01, GB, Canifinetune, UnslothStudio
+from ledger.vocab.recipe import Recipe
+from ledger.vocab.model_configs import Arch, load_arch
+from ledger.report.scoreboard import scoreboard
+from ledger.core.models import SCHEMA_VERSION, Ledger, Measurement, Outcome
 
 # A small llama-shaped model whose arithmetic fits in a comment.
 TOY = Arch(name="toy", hidden=1024, layers=2, heads=8, kv_heads=2, head_dim=128, intermediate=4096, vocab=32000,
@@ -109,7 +110,7 @@ def test_estimate_cli(capsys):
 
 
 def test_dry_run_rows_join_the_scoreboard():
-    from ledger.models import Lora, Provenance
+    from ledger.core.models import Lora, Provenance
 
     lg = store.load(BUNDLED)
     probe = next(m for m in lg.measurements if m.id == "rx-7900-xtx-4bit-fixes-all-r16-seq7177")
@@ -117,8 +118,8 @@ def test_dry_run_rows_join_the_scoreboard():
         id="dry-r16", kind="dry_run", model="gemma-3-4b-it", quant="4bit", lora=Lora(rank=16, dropout=0.0),
         seq_len=7177, response_len=237, memory_fixes="all", outcome=Outcome(status="ok", peak_allocated_mib=5551.5),
         provenance=Provenance(inferred=True)))
-    from ledger.dry_runs import load_dry_runs
-    from ledger.predictor import Predictor
+    from ledger.storage.dry_runs import load_dry_runs
+    from ledger.answer.predictor import Predictor
 
     dry_rows = [m for m in load_dry_runs() if m.seq_len != 7177 or m.lora.rank != 16 or m.memory_fixes != "all"
                 or m.quant != "4bit" or m.lora.dora or m.lora.dropout]
@@ -168,7 +169,7 @@ def test_the_scoreboard_on_arrays_is_the_per_row_loops():
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
     from synthetic import realistic_ledger, synthetic_ledger
 
-    from ledger.estimators import ESTIMATORS
+    from ledger.report.estimators import ESTIMATORS
 
     def figures(board: dict) -> dict:
         return {**board, "estimators": [{k: v for k, v in e.items() if k not in ("rows", "rows_kept")}

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from conftest import BUNDLED, DATA, FROZEN, REPO, SMALL
-from ledger import cli, store
+from ledger import cli
+from ledger.storage import store
 
 
 def run(*argv) -> int:
@@ -69,9 +70,9 @@ def test_a_measured_oom_of_the_recipe_is_wont_fit(capsys):
     r104 = next(r for r in c["ranks"] if r["rank"] == 104)
     assert r104["verdict"] == "won't fit" and "sweep-r104-drop" in r104["evidence"]
     assert c["fits_rank"] == 96 and c["tight_rank"] == 96
-    from ledger.dry_runs import load_dry_runs
-    from ledger.predictor import Predictor
-    from ledger.recipe import Recipe
+    from ledger.storage.dry_runs import load_dry_runs
+    from ledger.answer.predictor import Predictor
+    from ledger.vocab.recipe import Recipe
 
     p = Predictor(store.load(FROZEN), load_dry_runs())
     harder = p.predict(Recipe(model="gemma-3-4b-it", rank=112, dropout=True, seq_len=8192), "rtx-3070-ti")
@@ -120,7 +121,7 @@ def test_a_log_of_two_runs_gives_a_row_per_run(tmp_path):
     assert (second.outcome.status, second.outcome.peak_allocated_mib, str(second.provenance.measured_on)) == (
         "ok", 6625.3, "2026-09-24")
     assert second.provenance.source == f"{log}:4-7" and second.outcome.failed_at_step is None
-    from ledger.logs import LogError, parse_log
+    from ledger.intake.logs import LogError, parse_log
 
     with pytest.raises(LogError, match="2 runs in one log"):
         parse_log(log.read_text(), "train.log")
@@ -265,7 +266,7 @@ def test_the_main_install_scores_canifinetune():
 
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     assert any(d.startswith("canifinetune") for d in deps)
-    from ledger.estimators import Canifinetune
+    from ledger.report.estimators import Canifinetune
 
     assert Canifinetune.available()
 
@@ -303,8 +304,8 @@ def test_known_library_noise_is_silenced(tmp_path):
 
 def test_the_dry_run_ceiling_says_each_dry_run_as_it_goes(monkeypatch, capsys):
     """--find-ceiling runs several dry runs of seconds to minutes each: one line per dry run."""
-    from ledger.dry_runs import load_dry_runs
-    from ledger.predictor import Predictor
+    from ledger.storage.dry_runs import load_dry_runs
+    from ledger.answer.predictor import Predictor
     from probe_kit import dry_run
     from probe_kit.recipe import ProbeConfig
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import REPO, SMALL
-from ledger import store
+from ledger.storage import store
 from probe_kit.meters import MIB, AllocatorMeter, quant_state_tensors
 from probe_kit.probe_vram import run_probe
 from probe_kit.recipe import ProbeConfig, build_model
@@ -99,7 +99,7 @@ def test_a_probe_appends_to_a_ledger_that_already_has_the_card(tmp_path):
     name = torch.cuda.get_device_properties(0).name
     key = "this-card"
     lg = store.load(ledger)
-    from ledger.models import Gpu
+    from ledger.core.models import Gpu
 
     lg.gpus[key] = Gpu(name=name, total_mib=1.0)  # an older entry for this card, other content
     store.save(lg, ledger)

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from conftest import SMALL
-from ledger import store
-from ledger.models import Gpu, Provenance
+from ledger.storage import store
+from ledger.core.models import Gpu, Provenance
 from probe_kit import doctor, probe_vram, recipe, run_sweep
 from probe_kit.probe_vram import EXIT_CRASHED, EXIT_REFUSED, card_entry, run_probe, spill_status
 from probe_kit.recipe import ProbeConfig, RecipeError
@@ -309,7 +309,7 @@ def test_tied_embeddings_stay_tied_after_a_meta_build():
 
 
 def test_environment_fields_are_in_the_schema_and_round_trip():
-    from ledger.models import Environment, Outcome
+    from ledger.core.models import Environment, Outcome
 
     env = Environment(device="cuda:0", meter="allocator", cublas_workspace_mib=8.1, cublaslt_workspace_mib=32.0,
                       sdpa_backends=["flash", "mem_efficient", "math"], alloc_conf="PYTORCH_CUDA_ALLOC_CONF=x")

@@ -18,8 +18,10 @@ from hypothesis import strategies as st
 from markdown_it import MarkdownIt
 
 from conftest import REPO, SMALL
-from ledger import atomic, cli, store
-from ledger.models import Measurement, Outcome, Provenance
+from ledger import cli
+from ledger.storage import atomic
+from ledger.storage import store
+from ledger.core.models import Measurement, Outcome, Provenance
 
 HOSTILE = [
     "[click](javascript:alert(1))",
@@ -109,7 +111,7 @@ def test_csv_numbers_go_to_the_writer_as_they_are():
     import sys
 
     from conftest import REPO
-    from ledger.paths import DEFAULT_LEDGER
+    from ledger.core.paths import DEFAULT_LEDGER
     from ledger.site.downloads import COLUMNS, _v, csv_row, measurements_csv
 
     sys.path.insert(0, str(REPO / "benchmarks"))

@@ -8,9 +8,10 @@ import re
 import pytest
 
 from conftest import BUNDLED, DATA, LEGACY
-from ledger import cli, store
-from ledger.errors import LedgerError
-from ledger.legacy import import_legacy, parse_oom_summary, slug
+from ledger import cli
+from ledger.storage import store
+from ledger.core.errors import LedgerError
+from ledger.intake.legacy import import_legacy, parse_oom_summary, slug
 
 OTHER = DATA / "legacy" / "other-program-vram.json"
 

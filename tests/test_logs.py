@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from conftest import DATA, SMALL
-from ledger import cli, store
-from ledger.logs import LogError, parse_log
+from ledger import cli
+from ledger.storage import store
+from ledger.intake.logs import LogError, parse_log
 
 LOGS = sorted((DATA / "logs").glob("*.log"))
 
@@ -62,7 +63,7 @@ def test_random_garbage_never_crashes():
 
 
 def _runs(text: str, fast: bool):
-    from ledger.logs import parse_runs
+    from ledger.intake.logs import parse_runs
 
     try:
         return [asdict(r) for r in parse_runs(text, "x", fast=fast)]
@@ -168,7 +169,7 @@ def test_hf_deltas_are_recorded_as_deltas(ledger):
 
 
 def test_ingesting_a_matching_run_scores_an_open_prediction(ledger):
-    from ledger.models import Lora, Prediction
+    from ledger.core.models import Lora, Prediction
 
     lg = store.load(ledger)
     lg.predictions.append(Prediction(id="pred-next", gpu="rtx-3070-ti", quant="4bit",
@@ -283,7 +284,7 @@ def test_a_cpu_callback_line_is_not_filed_under_a_card(ledger, tmp_path, capsys)
 def test_the_bundled_ledger_refuses_cpu_rows(tmp_path, monkeypatch, capsys):
     import shutil
 
-    from ledger import store as store_module
+    from ledger.storage import store as store_module
 
     bundled = tmp_path / "vram.json"
     shutil.copy(SMALL, bundled)
@@ -316,9 +317,9 @@ def test_the_callbacks_record_reads_the_ledger_once(tmp_path, monkeypatch):
     """A run the callback records is made against the ledger the locked write reads, which is
     parsed once and written once; the same record again adds nothing and writes nothing; a card
     of the card table joins the ledger with its row."""
-    from ledger.ingest import RunSpec, record_callback
-    from ledger.models import Ledger
-    from ledger.predictions import score_predictions
+    from ledger.intake.ingest import RunSpec, record_callback
+    from ledger.core.models import Ledger
+    from ledger.answer.predictions import score_predictions
 
     path = tmp_path / "l.json"
     store.save(store.load(SMALL), path)

@@ -10,9 +10,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import REPO
-from ledger import store
-from ledger.models import (SCHEMA_VERSION, Ledger, Lora, Measurement, Outcome, Provenance, _default_outcome,
-                           _default_provenance, json_schema)
+from ledger.storage import store
+from ledger.core.models import (
+    SCHEMA_VERSION,
+    Ledger,
+    Lora,
+    Measurement,
+    Outcome,
+    Provenance,
+    _default_outcome,
+    _default_provenance,
+    json_schema,
+)
 
 ids = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,20}", fullmatch=True)
 mib = st.none() | st.floats(min_value=0, max_value=1e6, allow_nan=False, allow_infinity=False)
@@ -20,7 +29,7 @@ text = st.none() | st.text(max_size=40)
 
 @st.composite
 def outcomes(draw):
-    """Physically possible outcomes (ledger.checks): reserved >= allocated, no peak after an OOM."""
+    """Physically possible outcomes (ledger.core.checks): reserved >= allocated, no peak after an OOM."""
     status = draw(st.none() | st.sampled_from(["ok", "oom", "spilled", "crashed", "host_oom"]))
     allocated = None if status == "oom" else draw(mib)
     extra = draw(mib)
@@ -101,7 +110,7 @@ def test_the_fast_defaults_are_what_the_models_make():
     a model whose defaults hold anything but immutable values and empty lists is refused."""
     from pydantic import Field
 
-    from ledger.models import _default_of, _Model
+    from ledger.core.models import _default_of, _Model
 
     for cls, fast in ((Outcome, _default_outcome), (Provenance, _default_provenance)):
         made, slow = fast(), cls()
@@ -178,7 +187,7 @@ def _loosen(node):
 
 
 def test_schema_canonical_form_does_not_depend_on_the_generator():
-    from ledger.models import canonical_schema
+    from ledger.core.models import canonical_schema
     from ledger.site.public import public_schema
 
     for schema in (json_schema(), public_schema()):

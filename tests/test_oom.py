@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ledger.oom import parse_oom_message
+from ledger.intake.oom import parse_oom_message
 
 CURRENT = (
     "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 72.00 MiB. GPU 0 has a total capacity of "

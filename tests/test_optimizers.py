@@ -1,4 +1,4 @@
-"""The adapter's trainable tensors and the optimizer's state (ledger.adapter, ledger.optimizers)
+"""The adapter's trainable tensors and the optimizer's state (ledger.vocab.adapter, ledger.vocab.optimizers)
 against what peft builds and what each optimizer really allocates after its first step (CPU
 tensors, tiny configs of three families)."""
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from ledger.adapter import ALL_LINEAR, TARGET_PRESETS, parse_targets, trainable_params, trainable_shapes
-from ledger.model_configs import load_arch
-from ledger.optimizers import OPTIMIZERS, state_bytes
+from ledger.vocab.adapter import ALL_LINEAR, TARGET_PRESETS, parse_targets, trainable_params, trainable_shapes
+from ledger.vocab.model_configs import load_arch
+from ledger.vocab.optimizers import OPTIMIZERS, state_bytes
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")

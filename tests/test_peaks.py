@@ -14,11 +14,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 from synthetic import synthetic_ledger  # noqa: E402
 
-from ledger import store  # noqa: E402
-from ledger.paths import DEFAULT_LEDGER  # noqa: E402
-from ledger.peaks import PeakModel, rank_slope  # noqa: E402
-from ledger.rank_judge import dry_judge  # noqa: E402
-from ledger.recipe import group_key  # noqa: E402
+from ledger.storage import store  # noqa: E402
+from ledger.core.paths import DEFAULT_LEDGER  # noqa: E402
+from ledger.fit.peaks import PeakModel, rank_slope  # noqa: E402
+from ledger.answer.rank_judge import dry_judge  # noqa: E402
+from ledger.vocab.recipe import group_key  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
 
@@ -72,9 +72,9 @@ def test_a_predictor_started_from_the_full_one_answers_as_a_fresh_one():
     scratch without the row."""
     from dataclasses import replace
 
-    from ledger.dry_runs import load_dry_runs
-    from ledger.predictor import Predictor
-    from ledger.recipe import recipe_of
+    from ledger.storage.dry_runs import load_dry_runs
+    from ledger.answer.predictor import Predictor
+    from ledger.vocab.recipe import recipe_of
 
     dry = load_dry_runs()
     for lg in (store.load(DEFAULT_LEDGER), synthetic_ledger(90, seed=5)):
@@ -103,8 +103,8 @@ def test_a_predictor_started_from_the_full_one_answers_as_a_fresh_one():
 def test_a_held_out_fit_keeps_the_bases_dry_rows_less_the_ones_left_out():
     """A fit started from another of the very same dry-run rows keeps the other's (the same list
     while none of them is left out), less any left out; other rows are filtered afresh."""
-    from ledger.dry_runs import load_dry_runs
-    from ledger.predictor import Predictor
+    from ledger.storage.dry_runs import load_dry_runs
+    from ledger.answer.predictor import Predictor
 
     dry = load_dry_runs()
     lg = store.load(DEFAULT_LEDGER)
@@ -122,14 +122,14 @@ def test_a_held_out_fit_keeps_the_bases_dry_rows_less_the_ones_left_out():
 
 
 def test_the_fit_tables_rank_figures_are_the_dry_tables():
-    """The fit table judges each cell through ``DryTable.rank_figure`` / ``ledger.rank_judge.dry_judge``:
+    """The fit table judges each cell through ``DryTable.rank_figure`` / ``ledger.answer.rank_judge.dry_judge``:
     at every rank the same figure and verdict as ``raw`` and ``judge_dry``."""
     from dataclasses import replace
 
-    from ledger.dry_runs import load_dry_runs
-    from ledger.fits import LENGTHS, SETTINGS, cards
-    from ledger.predictor import Predictor
-    from ledger.recipe import Recipe
+    from ledger.storage.dry_runs import load_dry_runs
+    from ledger.answer.fits import LENGTHS, SETTINGS, cards
+    from ledger.answer.predictor import Predictor
+    from ledger.vocab.recipe import Recipe
 
     p = Predictor(store.load(DEFAULT_LEDGER), load_dry_runs())
     all_cards = cards(p)
@@ -169,7 +169,7 @@ def _root_and_view(source: str, seed: int):
 def test_a_median_less_some_values_is_the_median_of_what_is_left():
     from statistics import median
 
-    from ledger.peaks import _median_less
+    from ledger.fit.peak_rows import _median_less
 
     rng = random.Random(4)
     for trial in range(400):
@@ -227,8 +227,8 @@ def test_every_held_out_fits_widths_and_limits_are_a_fresh_fits(source):
     every row of three ledgers its widths and card limits are those of a fit made from scratch.
     (Each of the cells' rows, the shifts between cards and the pooled slope decides some answer of
     these ledgers: leaving any out of the changes makes this fail.)"""
-    from ledger.dry_runs import load_dry_runs
-    from ledger.ledger_fit import LedgerFit
+    from ledger.storage.dry_runs import load_dry_runs
+    from ledger.fit.ledger_fit import LedgerFit
 
     lg = {"bundled": lambda: store.load(DEFAULT_LEDGER), "synthetic-160": lambda: synthetic_ledger(160, seed=3),
           "synthetic-240": lambda: synthetic_ledger(240, seed=11)}[source]()
@@ -255,8 +255,8 @@ def test_a_fit_started_from_a_held_out_fit_is_a_fresh_fit():
     """A fit less two rows started from the fit less the first (itself started from the full
     fit): its widths are asked afresh and its limits leave out both rows — the first being the
     row a card's limit rests on, so a limit that kept it would show."""
-    from ledger.dry_runs import load_dry_runs
-    from ledger.ledger_fit import LedgerFit
+    from ledger.storage.dry_runs import load_dry_runs
+    from ledger.fit.ledger_fit import LedgerFit
 
     lg = synthetic_ledger(160, seed=3)
     dry = load_dry_runs()

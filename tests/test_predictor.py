@@ -1,4 +1,4 @@
-"""The one predictor (ledger.predictor), the card table and the fit table, on the frozen ledger."""
+"""The one predictor (ledger.answer.predictor), the card table and the fit table, on the frozen ledger."""
 
 from __future__ import annotations
 
@@ -7,14 +7,15 @@ import json
 import pytest
 
 from conftest import FROZEN as BUNDLED, REPO
-from ledger import cli, store
-from ledger.fits import LENGTHS, fit_table, grid_points, monotone
-from ledger.models import Gpu
-from ledger.answers import Interval, decide
-from ledger.cards import card_table, resolve_card
-from ledger.dry_runs import load_dry_runs
-from ledger.predictor import Predictor
-from ledger.recipe import ALL_LINEAR, Recipe, recipe_of
+from ledger import cli
+from ledger.storage import store
+from ledger.answer.fits import LENGTHS, fit_table, grid_points, monotone
+from ledger.core.models import Gpu
+from ledger.core.answers import Interval, decide
+from ledger.vocab.cards import card_table, resolve_card
+from ledger.storage.dry_runs import load_dry_runs
+from ledger.answer.predictor import Predictor
+from ledger.vocab.recipe import ALL_LINEAR, Recipe, recipe_of
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +169,7 @@ def test_the_fit_tables_own_raising_is_monotones(p, monkeypatch):
     """The fit table makes each card's cells monotone as it makes them (one plan per model): the
     same cells as ``monotone`` of the cells made without it, for the ladder's card and the dry
     run's, with both presets, at micro-batch 1 and 4, and with the raises it makes counted."""
-    import ledger.fits as F
+    import ledger.answer.fits as F
 
     def both(**kw):
         made = fit_table(p, **kw)
@@ -188,7 +189,7 @@ def test_the_fit_tables_own_raising_is_monotones(p, monkeypatch):
 
 
 def test_monotone_raises_to_a_harder_recipe_and_says_at_least():
-    from ledger.fits import FitCell
+    from ledger.answer.fits import FitCell
 
     def cell(setting, seq, fits):
         return FitCell("m", "g", "4bit", "all", setting, seq, fits, fits, "ok" if fits else "unknown", False,
@@ -200,7 +201,7 @@ def test_monotone_raises_to_a_harder_recipe_and_says_at_least():
 
 
 def test_the_grid_is_small_and_covers_the_table():
-    from ledger.fits import PRESET_MAX_LEN, model_lengths
+    from ledger.answer.fits import PRESET_MAX_LEN, model_lengths
 
     allowed = model_lengths("qwen2.5-0.5b")  # its context: 32768 tokens
     assert allowed == [s for s in LENGTHS if s <= 32768] and model_lengths("llama-3.1-8b") == list(LENGTHS)
@@ -211,7 +212,7 @@ def test_the_grid_is_small_and_covers_the_table():
     # dropout and DoRA at the shortest, at 16384 and at the longest): a model with full attention in
     # every layer peaks in proportion to the length from AFFINE_FROM on, so rank 8 is computed there
     # only at the ends; the table interpolates the lengths between (cells at every length, below)
-    from ledger.fits import AFFINE_FROM
+    from ledger.answer.fits import AFFINE_FROM
 
     rank8 = [s for s in allowed if s <= AFFINE_FROM or s in (16384, allowed[-1])]
     assert rank8 == [512, 2048, 16384, 32768]
@@ -235,9 +236,9 @@ def test_lengths_the_grid_derives_are_its_committed_rows():
     them, are themselves: the step is affine in length there. The DoRA and dropout rows at those
     lengths (the grid's held-out points) are then interpolated between their own rows, never below
     what the plain row and their interpolated cost gave."""
-    from ledger.dry_table import DryTable
-    from ledger.model_configs import model_name
-    from ledger.recipe import recipe_of
+    from ledger.fit.dry_table import DryTable
+    from ledger.vocab.model_configs import model_name
+    from ledger.vocab.recipe import recipe_of
 
     dry = [d for d in load_dry_runs() if d.outcome.status == "ok" and d.response_len == 256
            and (d.batch_size or 1) == 1 and d.memory_fixes == "none"]
@@ -313,12 +314,12 @@ def test_a_micro_batch_is_answered_as_one_longer_sequence_without_fixes():
     error of that derivation; with the program's fixes it is not derived, and says why."""
     from dataclasses import replace
 
-    from ledger import store
-    from ledger.dry_runs import load_dry_runs
-    from ledger.paths import DEFAULT_LEDGER
-    from ledger.predictor import Predictor
-    from ledger.recipe import Recipe
-    from ledger.response_span import BATCH_AS_LENGTH_ERR
+    from ledger.storage import store
+    from ledger.storage.dry_runs import load_dry_runs
+    from ledger.core.paths import DEFAULT_LEDGER
+    from ledger.answer.predictor import Predictor
+    from ledger.vocab.recipe import Recipe
+    from ledger.fit.response_span import BATCH_AS_LENGTH_ERR
 
     p = Predictor(store.load(DEFAULT_LEDGER), load_dry_runs())
     entry = p.ledger.gpus.get("rx-7900-xtx")
@@ -339,7 +340,7 @@ def test_a_micro_batch_is_answered_as_one_longer_sequence_without_fixes():
 def test_the_batch_derivation_holds_on_a_real_config_dry_run():
     """The measured basis of BATCH_AS_LENGTH_ERR, once, on the smallest shipped config."""
     pytest.importorskip("torch")
-    from ledger.response_span import BATCH_AS_LENGTH_ERR
+    from ledger.fit.response_span import BATCH_AS_LENGTH_ERR
     from probe_kit.dry_run import dry_run
     from probe_kit.recipe import ProbeConfig
 
@@ -385,7 +386,7 @@ def test_the_fit_table_without_checkpointing_never_fits_more_than_with_it(capsys
 
     doc, off = cells("--no-gradient-checkpointing")
     _, on = cells()
-    from ledger.fits import model_lengths
+    from ledger.answer.fits import model_lengths
 
     assert doc["checkpointing"] is False and {k[1] for k in off} == {"none"}
     assert len(off) == 2 * 3 * len(model_lengths("llama-3.2-1b"))  # quant x setting x its lengths, to 131072
@@ -435,8 +436,8 @@ def test_the_fit_table_says_what_the_ceiling_scan_says(p, run, fixes, checkpoint
     needs every rank below to fit), for a one-step probe and for a training run (stock: AdamW's
     state; the program's preset: its calibrated real runs), on a sample that holds both cases
     (qwen2.5-7b bf16 plain on the RTX 4090 at 4096 tokens, and at 16384 with the preset)."""
-    from ledger.cards import card_table
-    from ledger.fits import fit_table
+    from ledger.vocab.cards import card_table
+    from ledger.answer.fits import fit_table
 
     table = card_table()
     # Without checkpointing (dry runs of it alone), also on a card the ledger measured the model on.
@@ -470,7 +471,7 @@ def test_a_derived_figure_is_widened_by_the_error_of_its_own_kind(p):
     """Each kind of derivation (memory fixes x checkpointing) is widened by the largest error of
     deriving the committed dry runs of that kind, where enough measure it; any other by the largest
     of all. The program's preset derives worst, so the stock recipe's intervals are narrower."""
-    from ledger.dry_table import MIN_KIND_ROWS, kind_of
+    from ledger.fit.dry_table import MIN_KIND_ROWS, kind_of
 
     d = p.dry_derivation
     kinds = {k: v for k, v in d["by_kind"].items() if v["n"] >= MIN_KIND_ROWS}
@@ -492,7 +493,12 @@ def test_a_derived_figure_is_widened_by_the_error_of_its_own_kind(p):
 def test_a_micro_batch_without_checkpointing_is_one_longer_sequence_without_it(p):
     """B sequences of L tokens without gradient checkpointing: the dry runs of one sequence of B x L
     tokens without it, widened by what that was measured to differ by (never below the batch)."""
-    from ledger.response_span import BATCH_AS_LENGTH_ERR, BATCH_AS_LENGTH_ERR_NO_CKPT, answerable, batch_err
+    from ledger.fit.response_span import (
+        BATCH_AS_LENGTH_ERR,
+        BATCH_AS_LENGTH_ERR_NO_CKPT,
+        answerable,
+        batch_err,
+    )
 
     batch = Recipe("qwen2.5-0.5b", rank=16, seq_len=2048, fixes="none", batch=4, checkpointing=False)
     one, how = answerable(batch)
@@ -514,7 +520,7 @@ def test_a_micro_batch_with_a_per_token_fix_is_one_longer_sequence_too():
     """Liger's fused loss and TRL's offloading work per token: a batch is answered as one sequence
     of B x L tokens with the width measured for that fix (benchmarks/batch_as_length.py --fixes F);
     the program's preset, or the two together (never measured), only by dry runs of the batch."""
-    from ledger.response_span import BATCH_AS_LENGTH_ERR_FIXES, answerable, batch_err
+    from ledger.fit.response_span import BATCH_AS_LENGTH_ERR_FIXES, answerable, batch_err
 
     for fixes in ("fused_linear_ce", "activation_offloading"):
         for ckpt in (True, False):
@@ -531,7 +537,7 @@ def test_the_presets_micro_batch_is_answered_by_dry_runs_of_that_batch_alone(p):
     """Micro-batch 4 with the program's preset: no measured row and no micro-batch-1 dry run answers
     it (the program's chunked MLP and kept logits work per sequence); a dry run of that micro-batch
     does, and answers no other micro-batch."""
-    from ledger.predictor import Predictor
+    from ledger.answer.predictor import Predictor
 
     card = card_table()["rtx-4090"].gpu
     four = Recipe("gemma-3-4b-it", rank=8, seq_len=2048, fixes="all", batch=4)
@@ -636,8 +642,8 @@ def test_stale_rows_are_those_of_other_library_versions(monkeypatch, capsys):
     """A dry-run row is stale when a library version it records differs from the ones the build
     compares with: ``VRAM_LEDGER_LIBRARY_VERSIONS``, else the installed ones; a row that records
     none never is; a malformed variable is one located line from the build, nothing written."""
-    from ledger.fits import library_versions, stale_rows
-    from ledger.models import Measurement
+    from ledger.answer.fits import library_versions, stale_rows
+    from ledger.core.models import Measurement
 
     def row(i, **versions):
         return Measurement.model_validate({"id": i, "kind": "dry_run", "environment": versions or None})

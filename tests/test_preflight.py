@@ -196,8 +196,8 @@ def test_standalone_preflight_leaves_the_trainer_as_it_was(tmp_path):
 
 
 def test_a_record_in_the_ledger_is_evidence_the_fits_leave_out(tmp_path):
-    from ledger import store
-    from ledger.ledger_fit import LedgerFit
+    from ledger.storage import store
+    from ledger.fit.ledger_fit import LedgerFit
 
     path = tmp_path / "runs.json"
     result = preflight(trainer_for(tmp_path, tiny_model()), budget_mib=1000, ledger=str(path), stream=sys.stderr)
@@ -282,10 +282,10 @@ def test_the_command(tmp_path):
 def test_on_the_cpu_a_card_is_judged_by_its_effective_limit_and_the_ledger_says_what_it_models(tmp_path):
     result = preflight(trainer_for(tmp_path, tiny_model(), batch=2), gpu="rtx-3070-ti", stop=(), stream=sys.stderr)
     assert result.available_source.startswith("rtx-3070-ti's effective limit")
-    from ledger import store
-    from ledger.dry_runs import load_dry_runs
-    from ledger.paths import DEFAULT_LEDGER
-    from ledger.predictor import Predictor
+    from ledger.storage import store
+    from ledger.storage.dry_runs import load_dry_runs
+    from ledger.core.paths import DEFAULT_LEDGER
+    from ledger.answer.predictor import Predictor
 
     bundled = store.load(DEFAULT_LEDGER)
     low, _, _ = Predictor(bundled, load_dry_runs()).card_limit("rtx-3070-ti", bundled.gpus["rtx-3070-ti"], "real")
@@ -357,7 +357,7 @@ def test_the_runs_memory_fixes_are_read_off_its_arguments():
 
 
 def test_a_run_with_a_fix_is_recorded_under_it_and_one_without_a_name_is_not(tmp_path, monkeypatch):
-    from ledger import store
+    from ledger.storage import store
     from probe_kit.preflight import state
 
     path = tmp_path / "runs.json"

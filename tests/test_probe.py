@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from ledger import store
-from ledger.models import Measurement
+from ledger.storage import store
+from ledger.core.models import Measurement
 from probe_kit.probe_vram import main as probe_main
 from probe_kit.probe_vram import run_probe
 from probe_kit.recipe import ProbeConfig, RecipeError, parse_fixes

@@ -12,7 +12,8 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from conftest import REPO, SMALL
-from ledger import cli, store
+from ledger import cli
+from ledger.storage import store
 from ledger.site.index_page import ledger_hash
 from ledger.site.render import render_site
 
@@ -220,7 +221,7 @@ def test_the_deploy_workflow_replayed_keeps_the_history(tmp_path):
 
 def test_the_public_schema_describes_the_derived_figures(tmp_path, capsys):
     from ledger import cli
-    from ledger.results import Calibration
+    from ledger.core.results import Calibration
     from ledger.site.public import public_schema
 
     defs = public_schema()["$defs"]

@@ -52,7 +52,7 @@ def test_the_download_snippet_prints_the_real_run_it_names(tmp_path):
         with contextlib.redirect_stdout(out):
             exec(compile(code, "README download snippet", "exec"), {})
     # The real r96 run with dropout on the RTX 3070 Ti (real-v15), not the r96 dropout probe (7127.6).
-    from ledger import store
+    from ledger.storage import store
 
     want = [m.outcome.peak_allocated_mib for m in store.load(BUNDLED).measurements
             if m.kind == "real" and m.gpu == "rtx-3070-ti" and m.lora and m.lora.rank == 96

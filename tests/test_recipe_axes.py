@@ -11,9 +11,9 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("peft")
 
-from ledger.adapter import trainable_shapes  # noqa: E402
-from ledger.model_configs import load_arch  # noqa: E402
-from ledger.optimizers import state_bytes  # noqa: E402
+from ledger.vocab.adapter import trainable_shapes  # noqa: E402
+from ledger.vocab.model_configs import load_arch  # noqa: E402
+from ledger.vocab.optimizers import state_bytes  # noqa: E402
 from probe_kit.dry_run import dry_run  # noqa: E402
 from probe_kit.probe_vram import run_probe  # noqa: E402
 from probe_kit.recipe import ProbeConfig, RecipeError  # noqa: E402
@@ -50,7 +50,7 @@ def test_each_axis_moves_the_peak_the_way_physics_says():
     grown = (four.peak_allocated_mib - four.pre_step_mib) / (base.peak_allocated_mib - base.pre_step_mib)
     assert 3.0 < grown <= 4.05
     assert off.peak_allocated_mib > base.peak_allocated_mib  # every activation kept for backward
-    # The optimizer's state is there before the measured step: what ledger.optimizers says it keeps.
+    # The optimizer's state is there before the measured step: what ledger.vocab.optimizers says it keeps.
     state = state_bytes("adamw_torch", trainable_shapes(load_arch("tiny-llama"), 8)).device_mib
     assert adam.pre_step_mib - base.pre_step_mib == pytest.approx(state, abs=0.1)
 
@@ -79,7 +79,7 @@ def test_ids_of_the_recipes_every_earlier_probe_ran_are_unchanged():
                                                                        "down_proj"]),
 ])
 def test_a_probe_config_and_its_row_name_the_same_recipe(cfg):
-    from ledger.recipe import recipe_of
+    from ledger.vocab.recipe import recipe_of
 
     row = recipe_of(cfg.measurement(id="x", kind="dry_run"))
     mine = cfg.recipe()
@@ -93,8 +93,8 @@ def test_a_probe_config_and_its_row_name_the_same_recipe(cfg):
 def test_recipes_differing_only_where_memory_does_not_are_one_question():
     from dataclasses import replace
 
-    from ledger.adapter import ALL_LINEAR
-    from ledger.recipe import Recipe, targets_of_row
+    from ledger.vocab.adapter import ALL_LINEAR
+    from ledger.vocab.recipe import Recipe, targets_of_row
 
     base = Recipe("tiny-llama", rank=16, dropout=True, dropout_rate=0.05, alpha=16)
     same = replace(base, dropout_rate=0.1, alpha=32, rslora=True)
@@ -110,7 +110,7 @@ def test_recipes_differing_only_where_memory_does_not_are_one_question():
 def test_a_recipes_own_replace_is_dataclasses_replace():
     from dataclasses import asdict, replace
 
-    from ledger.recipe import Recipe
+    from ledger.vocab.recipe import Recipe
 
     base = Recipe("tiny-llama", rank=16, dropout=True, dropout_rate=0.05, alpha=16, seq_len=512)
     for changes in ({"rank": 64}, {"seq_len": 4096, "batch": 4}, {"dropout_rate": 0.1}, {"targets": ("q_proj",)},
@@ -124,8 +124,8 @@ def test_a_recipes_own_replace_is_dataclasses_replace():
 
 
 def test_the_estimators_answer_the_one_recipe():
-    import ledger.estimators as estimators
-    from ledger.recipe import Recipe
+    import ledger.report.estimators as estimators
+    from ledger.vocab.recipe import Recipe
 
     assert not hasattr(estimators, "Recipe") or estimators.Recipe is Recipe
     arch = load_arch("tiny-llama")
@@ -137,15 +137,15 @@ def test_the_estimators_answer_the_one_recipe():
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("model,optimizer", list(itertools.product(FAMILIES, ("adamw_torch", "adamw_8bit", "adafactor"))))
 def test_a_training_run_is_the_one_step_probe_or_the_optimizer_step_plus_the_state(model, optimizer):
-    """What the predictor assumes of a stock training run (``ledger.response_span.steady_state_text``):
+    """What the predictor assumes of a stock training run (``ledger.fit.response_span.steady_state_text``):
     the steady-state step (an optimizer step first, then forward, backward and a step) peaks at the
     higher of the one-step probe's peak and the optimizer step's floor (the weights and adapter
-    before the step, its gradients, the step's temporaries: ``ledger.optimizers.transient_bytes``),
-    plus the state ``ledger.optimizers`` computes, on the real step with CPU tensors, at a rank
+    before the step, its gradients, the step's temporaries: ``ledger.vocab.optimizers.transient_bytes``),
+    plus the state ``ledger.vocab.optimizers`` computes, on the real step with CPU tensors, at a rank
     where the state is a large share of the peak."""
-    from ledger.adapter import adapter_mib
-    from ledger.optimizers import transient_bytes
-    from ledger.response_span import STEADY_STATE_ERR_PCT
+    from ledger.vocab.adapter import adapter_mib
+    from ledger.vocab.optimizers import transient_bytes
+    from ledger.fit.response_span import STEADY_STATE_ERR_PCT
 
     probe = run_probe(recipe(model, rank=64), device="cpu")[0].outcome
     one = probe.peak_allocated_mib

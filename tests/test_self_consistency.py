@@ -11,8 +11,8 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 
 from conftest import BUNDLED
-from ledger import store
-from ledger.dry_runs import load_dry_runs
+from ledger.storage import store
+from ledger.storage.dry_runs import load_dry_runs
 from probe_kit.self_check import check, sample_recipes
 
 FAMILIES = ("tiny-llama", "tiny-qwen2", "tiny-gemma3")

@@ -15,12 +15,13 @@ from bs4 import BeautifulSoup
 from jsonschema import Draft202012Validator
 
 from conftest import BENCHMARKS, BUNDLED, GOLDEN, GOLDEN_BUILD, GOLDEN_VERSIONS, REGEN_GOLDEN, SMALL
-from ledger import cli, store
-from ledger.models import Detail, Figure, Finding, Gpu, Lora, Measurement, Outcome, Provenance
+from ledger import cli
+from ledger.storage import store
+from ledger.core.models import Detail, Figure, Finding, Gpu, Lora, Measurement, Outcome, Provenance
 from ledger.site import filters
 from ledger.site.views import ROW_LIMIT
 from ledger.site.render import SiteWriter, render_site
-from ledger.errors import UserError
+from ledger.core.errors import UserError
 
 sys.path.insert(0, str(BENCHMARKS))
 from synthetic import synthetic_ledger  # noqa: E402

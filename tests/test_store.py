@@ -16,9 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import BUNDLED, DATA, SMALL
-from ledger import cli, store
-from ledger.errors import LedgerError
-from ledger.models import SCHEMA_VERSION, Ledger, Measurement, Outcome
+from ledger import cli
+from ledger.storage import store
+from ledger.core.errors import LedgerError
+from ledger.core.models import SCHEMA_VERSION, Ledger, Measurement, Outcome
 
 INVALID = sorted((DATA / "invalid").glob("*.json"))
 
@@ -198,7 +199,7 @@ def test_four_processes_append_fifty_each(tmp_path):
 WRITER = r"""
 import sys
 from ledger import store
-from ledger.models import Ledger, Measurement, Outcome
+from ledger.core.models import Ledger, Measurement, Outcome
 path, n = sys.argv[1], int(sys.argv[2])
 big = Ledger(schema_version=1, measurements=[
     Measurement(id=f"new-{i}", kind="probe", outcome=Outcome(status="ok", peak_allocated_mib=float(i)))
@@ -238,10 +239,10 @@ def test_the_compiled_schema_check_agrees_with_jsonschema(tmp_path):
     files), the two accept and refuse exactly the same documents."""
     from jsonschema import Draft202012Validator, FormatChecker
 
-    from ledger.errors import LedgerError
-    from ledger.models import json_schema
-    from ledger.store import _compiled_schema
-    from ledger.strict_json import parse_json
+    from ledger.core.errors import LedgerError
+    from ledger.core.models import json_schema
+    from ledger.storage.store import _compiled_schema
+    from ledger.core.strict_json import parse_json
     from malformed import VALID, cases
 
     slow = Draft202012Validator(json_schema(), format_checker=FormatChecker())

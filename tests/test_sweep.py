@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from ledger import store
+from ledger.storage import store
 from probe_kit import run_sweep
 from probe_kit.bisect import find_ceiling
 from probe_kit.run_sweep import load_sweep, shard
@@ -280,7 +280,7 @@ def test_a_dry_sweep_writes_its_rows_together_and_keeps_them_when_stopped(tmp_pa
     import signal as sig
 
     import probe_kit.dry_run as dry
-    from ledger import store as ledger_store
+    from ledger.storage import store as ledger_store
 
     path = write(tmp_path, '[sweep]\nname = "d"\ndevice = "dry"\n[base]\nmodel = "tiny-llama"\nrandom_weights = true\n'
                            'seq_len = 64\nresponse_len = 8\n[axes]\nrank = [4, 8, 16]\n')

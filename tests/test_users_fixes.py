@@ -18,7 +18,7 @@ pytest.importorskip("peft")
 pytest.importorskip("liger_kernel")
 pytest.importorskip("trl")
 
-from ledger.recipe import fixes_key, fixes_value, parse_fixes  # noqa: E402
+from ledger.vocab.recipe import fixes_key, fixes_value, parse_fixes  # noqa: E402
 from probe_kit import liger, trl_offload  # noqa: E402
 from probe_kit.dry_run import dry_run  # noqa: E402
 from probe_kit.meters import TrackerMeter  # noqa: E402

@@ -14,8 +14,8 @@ import argparse
 import sys
 from typing import Sequence
 
-from .. import store
-from ..errors import UserError
+from ledger.storage import store
+from ledger.core.errors import UserError
 from . import build, calibrate, ceiling, doctor, estimate, files, fit, ingest_log
 from .options import Command, dump_json
 

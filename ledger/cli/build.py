@@ -6,7 +6,7 @@ import argparse
 import time
 from pathlib import Path
 
-from .. import store
+from ledger.storage import store
 from .options import Command, add_ledger_option
 
 
@@ -46,7 +46,7 @@ def build(args: argparse.Namespace) -> int:
     """Render the ledger into OUT: index.html, vram.md, vram.json, vram.schema.json and plots/*.svg.
     The same ledger gives a byte-identical tree; files from an earlier build that this one did not
     write are removed, and nothing else in OUT is touched."""
-    from ..paths import shown
+    from ledger.core.paths import shown
     from ..site.render import build_date_from_env, render_site
 
     t0 = time.perf_counter()

@@ -1,5 +1,5 @@
-"""``vram calibrate``, ``vram predict`` and ``vram cards``: thin commands over ledger.calibration,
-ledger.predictions and the card table."""
+"""``vram calibrate``, ``vram predict`` and ``vram cards``: thin commands over ledger.fit.calibration,
+ledger.answer.predictions and the card table."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import datetime as dt
 import os
 import sys
 
-from .. import store
-from ..calibration_report import calibrate
-from ..errors import Issue, UserError
-from ..ingest import fixes_option
-from ..predictions import make_prediction, score_predictions
-from ..recipe import capacity_mib
-from ..results import Calibration
+from ledger.storage import store
+from ledger.report.calibration_report import calibrate
+from ledger.core.errors import Issue, UserError
+from ledger.intake.ingest import fixes_option
+from ledger.answer.predictions import make_prediction, score_predictions
+from ledger.vocab.recipe import capacity_mib
+from ledger.core.results import Calibration
 from .question import (add_card_option, add_dry_runs_option, card_from, dry_rows, predictor_for, recipe_from,
                        require_model)
 from .options import (Command, add_batch_option, add_json_option, add_ledger_option, add_optimizer_option,
@@ -169,7 +169,7 @@ def cmd_cards(args: argparse.Namespace) -> int:
     """The cards --gpu accepts: the ledger's (limit measured there) and the common cards of the
     card table (ledger/cards.json: total MiB, what PyTorch reports as usable, where that figure
     comes from), each with the effective limit for peak allocated the predictor judges against."""
-    from ..cards import card_table, derives_usable, usable_ratio
+    from ledger.vocab.cards import card_table, derives_usable, usable_ratio
 
     ledger = store.load(args.ledger)
     p = predictor_for(args, ledger)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from .. import store
-from ..errors import Issue, UserError
+from ledger.storage import store
+from ledger.core.errors import Issue, UserError
 from .options import (Command, add_batch_option, add_json_option, add_ledger_option, add_optimizer_option,
                       add_recipe_options, add_run_option, dump_json)
 from .question import (BUDGET_CARD, add_card_option, add_dry_runs_option, card_from, predictor_for, recipe_from,
@@ -47,7 +47,7 @@ LENGTH_LADDER = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 def cmd_ceiling(args: argparse.Namespace) -> int:
     """The largest LoRA rank (a multiple of --step) whose verdict is "fits" on the card, and the
     largest that is "tight" (the predicted interval reaches past the card's limit): from the one
-    predictor (ledger.predictor: measured real runs, probes, interpolation, the calibrated dry run,
+    predictor (ledger.answer.predictor: measured real runs, probes, interpolation, the calibrated dry run,
     other cards), judged against the low end of the card's effective limit less --margin-mib.
     With --rank instead of --seq-len: the longest sequence that fits at that rank."""
     if args.step <= 0 or args.max_rank < args.step:
@@ -119,8 +119,8 @@ def _length_ceiling(args: argparse.Namespace, ledger, gpu: str, entry) -> int:
     """``vram ceiling --rank N``: the longest sequence (a multiple of --seq-step) that fits at the
     rank, computing the dry runs of the lengths no row reaches (``LENGTH_LADDER``, within the model's
     context) while the longest answered still fits, unless --no-compute."""
-    from ..ceilings import longest
-    from ..model_configs import max_length
+    from ledger.answer.ceilings import longest
+    from ledger.vocab.model_configs import max_length
     from .compute import ensure_dry_runs
 
     if args.rank <= 0 or args.seq_step <= 0:

@@ -1,7 +1,7 @@
 """Dry runs computed when an answer needs them: a model without committed rows (a config path or
 folder, a Hub id in the local cache), or a length the committed grid does not reach. They run as
 a dry-run sweep (``python -m probe_kit.run_sweep``, device "dry", torch on the CPU) into the
-user's cache (``ledger.dry_runs.cache_file``), never into the shipped rows, and are reused by
+user's cache (``ledger.storage.dry_runs.cache_file``), never into the shipped rows, and are reused by
 every later command.
 
 A cached row is reused only while it was computed from the same config and the same library
@@ -25,14 +25,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
-from ..adapter import ALL_LINEAR
-from ..atomic import atomic_write_text
-from ..dry_runs import cache_file, load_dry_runs
-from ..errors import Issue, UserError
-from ..fits import GRID_RESPONSE_LEN, stale_rows, sweep_toml, target_option
-from ..model_configs import CONFIG_DIR, config_path, load_arch, model_name
-from ..paths import DRY_RUNS
-from ..recipe import Recipe
+from ledger.vocab.adapter import ALL_LINEAR
+from ledger.storage.atomic import atomic_write_text
+from ledger.storage.dry_runs import cache_file, load_dry_runs
+from ledger.core.errors import Issue, UserError
+from ledger.answer.fits import GRID_RESPONSE_LEN, stale_rows, sweep_toml, target_option
+from ledger.vocab.model_configs import CONFIG_DIR, config_path, load_arch, model_name
+from ledger.core.paths import DRY_RUNS
+from ledger.vocab.recipe import Recipe
 
 #: Ranks a length needs dry-run so that any rank there is derived (a step's peak is affine in rank).
 RANKS = (8, 64)
@@ -204,7 +204,7 @@ def _drop_crashed(target: Path) -> list[str]:
     one would stop ``--resume`` from running the point again); their first lines of error."""
     if not Path(target).is_file():
         return []
-    from .. import store
+    from ledger.storage import store
 
     found: list[str] = []
 
@@ -223,7 +223,7 @@ def ensure_dry_runs(args: argparse.Namespace, predictor, recipe: Recipe) -> bool
     """Compute the dry runs ``recipe`` lacks (see ``needed_points``); whether any were computed
     (the caller then fits its predictor again). None are when the recipe cannot use them: a model
     without a config."""
-    from ..response_span import answerable
+    from ledger.fit.response_span import answerable
 
     model = getattr(args, "model", None)
     if not model or config_path(model) is None:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import textwrap
 
-from .. import store
-from ..errors import Issue, UserError
-from ..estimators import estimate_all, nearest_row
-from ..model_configs import load_arch
-from ..recipe import capacity_mib, keeps_logits, seq_len_of
-from ..response_span import answerable
+from ledger.storage import store
+from ledger.core.errors import Issue, UserError
+from ledger.report.estimators import estimate_all, nearest_row
+from ledger.vocab.model_configs import load_arch
+from ledger.vocab.recipe import capacity_mib, keeps_logits, seq_len_of
+from ledger.fit.response_span import answerable
 from .question import (BUDGET_CARD, add_card_option, add_dry_runs_option, card_from, predictor_for, recipe_from,
                         require_model)
 from .compute import add_compute_option, ensure_dry_runs
@@ -33,7 +33,7 @@ def add_estimate_options(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    """The answer first: this project's predicted peak (ledger.predictor: measured runs, probes,
+    """The answer first: this project's predicted peak (ledger.answer.predictor: measured runs, probes,
     interpolation, the calibrated dry run, other cards), its interval, method, evidence and, with
     --gpu, its verdict on that card (fits / tight / won't fit / unknown). Then, as a comparison,
     every outside estimator's figure (canifinetune, Unsloth Studio's formula, the FT01 rule of

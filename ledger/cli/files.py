@@ -7,9 +7,9 @@ import os
 import sys
 from pathlib import Path
 
-from .. import store
-from ..errors import Issue, UserError
-from ..paths import DEFAULT_LEDGER, SCHEMA_FILE, shown
+from ledger.storage import store
+from ledger.core.errors import Issue, UserError
+from ledger.core.paths import DEFAULT_LEDGER, SCHEMA_FILE, shown
 from .options import Command
 
 
@@ -69,7 +69,7 @@ def _add_import(p: argparse.ArgumentParser) -> None:
 def cmd_import_legacy(args: argparse.Namespace) -> int:
     """Every number and text of the old file lands in the new ledger; figures held in free
     text become structured fields and the text is kept too."""
-    from ..legacy import import_legacy
+    from ledger.intake.legacy import import_legacy
 
     out = Path(args.output)
     if out.exists() and not args.force:

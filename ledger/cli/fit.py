@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .. import store
-from ..errors import Issue, UserError
-from ..fits import SETTINGS, fit_table, grid_points, model_lengths, stale_rows
-from ..model_configs import config_path, model_name
-from ..dry_runs import cache_file
-from ..optimizers import optimizer_for
-from ..recipe import Recipe, fixes_key, fixes_value, parse_fixes
+from ledger.storage import store
+from ledger.core.errors import Issue, UserError
+from ledger.answer.fits import SETTINGS, fit_table, grid_points, model_lengths, stale_rows
+from ledger.vocab.model_configs import config_path, model_name
+from ledger.storage.dry_runs import cache_file
+from ledger.vocab.optimizers import optimizer_for
+from ledger.vocab.recipe import Recipe, fixes_key, fixes_value, parse_fixes
 from .question import add_card_option, add_dry_runs_option, card_from, dry_rows, predictor_for, require_model
 from .compute import add_compute_option, compute_points, model_for_rows
 from .options import Command, add_json_option, add_ledger_option, add_optimizer_option, dump_json

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..ingest import RunSpec, ingest, ingest_into
-from ..predictions import score_predictions
+from ledger.intake.ingest import RunSpec, ingest, ingest_into
+from ledger.answer.predictions import score_predictions
 from .options import Command, add_json_option, add_ledger_option, add_recipe_options, dump_json
 
 

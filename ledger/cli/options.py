@@ -9,8 +9,8 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from ..errors import Issue, UserError
-from ..paths import DEFAULT_LEDGER, shown
+from ledger.core.errors import Issue, UserError
+from ledger.core.paths import DEFAULT_LEDGER, shown
 
 #: Base weights a recipe option accepts: the same choices as ``python -m probe_kit.probe_vram``.
 QUANTS = ("4bit", "bf16")
@@ -71,7 +71,7 @@ def add_recipe_options(p: argparse.ArgumentParser, *, required: tuple[str, ...] 
 
 
 def add_optimizer_option(p: argparse.ArgumentParser, table: bool = False) -> None:
-    from ..optimizers import OPTIMIZERS
+    from ledger.vocab.optimizers import OPTIMIZERS
 
     p.add_argument("--optim", choices=OPTIMIZERS, metavar="NAME",
                    help="the optimizer a " + ("" if table else "real ") + "run steps, by its TrainingArguments name ("

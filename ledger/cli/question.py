@@ -8,11 +8,11 @@ from __future__ import annotations
 import argparse
 from typing import Optional
 
-from ..errors import Issue, UserError
-from ..ingest import fixes_option
-from ..model_configs import max_length, model_name
-from ..recipe import fixes_key
-from ..paths import shown
+from ledger.core.errors import Issue, UserError
+from ledger.intake.ingest import fixes_option
+from ledger.vocab.model_configs import max_length, model_name
+from ledger.vocab.recipe import fixes_key
+from ledger.core.paths import shown
 
 BUDGET_HELP = ("peak allocated (what the predictor predicts, not reserved) may reach this many MiB: the answer is "
                "judged against it instead of a card's effective limit, with no CUDA context or allocator overhead "
@@ -36,8 +36,8 @@ def card_from(args: argparse.Namespace, ledger, required: bool = True) -> tuple[
     """(key, entry) of the card a command is asked about: --gpu (the ledger or the card table) or
     --gpu-mib (a card of that total); with neither, (``BUDGET_CARD``, None) when --budget-mib is
     given, else a one-line error when ``required``, else (None, None)."""
-    from ..cards import card_of_total, require_card
-    from ..models import MAX_MIB
+    from ledger.vocab.cards import card_of_total, require_card
+    from ledger.core.models import MAX_MIB
 
     total = getattr(args, "gpu_mib", None)
     budget = getattr(args, "budget_mib", None)
@@ -66,14 +66,14 @@ BUDGET_CARD = "budget"
 
 
 def predictor_for(args: argparse.Namespace, ledger, as_of=None, exclude=()):
-    from ..predictor import Predictor
+    from ledger.answer.predictor import Predictor
 
     return Predictor(ledger, dry_rows(args), as_of=as_of, exclude=exclude)
 
 
 def dry_rows(args: argparse.Namespace) -> list:
     """The dry-run rows a command answers from: --dry-runs, then those computed into --cache."""
-    from ..dry_runs import load_dry_runs
+    from ledger.storage.dry_runs import load_dry_runs
 
     from .compute import fresh_rows
 
@@ -82,8 +82,8 @@ def dry_rows(args: argparse.Namespace) -> list:
 
 
 def add_dry_runs_option(p: argparse.ArgumentParser) -> None:
-    from ..dry_runs import user_cache_dir
-    from ..paths import DRY_RUNS
+    from ledger.storage.dry_runs import user_cache_dir
+    from ledger.core.paths import DRY_RUNS
 
     p.add_argument("--dry-runs", default=shown(DRY_RUNS),
                    help="dry-run rows the predictor may use (default: %(default)s)")
@@ -96,7 +96,7 @@ def require_model(model: Optional[str], ledger=None) -> None:
     """A model the command can answer for, or a one-line error: its config must be found (a path
     or folder, a shipped name, a Hub id in the local Hugging Face cache) unless the ledger measured
     it; a mixture-of-experts config is refused with the reason, not mis-modelled."""
-    from ..model_configs import config_path, model_name, moe_experts, where_looked
+    from ledger.vocab.model_configs import config_path, model_name, moe_experts, where_looked
 
     if not model:
         return
@@ -113,7 +113,7 @@ def require_model(model: Optional[str], ledger=None) -> None:
 
 
 def recipe_from(args: argparse.Namespace, rank: int = 16):
-    from ..recipe import Recipe
+    from ledger.vocab.recipe import Recipe
 
     if args.seq_len is not None and args.seq_len <= 0:
         raise UserError(Issue("--seq-len", "", f"must be > 0, got {args.seq_len}"))
@@ -138,7 +138,7 @@ def recipe_from(args: argparse.Namespace, rank: int = 16):
 
 def targets_of(args: argparse.Namespace) -> tuple:
     """--target-modules as the projections it names, or a one-line error."""
-    from ..adapter import parse_targets
+    from ledger.vocab.adapter import parse_targets
 
     try:
         return parse_targets(getattr(args, "target_modules", None) or "all-linear")
@@ -150,7 +150,7 @@ def optimizer_of(args: argparse.Namespace, fixes: str):
     """--optim; unset: a stock recipe (any fixes but the program's full set) steps STOCK_OPTIMIZER,
     whose state a real run adds, and the program's preset (--fixes all) counts none beyond what its
     measured runs hold."""
-    from ..optimizers import optimizer_for
+    from ledger.vocab.optimizers import optimizer_for
 
     if not hasattr(args, "optim"):
         return None

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from pydantic_core import from_json
 
-from ..errors import Issue, UserError
+from ledger.core.errors import Issue, UserError
 
 HISTORY = 50
 #: The feed's entries at most, newest change set first (changes.json keeps every row of the last

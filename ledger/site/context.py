@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import Iterable, Optional
 
-from ..calibration_report import calibrate
-from ..dry_runs import load_dry_runs
-from ..models import Ledger, Measurement
-from ..results import Calibration
+from ledger.report.calibration_report import calibrate
+from ledger.storage.dry_runs import load_dry_runs
+from ledger.core.models import Ledger, Measurement
+from ledger.core.results import Calibration
 from .estimators_page import estimator_scoreboard
 from .fits_page import LOO_LIMIT
 from .index_page import finding_view, gpu_spec, ledger_hash, make_table, prediction_row, training_gpu_key

@@ -6,7 +6,7 @@ import csv
 import io
 from operator import attrgetter
 
-from ..models import Ledger, Measurement
+from ledger.core.models import Ledger, Measurement
 from .index_page import fixes_text
 
 
@@ -81,10 +81,10 @@ class _SafeColumn(dict):
 
 
 def fits_csv(fits) -> str:
-    """The fit table as CSV (``ledger.fits.CSV_FIELDS``), text cells spreadsheet-safe. The table
+    """The fit table as CSV (``ledger.answer.fits.CSV_FIELDS``), text cells spreadsheet-safe. The table
     repeats a few texts (models, cards, settings) some 70,000 times: each is made safe once per
     column."""
-    from ..fits import CSV_FIELDS
+    from ledger.answer.fits import CSV_FIELDS
 
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")

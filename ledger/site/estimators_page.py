@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..dry_runs import load_dry_runs
-from ..models import Ledger
-from ..results import Scoreboard
-from ..scoreboard import _sort_key, scoreboard
+from ledger.storage.dry_runs import load_dry_runs
+from ledger.core.models import Ledger
+from ledger.core.results import Scoreboard
+from ledger.report.scoreboard import _sort_key, scoreboard
 from .views import ROW_LIMIT, Plot, PlotPoint, PlotSeries
 
 

@@ -8,11 +8,11 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from ..dry_runs import load_dry_runs
-from ..fits import CellLabels, cell_results, fit_table, fits_document, ledger_grids
-from ..models import Ledger
-from ..held_out import shared_predictor
-from ..results import FitCard, Fits
+from ledger.storage.dry_runs import load_dry_runs
+from ledger.answer.fits import CellLabels, cell_results, fit_table, fits_document, ledger_grids
+from ledger.core.models import Ledger
+from ledger.report.held_out import shared_predictor
+from ledger.core.results import FitCard, Fits
 from .filters import neutral
 
 #: Above this many rows the whole ladder per cell (and leave-one-out) is too slow for a build.
@@ -122,7 +122,7 @@ def fit_models(fits: Fits, batches: Optional[dict] = None) -> list[FitModel]:
     """Every model of the fit table, smallest first within its family, with its page's data (the
     cells of ``batches``, (micro-batch, optimizer, checkpointing) -> fit cells, keyed with them:
     ``_picker_suffix``)."""
-    from ..model_configs import load_arch, max_length
+    from ledger.vocab.model_configs import load_arch, max_length
 
     by_row = fits.by_row()
     heads = fits.table_lengths()

@@ -9,8 +9,8 @@ import re
 from collections import Counter
 from typing import Optional
 
-from ..models import Finding, Gpu, Ledger, Measurement, Prediction
-from ..recipe import fixes_key, seq_len_of
+from ledger.core.models import Finding, Gpu, Ledger, Measurement, Prediction
+from ledger.vocab.recipe import fixes_key, seq_len_of
 from . import filters
 from .views import ROW_LIMIT, FigureRow, FindingGroup, FindingView, GpuSpec, PredictionRow, Row, Table
 

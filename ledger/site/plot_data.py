@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Optional
 
-from ..models import Ledger, Measurement
-from ..recipe import capacity_mib, seq_len_of
+from ledger.core.models import Ledger, Measurement
+from ledger.vocab.recipe import capacity_mib, seq_len_of
 from .index_page import fixes_text, gpu_label
 from .views import Plot, PlotPoint, PlotSeries
 

@@ -9,8 +9,8 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..models import Ledger, canonical_schema
-from ..results import Calibration, Fits, Scoreboard
+from ledger.core.models import Ledger, canonical_schema
+from ledger.core.results import Calibration, Fits, Scoreboard
 from .views import Plot
 
 #: Version of the public document's format (not of the ledger inside it).
@@ -65,9 +65,9 @@ def validate_public(path) -> list:
 
     from jsonschema import Draft202012Validator
 
-    from ..errors import Issue, format_loc
-    from ..checks import ledger_issues
-    from ..store import parse_json, read_text
+    from ledger.core.errors import Issue, format_loc
+    from ledger.core.checks import ledger_issues
+    from ledger.storage.store import parse_json, read_text
 
     name = str(path)
     data = parse_json(read_text(path), name)

@@ -27,14 +27,14 @@ import jinja2
 from jinja2 import (ChoiceLoader, Environment, FileSystemBytecodeCache, FileSystemLoader, StrictUndefined,
                     select_autoescape)
 
-from ..errors import Issue, UserError
-from ..models import Ledger
-from ..atomic import atomic_write_text
-from ..dry_runs import load_dry_runs, rows_from
-from ..fits import library_versions
-from ..held_out import shared_held_out, shared_predictor
-from ..recipe import row_keys_cached
-from ..store import gc_paused
+from ledger.core.errors import Issue, UserError
+from ledger.core.models import Ledger
+from ledger.storage.atomic import atomic_write_text
+from ledger.storage.dry_runs import load_dry_runs, rows_from
+from ledger.answer.fits import library_versions
+from ledger.report.held_out import shared_held_out, shared_predictor
+from ledger.vocab.recipe import row_keys_cached
+from ledger.storage.store import gc_paused
 from . import filters
 from .context import all_tables, build_context, fitted
 from .estimators_page import estimator_plot, estimator_scoreboard
@@ -53,7 +53,7 @@ MANIFEST = ".vram-build-manifest"
 def template_dirs(override: Optional[Path] = None) -> list[Path]:
     """Where templates and static files are looked up: a publisher's folder first (``--templates``),
     then the shipped ones, so an override needs only the files it changes."""
-    from ..paths import shipped_templates
+    from ledger.core.paths import shipped_templates
 
     if override is not None and not Path(override).is_dir():
         raise UserError(Issue(str(override), "", "--templates needs a folder of templates"))
@@ -101,7 +101,7 @@ class TemplateCache(FileSystemBytecodeCache):
 
     @classmethod
     def for_environment(cls, env: Environment) -> Optional["TemplateCache"]:
-        from ..dry_runs import user_cache_dir
+        from ledger.storage.dry_runs import user_cache_dir
 
         folder = user_cache_dir() / "templates"
         try:
@@ -352,7 +352,7 @@ def _timed(name: str, fn, *args) -> tuple[dict[str, float], object]:
 
 def _fitted_scoreboard_plots(plots: list) -> tuple:
     # One process computes the calibration and the scoreboard (they ask the same held-out answers,
-    # ledger.held_out, once) and draws every plot, the scoreboard's too (matplotlib loads once).
+    # ledger.report.held_out, once) and draws every plot, the scoreboard's too (matplotlib loads once).
     board = estimator_scoreboard(_WORKER_LEDGER)
     board_plot = estimator_plot(board)
     return fitted(_WORKER_LEDGER), board, board_plot, _svgs([*plots, *([board_plot] if board_plot else [])])
@@ -404,7 +404,7 @@ def compute_site(ledger: Ledger, out: Path, *, build_date: Optional[str], base_u
     # The whole ledger's fits, made once here: the workers inherit them (fork) instead of each
     # fitting the ledger again for the calibration, the scoreboard and the fit table.
     t0 = time.process_time()
-    from ..fits import cards
+    from ledger.answer.fits import cards
 
     p = shared_predictor(ledger, load_dry_runs())
     p.warm(cards(p))

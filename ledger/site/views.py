@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..results import Calibration, Fits, Scoreboard
+from ledger.core.results import Calibration, Fits, Scoreboard
 
 #: Tables with more rows than this show a grouped summary on the page instead; every row is
 #: in vram.csv and vram.json. A browser opens a page of this many rows quickly.
@@ -172,7 +172,7 @@ class SiteContext:
     fitted: Optional[Calibration] = None
     scoreboard: Optional[Scoreboard] = None
     fits: Optional[Fits] = None
-    #: The first section's grids (ledger.fits.ledger_grids): what fits on the ledger's own cards.
+    #: The first section's grids (ledger.answer.fits.ledger_grids): what fits on the ledger's own cards.
     fit_grids: list = field(default_factory=list)
     #: Every model of the fit table with its page's data (``site.fits_page.FitModel``), and the
     #: model a per-model page is about (None on the other pages).

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from ledger.optimizers import STOCK_OPTIMIZER
+from ledger.vocab.optimizers import STOCK_OPTIMIZER
 
 from . import DEFAULT_MAX_SCAN, PreflightResult, preflight
 from .data import read_examples, tokenize
@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> PreflightResult:
 
 
 def main(argv=None) -> int:
-    from ledger.errors import LedgerError, UserError
+    from ledger.core.errors import LedgerError, UserError
 
     from ..recipe import RecipeError
 

@@ -22,9 +22,9 @@ def _card(gpu: Optional[str], ledger_path: Optional[str]):
     card table."""
     if gpu is None:
         return None
-    from ledger import store
-    from ledger.cards import require_card
-    from ledger.paths import DEFAULT_LEDGER
+    from ledger.storage import store
+    from ledger.vocab.cards import require_card
+    from ledger.core.paths import DEFAULT_LEDGER
 
     ledger = store.load_or_new(ledger_path) if ledger_path else store.load(DEFAULT_LEDGER)
     key, entry, _ = require_card(ledger, gpu, where="gpu=")
@@ -33,10 +33,10 @@ def _card(gpu: Optional[str], ledger_path: Optional[str]):
 
 def _ledger_view(card, recipe: RunRecipe, seq_len: int):
     """The predictor's limit for the card (allocated) and its answer for the recipe, where it models it."""
-    from ledger.dry_runs import load_dry_runs
-    from ledger.model_configs import model_name
-    from ledger.predictor import Predictor
-    from ledger.recipe import Recipe
+    from ledger.storage.dry_runs import load_dry_runs
+    from ledger.vocab.model_configs import model_name
+    from ledger.answer.predictor import Predictor
+    from ledger.vocab.recipe import Recipe
 
     key, entry, ledger = card
     predictor = Predictor(ledger, load_dry_runs())
@@ -50,7 +50,7 @@ def _ledger_view(card, recipe: RunRecipe, seq_len: int):
     elif recipe.fixes is None:
         answer = "no answer: Liger kernels beyond the fused loss are no recipe the ledger names"
     else:
-        from ledger.optimizers import OPTIMIZERS
+        from ledger.vocab.optimizers import OPTIMIZERS
 
         q = Recipe(model=model_name(recipe.model), rank=recipe.rank, quant=recipe.quant, dropout=recipe.dropout > 0,
                    dora=recipe.dora, seq_len=seq_len, fixes=_fixes(recipe), batch=recipe.batch_size,
@@ -69,11 +69,11 @@ def _ceiling_advice(card, recipe: RunRecipe, seq_len: int) -> Optional[str]:
     (``vram ceiling``), or the command that asks it when the ledger cannot say."""
     if card is None or recipe.rank is None or recipe.fixes is None:
         return None
-    from ledger.dry_runs import load_dry_runs
-    from ledger.model_configs import model_name
-    from ledger.optimizers import OPTIMIZERS
-    from ledger.predictor import Predictor
-    from ledger.recipe import Recipe
+    from ledger.storage.dry_runs import load_dry_runs
+    from ledger.vocab.model_configs import model_name
+    from ledger.vocab.optimizers import OPTIMIZERS
+    from ledger.answer.predictor import Predictor
+    from ledger.vocab.recipe import Recipe
 
     key, entry, ledger = card
     name = model_name(recipe.model) or "MODEL"
@@ -91,7 +91,7 @@ def _ceiling_advice(card, recipe: RunRecipe, seq_len: int) -> Optional[str]:
 
 def _fixes(recipe: RunRecipe) -> str:
     """The run's memory fixes as the ledger keys them ('none', or the comma list)."""
-    from ledger.recipe import fixes_key, fixes_value
+    from ledger.vocab.recipe import fixes_key, fixes_value
 
     return fixes_key(fixes_value(recipe.fixes or []))
 
@@ -106,10 +106,10 @@ def record(path: str, recipe: RunRecipe, worst: WorstBatch, step: Step, device: 
     import hashlib
     import json
 
-    from ledger import store
-    from ledger.models import Lora, Measurement, Oom, Outcome, Provenance
-    from ledger.recipe import fixes_value
-    from ledger.oom import parse_oom_message
+    from ledger.storage import store
+    from ledger.core.models import Lora, Measurement, Oom, Outcome, Provenance
+    from ledger.vocab.recipe import fixes_value
+    from ledger.intake.oom import parse_oom_message
 
     from ..probe_vram import environment
 

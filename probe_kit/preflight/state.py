@@ -159,7 +159,7 @@ def run_fixes(args, base) -> Optional[list[str]]:
     (``liger_kernel_config``, over the defaults of Liger's function for the model type) is
     ``fused_linear_ce``; any other Liger kernel on makes the recipe one the ledger has no name for
     (None)."""
-    from ledger.recipe import FIX_NAMES
+    from ledger.vocab.recipe import FIX_NAMES
 
     fixes = []
     if getattr(args, "use_liger_kernel", False):

@@ -30,7 +30,7 @@ class Step:
 
 
 def _is_oom(exc: BaseException) -> bool:
-    from ledger.oom import find_oom
+    from ledger.intake.oom import find_oom
 
     return isinstance(exc, torch.OutOfMemoryError) or (isinstance(exc, RuntimeError) and find_oom(str(exc)) is not None)
 

@@ -14,9 +14,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from ledger import store  # noqa: E402
-from ledger.model_configs import model_name  # noqa: E402
-from ledger.paths import DRY_RUNS  # noqa: E402
+from ledger.storage import store  # noqa: E402
+from ledger.vocab.model_configs import model_name  # noqa: E402
+from ledger.core.paths import DRY_RUNS  # noqa: E402
 
 #: The ledger's own model (its cells take the whole evidence ladder), one with a 32k context and
 #: one with 128k.
