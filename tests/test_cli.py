@@ -20,8 +20,8 @@ def test_every_command_has_help_and_is_documented(name, capsys):
     assert exc.value.code == 0
     out = capsys.readouterr().out
     assert len(out) > 100
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    assert f"vram {name}" in readme, f"README.md does not document `vram {name}`"
+    commands = (REPO / "docs" / "commands.md").read_text(encoding="utf-8")
+    assert f"`vram {name}" in commands, f"docs/commands.md does not document `vram {name}`"
 
 
 def test_bad_usage_exits_2(capsys):
