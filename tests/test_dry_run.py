@@ -144,7 +144,9 @@ def test_the_multimodal_class_is_chosen_from_the_config():
 
 def test_one_models_committed_grid_rows_are_rebuilt_on_the_cpu():
     """The fit table's rows of the smallest model, rebuilt here from the grid's points, are the
-    committed ones (ledger/dry-runs.json): the table is reproducible from the repository."""
+    committed ones (ledger/dry-runs.json): the table is reproducible from the repository. One
+    point of each kind the grid has (quant x fixes x plain / dropout / DoRA: its shortest length),
+    and the longest length of the first kind: the rest differ from these by length and rank alone."""
     from ledger.answer.fits import grid_points
     from ledger.storage.dry_runs import load_dry_runs
     from ledger.vocab.model_configs import model_name
@@ -155,7 +157,16 @@ def test_one_models_committed_grid_rows_are_rebuilt_on_the_cpu():
                  and d.outcome.status == "ok"}
     points = grid_points("qwen2.5-0.5b")
     assert len(committed) >= len(points)
+    kinds: dict[tuple, list[int]] = {}
     for i, options in enumerate(points):
+        kinds.setdefault(tuple(sorted((k, str(v)) for k, v in options.items()
+                                      if k not in ("seq_len", "rank", "response_len"))), []).append(i)
+    assert len(kinds) == 12  # 2 quants x 2 fixes x plain / dropout / DoRA
+    first = next(iter(kinds.values()))
+    chosen = sorted({min(at, key=lambda i: points[i]["seq_len"]) for at in kinds.values()}
+                    | {max(first, key=lambda i: points[i]["seq_len"])})
+    for i in chosen:
+        options = points[i]
         cfg = _config({**options, "random_weights": True}, f"grid[{i}]")
         outcome, _ = predict(cfg)
         row = next(d for r, d in committed.items() if r == recipe_of(cfg.measurement(id="x", kind="dry_run")))

@@ -1,5 +1,7 @@
 """Every answer at or above the project's own dry run of the same recipe (``probe_kit.self_check``):
-200 random recipes on tiny configs of three families (fixed seed), each answered as ``vram
+200 random recipes on tiny configs of three families (fixed seed; 50 groups of model, quant,
+dropout, DoRA, length, fixes, micro-batch and checkpointing, four ranks and optimizers each, so a
+group's grid dry runs are shared), each answered as ``vram
 estimate --gpu`` answers it (a training run, the dry runs it lacks computed first) and held against
 the dry run of the recipe itself with its optimizer's step, plus the card's remainder."""
 
@@ -20,11 +22,13 @@ FAMILIES = ("tiny-llama", "tiny-qwen2", "tiny-gemma3")
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_no_answer_falls_below_its_own_dry_run():
-    recipes = sample_recipes(FAMILIES, 200, seed=0, max_tokens=1024, lengths=(128, 256, 512))
+    recipes = sample_recipes(FAMILIES, 200, seed=0, max_tokens=1024, lengths=(128, 256, 512), per_group=4)
     # Every axis the commands answer is sampled.
     assert {r.optimizer for r in recipes} >= {"adamw_torch", "adamw_8bit", "paged_adamw_32bit", "adafactor", "sgd"}
     assert {r.batch for r in recipes} >= {1, 2, 4} and {r.checkpointing for r in recipes} == {True, False}
     assert {r.quant for r in recipes} == {"4bit", "bf16"} and max(r.rank for r in recipes) == 512
+    assert {r.fixes for r in recipes} >= {"none", "all"} and {r.dropout for r in recipes} == {True, False}
+    assert len(recipes) == 200 and {r.dora for r in recipes} == {True, False}
     with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
         checks = check(store.load(BUNDLED), load_dry_runs(), recipes, "rtx-4090", runner=pool.map)
     answered = [c for c in checks if c.answer_top_mib is not None]
