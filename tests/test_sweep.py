@@ -217,7 +217,7 @@ def test_a_signal_mid_point_stops_cleanly_and_resume_finishes(tmp_path, signame)
     # The sweep runs as a background job would: SIGINT ignored when it starts.
     ledger = tmp_path / "l.json"
     marker = tmp_path / "slow-started"
-    path = write(tmp_path, SWEEP.split("[axes]")[0] + "[axes]\nrank = [8, 16, 24]\n")
+    path = write(tmp_path, SWEEP.split("[axes]")[0] + "[axes]\nrank = [8, 16]\n")
     driver = tmp_path / "driver.py"
     driver.write_text(_SLOW_DRIVER.replace("SLOW_RANK", "16").replace("MARKER", repr(str(marker))))
     proc = subprocess.Popen([sys.executable, str(driver), path, "--ledger", str(ledger), "--no-progress"],
@@ -238,7 +238,7 @@ def test_a_signal_mid_point_stops_cleanly_and_resume_finishes(tmp_path, signame)
     # --resume picks up: every point present once.
     assert run_sweep.main([path, "--ledger", str(ledger), "--resume", "--no-progress"]) == 0
     ids = [m.id for m in store.load(ledger).measurements]
-    assert len(ids) == len(set(ids)) == 3
+    assert len(ids) == len(set(ids)) == 2
     assert all(m.outcome.status == "ok" for m in store.load(ledger).measurements)
 
 
