@@ -22,7 +22,11 @@ model's depth; the step's peak is the largest. The largest of the first and last
 bounds every layer between them only if the layers are alike: a sample whose middle layers peak
 higher, or whose phases differ between the stacks, is refused (``extrapolate`` returns None)
 and the dry run runs every layer. A config whose layers differ other than by their type (a
-per-layer list, mixture-of-experts layers) is never extrapolated (``depth_plan`` returns None).
+per-layer list, dense layers among mixture-of-experts ones) is never extrapolated (``depth_plan``
+returns None). A mixture of experts whose every decoder layer is sparse (Qwen3-MoE, Mixtral,
+gpt-oss) is as alike, layer by layer, as a dense model: the same experts, router and adapter in
+each, and under the dry run's fixed routing the same routed activations
+(``tests/test_moe.py`` checks the extrapolation against every layer run).
 """
 
 from __future__ import annotations
@@ -36,9 +40,19 @@ import torch
 
 from .meters import MIB, TrackerMeter
 
-#: Config fields that make decoder layers differ from each other: such a config runs every layer.
-UNLIKE_LAYERS = ("first_k_dense_replace", "moe_layer_freq", "mlp_only_layers", "decoder_sparse_step",
-                 "num_experts", "num_local_experts", "n_routed_experts", "layer_scheme", "block_configs")
+#: Config fields that make decoder layers differ from each other, each with the value that leaves
+#: them alike (None: any value set makes them differ); such a config runs every layer.
+UNLIKE_LAYERS = {"first_k_dense_replace": 0, "moe_layer_freq": 1, "mlp_only_layers": None,
+                 "decoder_sparse_step": 1, "layer_scheme": None, "block_configs": None}
+
+
+def _unlike_layers(config) -> bool:
+    """Whether the config's decoder layers differ other than by their type."""
+    for name, alike in UNLIKE_LAYERS.items():
+        value = getattr(config, name, None)
+        if value not in (None, alike) and not (alike is None and value in ([], ())):
+            return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -65,7 +79,7 @@ def depth_plan(config) -> Optional[DepthPlan]:
     """How to extrapolate this config's dry run, or None when every layer must run: layers that
     differ other than by a layer type, or a stack too shallow to save time."""
     depth = getattr(config, "num_hidden_layers", None)
-    if not isinstance(depth, int) or any(getattr(config, name, None) for name in UNLIKE_LAYERS):
+    if not isinstance(depth, int) or _unlike_layers(config):
         return None
     for name, value in vars(config).items():  # a per-layer list (sizes, heads) other than the types
         if name != "layer_types" and isinstance(value, (list, tuple)) and len(value) == depth and depth > 3:

@@ -24,7 +24,18 @@ card's ledger rows). Allocator rounding (512-byte blocks) is in the tracker.
 Three library behaviours are adjusted while the fake step runs, each because the real run decides
 them from tensor values a fake tensor does not have: transformers' packed-sequence detection (one
 sequence per batch, as in the probe), and ``Module._apply``'s tensor swap (the fake-tensor
-converter's memo holds a weak reference that blocks it; it is cleared first).
+converter's memo holds a weak reference that blocks it; it is cleared first). And one check that
+is PyTorch's shape function's alone: the meta kernel of ``torch._grouped_mm`` (the grouped matmul
+transformers runs a mixture of experts' fused 3-D expert weights with) accepts bf16 only, while
+the kernels take the fp32 that ``prepare_model_for_kbit_training`` casts those weights to under
+4-bit (bitsandbytes quantises ``nn.Linear`` layers, not 3-D parameters); the fake run computes the
+output's shape as for bf16 and gives it the inputs' dtype, as the kernels do.
+
+Mixture of experts: transformers' default experts implementation (``grouped_mm``) sorts the S =
+tokens x top-k routed pairs by expert and runs one grouped matmul over all of them, so every
+tensor it makes has a shape set by S, never by how the router spreads the tokens: the fake step's
+memory is the real step's for any routing (``tests/test_moe.py`` routes every token to the same
+experts on the CPU to show it).
 """
 
 from __future__ import annotations
@@ -36,9 +47,10 @@ import json
 import statistics
 import sys
 import time
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
+import torch._meta_registrations as _meta
 
 from ledger.storage import store
 from ledger.core.paths import DEFAULT_LEDGER
@@ -150,12 +162,28 @@ def fake_world() -> Iterator[object]:
 
     torch.utils.swap_tensors = swap_tensors
     masking.find_packed_sequence_indices = lambda position_ids: None
+    grouped = _meta.__dict__["_meta_grouped_mm_common"]
+    _meta._meta_grouped_mm_common = _grouped_mm_any_float(grouped)
     try:
         with mode:
             yield mode
     finally:
         torch.utils.swap_tensors = swap
         masking.find_packed_sequence_indices = packed
+        _meta._meta_grouped_mm_common = grouped
+
+
+def _grouped_mm_any_float(meta: Callable) -> Callable:
+    """``torch._grouped_mm``'s shape function for fp32 and fp16 operands too (see the module
+    docstring): the bf16 shape, in the operands' own dtype."""
+    def shape(mat_a, mat_b, *args, **kwargs):
+        dtype = mat_a.dtype
+        if kwargs.get("scale_a") is None and kwargs.get("out_dtype") in (None, dtype) and dtype == mat_b.dtype \
+                and dtype in (torch.float32, torch.float16):
+            kwargs["out_dtype"] = None
+            return meta(mat_a.to(torch.bfloat16), mat_b.to(torch.bfloat16), *args, **kwargs).to(dtype)
+        return meta(mat_a, mat_b, *args, **kwargs)
+    return shape
 
 
 def vision_mib(model: str, quant: str) -> float:

@@ -282,12 +282,45 @@ def build_model(cfg: ProbeConfig, device: torch.device) -> torch.nn.Module:
         raise RecipeError(f"{cfg.model}: cannot load: {str(exc).splitlines()[0]}") from None
 
 
-def model_targets(model: torch.nn.Module, targets: list[str]) -> list[str]:
-    """The LoRA targets as this model names its modules: the projections of a model that fuses them
-    (Phi-3's ``qkv_proj``, ``gate_up_proj``) as its fused modules. RecipeError for a target that
-    names no module of the model (peft would wrap the others and say nothing)."""
+#: The MLP projections of a mixture of experts' fused 3-D expert weights (transformers' ``*Experts``
+#: modules: Qwen3-MoE, Mixtral, gpt-oss): LoRA reaches them through peft's ``target_parameters``.
+EXPERT_PROJECTIONS = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
+
+
+def expert_parameters(model: torch.nn.Module) -> dict[str, str]:
+    """A mixture of experts' fused 3-D expert weights, by parameter name, as peft's
+    ``target_parameters`` names them in every layer: {'gate_up_proj': 'mlp.experts.gate_up_proj',
+    'down_proj': 'mlp.experts.down_proj'}; empty for a dense model."""
+    found: dict[str, str] = {}
+    for name, p in model.named_parameters():
+        if p.dim() == 3 and ".layers." in name:
+            path = name.split(".layers.", 1)[1].split(".", 1)[1]  # 'mlp.experts.gate_up_proj'
+            found.setdefault(path.rsplit(".", 1)[-1], path)
+    return found
+
+
+def model_targets(model: torch.nn.Module, targets: list[str]) -> tuple[list[str], list[str]]:
+    """The LoRA targets as this model names them: (modules for peft's ``target_modules``,
+    parameters for its ``target_parameters``). The projections of a model that fuses them (Phi-3's
+    ``qkv_proj``, ``gate_up_proj``) as its fused modules; a mixture of experts' MLP projections as
+    its fused 3-D expert weights (gate and up share one: both or neither). RecipeError for a target
+    that names no module of the model (peft would wrap the others and say nothing)."""
     names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
              or type(m).__name__.startswith("Linear")}
+    experts = expert_parameters(model)
+    parameters: list[str] = []
+    if experts:
+        mlp = [t for t in targets if t in EXPERT_PROJECTIONS and t not in names]
+        fused = {EXPERT_PROJECTIONS[t] for t in mlp}
+        if "gate_up_proj" in fused and not {"gate_proj", "up_proj"} <= set(mlp):
+            raise RecipeError("--target-modules: this model's experts fuse gate_proj and up_proj into one weight "
+                              "(gate_up_proj): target both or neither")
+        missing = sorted(f for f in fused if f not in experts)
+        if missing:
+            raise RecipeError(f"--target-modules: this model's experts have no {missing[0]} weight "
+                              f"(theirs: {', '.join(sorted(experts))})")
+        parameters = sorted({experts[f] for f in fused})
+        targets = [t for t in targets if t not in mlp]
     fused = any(f in names for f in ledger_recipe.FUSED_PROJECTIONS)
     try:
         wanted = ledger_recipe.module_names(ledger_recipe.targets_of_row(list(targets)), fused) \
@@ -299,7 +332,7 @@ def model_targets(model: torch.nn.Module, targets: list[str]) -> list[str]:
     if missing:
         raise RecipeError(f"--target-modules: {missing[0]} names no module of this model "
                           f"(its linear modules: {', '.join(sorted(names)[:12])})")
-    return wanted
+    return wanted, parameters
 
 
 def prepare(model: torch.nn.Module, cfg: ProbeConfig) -> torch.nn.Module:
@@ -324,10 +357,15 @@ def prepare(model: torch.nn.Module, cfg: ProbeConfig) -> torch.nn.Module:
         elif on:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt)
         model.enable_input_require_grads()
+    modules, parameters = model_targets(model, cfg.target_modules)
+    if parameters and (cfg.dropout or cfg.dora):
+        raise RecipeError(f"LoRA on a mixture of experts' fused expert weights (peft's target_parameters) takes no "
+                          f"{'dropout' if cfg.dropout else 'DoRA'}: drop it, or train attention only "
+                          "(--target-modules attn)")
     lora = LoraConfig(
         r=cfg.rank, lora_alpha=cfg.alpha if cfg.alpha is not None else cfg.rank, lora_dropout=cfg.dropout,
-        use_rslora=cfg.rslora, use_dora=cfg.dora, target_modules=model_targets(model, cfg.target_modules),
-        bias="none", task_type="CAUSAL_LM",
+        use_rslora=cfg.rslora, use_dora=cfg.dora, target_modules=modules,
+        target_parameters=parameters or None, bias="none", task_type="CAUSAL_LM",
     )
     try:
         with _deprecated_checkpointing_names():  # peft reads is_gradient_checkpointing
@@ -340,10 +378,16 @@ def prepare(model: torch.nn.Module, cfg: ProbeConfig) -> torch.nn.Module:
 
 
 def _chunked(forward: Callable, chunk: int) -> Callable:
+    """The MLP's forward over the sequence in chunks. A mixture of experts' block that also
+    returns its router's scores (gpt-oss: one row per token) returns them joined by token."""
     def run(x, *args, **kwargs):
         if x.dim() < 2 or x.shape[1] <= chunk:
             return forward(x, *args, **kwargs)
-        return torch.cat([forward(piece, *args, **kwargs) for piece in x.split(chunk, dim=1)], dim=1)
+        outs = [forward(piece, *args, **kwargs) for piece in x.split(chunk, dim=1)]
+        if isinstance(outs[0], tuple):
+            return (torch.cat([o[0] for o in outs], dim=1),
+                    *(torch.cat(parts, dim=0) for parts in list(zip(*outs))[1:]))
+        return torch.cat(outs, dim=1)
 
     return run
 

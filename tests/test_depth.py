@@ -51,6 +51,11 @@ CASES = [
     ("tiny-qwen2", 7, {}, dict(quant="bf16", rank=16, fixes=["activation_offloading"])),
     ("tiny-gemma3", 10, {"layer_types": ["sliding_attention", "full_attention"] * 5},
      dict(quant="4bit", rank=8, fixes=["activation_offloading"], gradient_checkpointing=False)),
+    # Mixtures of experts, every layer sparse: LoRA on the fused experts, the router's aux loss
+    ("tiny-qwen3moe", 6, {"output_router_logits": True}, dict(quant="4bit", rank=8, optimizer="adamw_torch")),
+    ("tiny-mixtral", 6, {}, dict(quant="bf16", rank=16, gradient_checkpointing=False)),
+    ("tiny-gpt-oss", 10, {"layer_types": ["sliding_attention", "full_attention"] * 5},
+     dict(quant="4bit", rank=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])),
 ]
 
 
@@ -83,7 +88,13 @@ def test_depth_plan_of_one_type_two_types_and_unlike_layers():
     assert gemma.base == ("sliding", "full", "sliding")  # bottom, the other type, top
     assert gemma.stacks()[1:] == [("sliding", "sliding", "full", "sliding"), ("sliding", "full", "full", "sliding")]
     assert gemma.counts == {"sliding": 29, "full": 5}
-    assert depth_plan(SimpleNamespace(num_hidden_layers=28, num_local_experts=8)) is None  # mixture of experts
+    # a mixture of experts: every layer sparse is alike; dense layers among sparse ones are not
+    assert depth_plan(SimpleNamespace(num_hidden_layers=28, num_local_experts=8)).stacks() == one.stacks()
+    assert depth_plan(SimpleNamespace(num_hidden_layers=28, num_experts=8, decoder_sparse_step=1,
+                                      mlp_only_layers=[])).stacks() == one.stacks()
+    assert depth_plan(SimpleNamespace(num_hidden_layers=28, num_experts=8, mlp_only_layers=[0])) is None
+    assert depth_plan(SimpleNamespace(num_hidden_layers=28, num_experts=8, decoder_sparse_step=2)) is None
+    assert depth_plan(SimpleNamespace(num_hidden_layers=28, n_routed_experts=8, first_k_dense_replace=1)) is None
     assert depth_plan(SimpleNamespace(num_hidden_layers=8, intermediate_size=[64] * 8)) is None  # per-layer sizes
     assert depth_plan(SimpleNamespace(num_hidden_layers=5)) is None  # stacks of 2 and 3 save nothing
 

@@ -121,7 +121,11 @@ def test_bad_input_is_one_line(capsys):
                                            ("qwen3-14b", 14.77), ("qwen3-32b", 32.76), ("gemma-3-27b-it", 27.01),
                                            ("mistral-small-24b", 23.57), ("mistral-nemo-12b", 12.25), ("phi-4", 14.66),
                                            ("deepseek-r1-distill-qwen-7b", 7.62),
-                                           ("deepseek-r1-distill-qwen-14b", 14.77)])
+                                           ("deepseek-r1-distill-qwen-14b", 14.77),
+                                           # mixtures of experts, every expert counted: published 30.5B,
+                                           # 21B (20.9B), 46.7B
+                                           ("qwen3-30b-a3b", 30.53), ("gpt-oss-20b", 20.91),
+                                           ("mixtral-8x7b", 46.70)])
 def test_shipped_configs_have_the_published_sizes(name, billions):
     from ledger.vocab.model_configs import load_arch
 

@@ -95,8 +95,9 @@ def add_dry_runs_option(p: argparse.ArgumentParser) -> None:
 def require_model(model: Optional[str], ledger=None) -> None:
     """A model the command can answer for, or a one-line error: its config must be found (a path
     or folder, a shipped name, a Hub id in the local Hugging Face cache) unless the ledger measured
-    it; a mixture-of-experts config is refused with the reason, not mis-modelled."""
-    from ledger.vocab.model_configs import config_path, model_name, moe_experts, where_looked
+    it; a mixture of experts the project does not model (dense layers among the sparse ones, a
+    shared expert) is refused with the reason, not mis-modelled."""
+    from ledger.vocab.model_configs import config_path, model_name, moe_experts, moe_unsupported, where_looked
 
     if not model:
         return
@@ -104,12 +105,11 @@ def require_model(model: Optional[str], ledger=None) -> None:
         if ledger is not None and any(model_name(m.model) == model_name(model) for m in ledger.measurements):
             return
         raise UserError(Issue("--model", "", where_looked(model)))
-    experts = moe_experts(model)
-    if experts:
-        raise UserError(Issue("--model", "", f"{model} is a mixture-of-experts config ({experts} experts per layer): "
-                              "not modelled yet (every expert's weights sit on the card, the routed activations and "
-                              "LoRA on each expert's projections are not what the dense dry run and formulas count), "
-                              "so no answer rather than a wrong one"))
+    why = moe_unsupported(model) if moe_experts(model) else None
+    if why:
+        raise UserError(Issue("--model", "", f"{model} is a mixture-of-experts config the project does not model: {why}; "
+                              "answered are those whose every decoder layer is sparse with fused expert weights "
+                              "(Qwen3-MoE, Mixtral, gpt-oss), so no answer rather than a wrong one"))
 
 
 def recipe_from(args: argparse.Namespace, rank: int = 16):

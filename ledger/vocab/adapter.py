@@ -4,8 +4,11 @@ state for and the gradients an optimizer step reads. No torch, no I/O beyond the
 For a target ``Linear(in, out)`` peft adds ``lora_A`` (rank × in) and ``lora_B`` (out × rank); DoRA
 adds a magnitude vector (out). Targets are module names of the decoder's attention and MLP
 projections, in every layer of the text model (the probe kit builds a multimodal config's text part,
-and so is this counted); ``TARGET_PRESETS`` names the two sets people use. Tested against peft's own
-models for Llama, Qwen2 and Gemma 3 configs (``tests/test_optimizers.py``).
+and so is this counted); ``TARGET_PRESETS`` names the two sets people use. A mixture of experts'
+MLP projections are its fused 3-D expert weights (``gate_up_proj``: gate and up together, and
+``down_proj``), which peft adapts through ``target_parameters`` with one adapter over all E experts:
+``lora_A`` (rank·E × in) and ``lora_B`` (out × rank·E), no DoRA. Tested against peft's own models for
+Llama, Qwen2, Gemma 3, Qwen3-MoE, Mixtral and gpt-oss configs (``tests/test_optimizers.py``).
 """
 
 from __future__ import annotations
@@ -53,6 +56,15 @@ def trainable_shapes(arch: Arch, rank: int, targets: Iterable[str] = ALL_LINEAR,
     """The shape of every trainable tensor of the adapter (one entry per tensor, every layer)."""
     shapes = projection_shapes(arch)
     layer: list[tuple[int, ...]] = []
+    targets = list(targets)
+    if arch.experts:  # the experts' fused weights: one adapter each over every expert
+        mlp = [t for t in targets if t in ("gate_proj", "up_proj", "down_proj")]
+        targets = [t for t in targets if t not in mlp]
+        r = rank * arch.experts
+        if "gate_proj" in mlp or "up_proj" in mlp:
+            layer += [(r, arch.hidden), (2 * arch.intermediate, r)]
+        if "down_proj" in mlp:
+            layer += [(r, arch.intermediate), (arch.hidden, r)]
     for name in targets:
         fan_in, fan_out = shapes[name]
         layer += [(rank, fan_in), (fan_out, rank)] + ([(fan_out,)] if dora else [])

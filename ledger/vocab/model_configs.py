@@ -29,7 +29,10 @@ def model_name(model: Optional[str]) -> Optional[str]:
 
 @dataclass
 class Arch:
-    """What the formulas need to know about a decoder model."""
+    """What the formulas need to know about a decoder model. A mixture of experts (every decoder
+    layer sparse) has ``experts`` > 0: each layer's MLP is that many experts of ``intermediate``
+    features (the expert's, for Qwen3-MoE its ``moe_intermediate_size``), ``top_k`` of them per
+    token, and a router of ``experts`` x ``hidden``."""
 
     name: str
     hidden: int
@@ -41,14 +44,24 @@ class Arch:
     vocab: int
     tied: bool
     family: str
+    experts: int = 0
+    top_k: int = 0
 
     @property
     def linear_params(self) -> int:
         q = self.hidden * self.heads * self.head_dim
         kv = 2 * self.hidden * self.kv_heads * self.head_dim
         o = self.heads * self.head_dim * self.hidden
-        mlp = 3 * self.hidden * self.intermediate
+        mlp = 3 * self.hidden * self.intermediate * max(self.experts, 1) + self.experts * self.hidden
         return (q + kv + o + mlp) * self.layers
+
+    @property
+    def active_params(self) -> int:
+        """The parameters one token runs through: every weight of a dense model; of a mixture of
+        experts, its ``top_k`` experts' and the rest."""
+        if not self.experts:
+            return self.total_params
+        return self.total_params - 3 * self.hidden * self.intermediate * (self.experts - self.top_k) * self.layers
 
     @property
     def embedding_params(self) -> int:
@@ -162,12 +175,36 @@ def full_attention(model: Optional[str]) -> bool:
     return bool(found) and found[2].get("sliding_window") is None
 
 
-def moe_experts(model: str) -> Optional[int]:
-    """The experts per layer of a mixture-of-experts config (Mixtral, Qwen2/3-MoE, ...), else None."""
-    found = _config(model)
+def _experts(text: dict) -> Optional[int]:
     for key in ("num_local_experts", "num_experts", "n_routed_experts"):
-        if found and found[2].get(key):
-            return int(found[2][key])
+        if text.get(key):
+            return int(text[key])
+    return None
+
+
+def moe_experts(model: str) -> Optional[int]:
+    """The experts per layer of a mixture-of-experts config (Mixtral, Qwen2/3-MoE, gpt-oss, ...),
+    else None."""
+    found = _config(model)
+    return _experts(found[2]) if found else None
+
+
+#: A mixture of experts' config fields that put dense decoder layers among the sparse ones (or
+#: experts beside a shared one), with the value that leaves every layer alike and sparse.
+_MIXED_LAYERS = {"first_k_dense_replace": 0, "moe_layer_freq": 1, "mlp_only_layers": [], "decoder_sparse_step": 1,
+                 "n_shared_experts": 0, "shared_expert_intermediate_size": 0}
+
+
+def moe_unsupported(model: str) -> Optional[str]:
+    """Why the project cannot answer this mixture-of-experts config, or None: it answers those whose
+    every decoder layer is sparse with fused expert weights (transformers' ``*Experts`` modules:
+    Qwen3-MoE, Mixtral, gpt-oss); dense layers among sparse ones, or a shared expert, are not
+    modelled."""
+    found = _config(model)
+    text = found[2] if found else {}
+    for key, alike in _MIXED_LAYERS.items():
+        if text.get(key) not in (None, alike) and not (alike == [] and text.get(key) == []):
+            return f"its {key} is {text[key]!r} (dense layers or a shared expert beside the routed ones)"
     return None
 
 
@@ -192,11 +229,15 @@ def load_arch(model: str) -> Optional[Arch]:
     model_type = str(text.get("model_type", data.get("model_type", "")))
     family = "gemma" if "gemma" in model_type else ("qwen2" if "qwen" in model_type else
                                                      ("mistral" if "mistral" in model_type else "llama"))
+    experts = _experts(text) or 0
     return Arch(
         name=_name_of(path), hidden=hidden, layers=text["num_hidden_layers"], heads=heads,
         kv_heads=text.get("num_key_value_heads", heads), head_dim=text.get("head_dim") or hidden // heads,
-        intermediate=text["intermediate_size"], vocab=text["vocab_size"],
+        intermediate=text.get("moe_intermediate_size") or text["intermediate_size"] if experts
+        else text["intermediate_size"], vocab=text["vocab_size"],
         tied=bool(text.get("tie_word_embeddings", data.get("tie_word_embeddings", True))), family=family,
+        experts=experts, top_k=int(text.get("num_experts_per_tok") or text.get("experts_per_token") or 0) if experts
+        else 0,
     )
 
 
