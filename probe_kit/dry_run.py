@@ -55,7 +55,7 @@ import torch._meta_registrations as _meta
 from ledger.storage import store
 from ledger.core.paths import DEFAULT_LEDGER
 from ledger.vocab.recipe import fixes_key, fixes_value
-from ledger.core.models import Environment, Measurement, Outcome, Provenance
+from ledger.core.models import MAX_MIB, Environment, Measurement, Outcome, Provenance
 
 from .depth import depth_plan, extrapolate, phase_marks, phase_peaks, with_layers
 from .meters import MIB, TrackerMeter
@@ -333,12 +333,20 @@ def predict(cfg: ProbeConfig, *, gpu: Optional[str] = None, ledger: Optional[str
         "rss_growth_mib": round(raw["rss_growth_mib"], 1),
         "depth": raw["depth"],
     }
-    outcome = {"status": "oom" if raw["oom"] else "ok",
+    # Past what any device holds (the ledger's bound, 16 TiB: e.g. eager attention's fp32 scores of
+    # a 131,072-token sequence in every layer): no card runs it, recorded as an OOM with the figure.
+    beyond = not raw["oom"] and allocated > MAX_MIB
+    outcome = {"status": "oom" if raw["oom"] or beyond else "ok",
                "after_load_mib": round(raw["after_load_mib"] + raw["vision_mib"], 1),
                "pre_step_mib": round(raw["pre_step_mib"] + raw["vision_mib"], 1),
-               "peak_allocated_mib": None if raw["oom"] else round(allocated, 1),
-               "peak_reserved_mib": round(allocated * ratio, 1) if ratio and not raw["oom"] else None,
-               "oom_message": raw["oom"]}
+               "peak_allocated_mib": None if raw["oom"] or beyond else round(allocated, 1),
+               "peak_reserved_mib": round(allocated * ratio, 1) if ratio and not (raw["oom"] or beyond) else None,
+               "oom_message": raw["oom"],
+               "result_text": (f"the dry run's step needs {allocated / 2**20:.1f} TiB allocated, past the "
+                               f"{MAX_MIB / 2**20:.0f} TiB any device holds" if beyond else None)}
+    for key in ("after_load_mib", "pre_step_mib"):
+        if outcome[key] > MAX_MIB:
+            outcome[key] = None
     return outcome, breakdown
 
 
@@ -373,7 +381,7 @@ def measurement(cfg: ProbeConfig, outcome: dict, breakdown: dict, gpu: Optional[
         id=mid or dry_id(cfg), kind="dry_run", gpu=gpu,
         outcome=Outcome(status=outcome["status"], after_load_mib=outcome["after_load_mib"],
                         pre_step_mib=outcome["pre_step_mib"], peak_allocated_mib=outcome["peak_allocated_mib"],
-                        peak_reserved_mib=outcome["peak_reserved_mib"],
+                        peak_reserved_mib=outcome["peak_reserved_mib"], result_text=outcome.get("result_text"),
                         oom=parse_oom_message(outcome["oom_message"]) if outcome["oom_message"] else None),
         environment=Environment(python=v["python"], torch=v["torch"], transformers=v["transformers"], peft=v["peft"],
                                 bitsandbytes=v["bitsandbytes"], device="fake cpu", meter="tracker"),

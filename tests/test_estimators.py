@@ -37,6 +37,39 @@ def test_unsloth_studio_by_hand():
     assert e.predicts == "reserved"
 
 
+# The toy as a mixture of experts: 4 experts of 1024 features a layer, 2 per token.
+TOY_MOE = Arch(name="toy-moe", hidden=1024, layers=2, heads=8, kv_heads=2, head_dim=128, intermediate=1024,
+               vocab=32000, tied=False, family="llama", experts=4, top_k=2)
+
+
+def test_unsloth_studio_mixture_of_experts_by_hand():
+    # Its write-up: MLP = H*M*3*E + E*H; the LoRA table's MLP modules x E. H=1024, M=1024, E=4, K=256.
+    # QKVO = 2,621,440; MLP = 1024*1024*3*4 + 4*1024 = 12,587,008; quantizable = 15,208,448*2 = 30,416,896
+    # weights (4-bit) = 30,416,896*2/3.6 + 131,080,192 = 16,898,275.6 + 131,080,192 = 147,978,467.6
+    # LoRA per layer: attention 16384 + 20480 + 16384 = 53,248; MLP (gate,up 2*8*2048 + down 8*2048)*4
+    #   = (32768 + 16384)*4 = 196,608; total 249,856 x 2 layers = 499,712
+    # LoRA bytes = 999,424; optimizer (adamw_8bit, 4 B) = 1,998,848
+    # activations = (512*1536 + 512*2 + 512*2048) * 2 * 1.25 = 4,590,080
+    # gradients = max(999,424, min(0.15*weights = 22,196,770.1, max(4,590,080, 1,998,848))) = 4,590,080
+    # total = 147,978,467.6 + 999,424 + 1,998,848 + 4,590,080 + 4,590,080 + 1.4e9 = 1,560,156,899.6
+    e = UnslothStudio().estimate(TOY_MOE, Recipe(model=None, quant="4bit", rank=8, seq_len=512))
+    assert e.bytes == pytest.approx(1_560_156_899.6, rel=1e-9)
+    # every expert counted: 4 x the MLP weights and a router of E x H in the parameter count
+    assert TOY_MOE.total_params == TOY.total_params - 2 * 3 * 1024 * 4096 + 2 * (3 * 1024 * 1024 * 4 + 4 * 1024)
+    assert TOY_MOE.active_params == TOY_MOE.total_params - 2 * 3 * 1024 * 1024 * 2
+
+
+@pytest.mark.skipif(not Canifinetune.available(), reason="canifinetune is not installed")
+def test_canifinetune_is_told_the_experts():
+    # Its write-up: expert adapters x num_local_experts; activations x num_experts_per_tok.
+    dense = Canifinetune().estimate(TOY_MOE.__class__(**{**TOY_MOE.__dict__, "experts": 0, "top_k": 0}),
+                                    Recipe(model=None, quant="bf16", rank=8, seq_len=512), gpu_total_mib=24 * 1024)
+    moe = Canifinetune().estimate(TOY_MOE, Recipe(model=None, quant="bf16", rank=8, seq_len=512),
+                                  gpu_total_mib=24 * 1024)
+    assert moe.breakdown["activations"] > dense.breakdown["activations"]
+    assert moe.breakdown["optimizer"] > dense.breakdown["optimizer"]
+
+
 def test_ft01_by_hand():
     # params: linear per layer = q 1024*(8*128) + k,v 2*1024*(2*128) + o 1024*1024 + mlp 3*1024*4096
     #   = 1,048,576 + 524,288 + 1,048,576 + 12,582,912 = 15,204,352; x2 layers = 30,408,704

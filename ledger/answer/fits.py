@@ -21,7 +21,7 @@ from ledger.vocab.optimizers import optimizer_for
 from ledger.fit.dry_table import MIN_KIND_ROWS
 from .predictor import Predictor
 from .rank_judge import card_limits, dry_ceilings_many
-from ledger.vocab.adapter import ALL_LINEAR
+from ledger.vocab.adapter import ALL_LINEAR, experts_adapted
 from ledger.vocab.recipe import Recipe, recipe_of, row_keys_cached
 from ledger.fit.response_span import answerable, batch_err
 from ledger.vocab.recipe import fixes_key
@@ -33,8 +33,9 @@ PRESET_MAX_LEN = 16384
 GRID_MODELS = ("qwen2.5-0.5b", "gemma-3-1b-it", "llama-3.2-1b", "qwen2.5-1.5b", "qwen2.5-3b", "llama-3.2-3b",
                "phi-3.5-mini", "gemma-3-4b-it", "qwen3-4b", "mistral-7b", "qwen2.5-7b", "deepseek-r1-distill-qwen-7b",
                "llama-3.1-8b", "qwen3-8b", "gemma-3-12b-it", "mistral-nemo-12b", "qwen2.5-14b",
-               "deepseek-r1-distill-qwen-14b", "qwen3-14b", "phi-4", "mistral-small-24b", "gemma-3-27b-it",
-               "qwen2.5-32b", "qwen3-32b", "llama-3.3-70b", "qwen2.5-72b")
+               "deepseek-r1-distill-qwen-14b", "qwen3-14b", "phi-4", "gpt-oss-20b", "mistral-small-24b",
+               "gemma-3-27b-it", "qwen3-30b-a3b", "qwen2.5-32b", "qwen3-32b", "mixtral-8x7b", "llama-3.3-70b",
+               "qwen2.5-72b")
 GRID_RESPONSE_LEN = 256
 #: From this length on, the stock step of a model whose every layer attends to the whole
 #: sequence peaks in exact proportion to the length (affine: weights plus tokens x a constant,
@@ -160,9 +161,17 @@ def grid_points(model: str, lengths: Optional[Iterable[int]] = None, checkpointi
             rank8 = [s for s in seqs if fixes != "none" or not affine or s <= AFFINE_FROM or s in ends]
             out += [{**base, "seq_len": seq, "rank": 8} for seq in rank8]
             for seq in ends:
-                out += [{**base, "seq_len": seq, "rank": 64}, {**base, "seq_len": seq, "rank": 8, "dropout": 0.1},
-                        {**base, "seq_len": seq, "rank": 8, "dora": True}]
+                out += [{**base, "seq_len": seq, "rank": 64}]
+                if len(settings_of(model)) > 1:
+                    out += [{**base, "seq_len": seq, "rank": 8, "dropout": 0.1},
+                            {**base, "seq_len": seq, "rank": 8, "dora": True}]
     return out
+
+
+def settings_of(model: str) -> tuple[tuple[str, bool, bool], ...]:
+    """The table's adapter settings for a model: plain, dropout and DoRA; plain only for a mixture
+    of experts, whose adapted expert weights take neither (``adapter.experts_adapted``)."""
+    return SETTINGS[:1] if experts_adapted(model) else SETTINGS
 
 
 def sweep_toml(points: list[dict], name: str, header: str = "") -> str:
@@ -287,7 +296,7 @@ def fit_table(p: Predictor, *, models: Optional[Iterable[str]] = None, gpus: Opt
         for quant in ("4bit", "bf16"):
             for fixes in fixes_settings:
                 optim = optimizer_for(fixes, optimizer) if run == "real" else None
-                for setting, dropout, dora in SETTINGS:
+                for setting, dropout, dora in settings_of(model):
                     for seq in allowed if fixes != "all" else [s for s in allowed if s <= PRESET_MAX_LEN]:
                         recipe = Recipe(model=model, quant=quant, dropout=dropout, dora=dora, seq_len=seq,
                                         fixes=fixes_key(fixes), batch=batch, checkpointing=checkpointing)

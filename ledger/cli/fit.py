@@ -7,7 +7,7 @@ import sys
 
 from ledger.storage import store
 from ledger.core.errors import Issue, UserError
-from ledger.answer.fits import SETTINGS, fit_table, grid_points, model_lengths, stale_rows
+from ledger.answer.fits import SETTINGS, fit_table, grid_points, model_lengths, settings_of, stale_rows
 from ledger.vocab.model_configs import config_path, model_name
 from ledger.storage.dry_runs import cache_file
 from ledger.vocab.optimizers import optimizer_for
@@ -115,13 +115,18 @@ def cmd_fit(args: argparse.Namespace) -> int:
           + ("" if ckpt else ", gradient checkpointing off (every layer's activations kept)")
           + f": the largest LoRA rank whose training run fits (tight: the interval reaches past the limit); "
           f"limit {low}–{high} MiB allocated ({source})")
+    settings = settings_of(name)
     for q in quants:
         for f in fixes:
             print(f"\n{q}, {run_words(f, optimizer_for(f, args.optim))}")
-            print(f"  {'tokens':>7}  " + "  ".join(f"{s:<22}" for s, _, _ in SETTINGS))
+            print(f"  {'tokens':>7}  " + "  ".join(f"{s:<22}" for s, _, _ in settings))
             for seq in sorted({c.seq_len for c in cells if c.quant == q and c.fixes == f}):
                 row = {c.setting: c for c in cells if c.quant == q and c.fixes == f and c.seq_len == seq}
-                print(f"  {seq:>7}  " + "  ".join(f"{row[s].label() if s in row else '':<22}" for s, _, _ in SETTINGS))
+                print(f"  {seq:>7}  " + "  ".join(f"{row[s].label() if s in row else '':<22}" for s, _, _ in settings))
+    if len(settings) < len(SETTINGS):
+        print(f"\n{name} is a mixture of experts: LoRA on its fused expert weights (peft's target_parameters) takes "
+              "no dropout and no DoRA, so the table has the plain adapter only (`vram estimate --target-modules "
+              "attn` answers LoRA on attention only, with either)")
     methods = sorted({c.method for c in cells})
     loo = (f"median {p.dry_loo['median_abs_err_pct']}%, worst {p.dry_loo['max_abs_err_pct']}% (over {p.dry_loo['n']})"
            if p.dry_loo["n"] else "not measured (no measured probe has a dry run of its recipe)")

@@ -128,6 +128,11 @@ def recipe_from(args: argparse.Namespace, rank: int = 16):
         raise UserError(Issue("--response-len", "", "must be in [1, --seq-len)"))
     if not 0 <= (args.dropout or 0) < 1:
         raise UserError(Issue("--dropout", "", f"must be in [0, 1), got {args.dropout}"))
+    from ledger.vocab.adapter import experts_refuse
+
+    why = experts_refuse(args.model, targets_of(args), (args.dropout or 0) > 0, bool(args.dora))
+    if why:
+        raise UserError(Issue("--dropout" if (args.dropout or 0) > 0 else "--dora", "", why))
     fixes = fixes_key(fixes_option(args.fixes))
     return Recipe(model=args.model, rank=rank, quant=args.quant, dropout=(args.dropout or 0) > 0, dora=args.dora,
                   seq_len=args.seq_len, fixes=fixes, response_len=getattr(args, "response_len", None),

@@ -344,6 +344,39 @@ class TableRow(_Result):
     cells: list[Optional[TableCell]]
 
 
+class DryBoardRow(_Result):
+    model: str
+    quant: str
+    rank: int
+    seq_len: int = Field(description="Tokens in the longest example.")
+    reference_mib: float = Field(description="This project's dry-run answer of the quantity the estimator predicts.")
+    estimate_mib: float
+    error_pct: float = Field(description="(estimate - reference) / reference x 100.")
+
+
+class DryBoardScore(_Result):
+    """One estimator against this project's dry runs."""
+
+    name: str
+    predicts: str = Field(description="The quantity it claims to predict.")
+    available: bool
+    n: int
+    median_abs_err_pct: Optional[float]
+    median_signed_err_pct: Optional[float]
+    slices: dict[str, dict[str, SliceScore]] = Field(description="By model and by quant.")
+    rows: list[DryBoardRow]
+
+
+class DryRunBoard(_Result):
+    """The estimators against this project's dry runs where no card has measured: mixtures of
+    experts (``ledger.report.dry_board``). A dry run is the reference here, not a measurement."""
+
+    reference_card: str = Field(description="The card the reserved figures and canifinetune's overhead are for.")
+    optimizer: str = Field(description="The optimizer whose state the training run holds.")
+    recipes: int = Field(description="Recipes the project's dry runs answer.")
+    estimators: list[DryBoardScore]
+
+
 class Scoreboard(_Result):
     """Every VRAM estimator scored against the ledger's measured peaks."""
 
@@ -352,6 +385,8 @@ class Scoreboard(_Result):
     fit_rule: str
     slice_values: dict[str, list[str]]
     table: list[TableRow] = Field(default_factory=list)
+    moe: Optional[DryRunBoard] = Field(None, description="Mixtures of experts: the estimators against this "
+                                                         "project's dry runs (no measured MoE row yet).")
 
 
 class FitCellResult(_Result):
@@ -436,6 +471,16 @@ class Fits(_Result):
                 rows.setdefault((c.model, c.quant, c.fixes, c.setting, c.gpu), []).append(c)
             self._views["rows"] = {k: sorted(v, key=lambda c: c.seq_len) for k, v in rows.items()}
         return self._views["rows"]
+
+    def settings(self, model: str) -> list[str]:
+        """The adapter settings a model's tables have (plain, dropout, DoRA; plain only for a
+        mixture of experts, whose fused experts peft adapts without either)."""
+        if "settings" not in self._views:
+            found: dict[str, set] = {}
+            for c in self.cells:
+                found.setdefault(c.model, set()).add(c.setting)
+            self._views["settings"] = {m: [s for s in ("plain", "dropout", "DoRA") if s in v] for m, v in found.items()}
+        return self._views["settings"].get(model, [])
 
     def table_lengths(self) -> dict[tuple[str, str, str], list[int]]:
         """The lengths each table has, (model, quant, fixes) -> lengths: a model's stop at its

@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from ledger.vocab.adapter import ALL_LINEAR, adapter_mib
+from ledger.vocab.adapter import ALL_LINEAR, adapter_mib, experts_adapted
 from ledger.vocab.model_configs import model_name
 from ledger.core.models import Measurement
 from ledger.vocab.recipe import FUSED_PROJECTIONS, Recipe, fixes_key, module_names, recipe_of, targets_of_row
@@ -30,9 +30,12 @@ MIN_KIND_ROWS = 20
 
 def kind_of(recipe: Recipe) -> str:
     """The kind of derivation a recipe's figure is: its memory fixes and gradient checkpointing
-    ('fixes none, checkpointing on'). The program's preset (its chunked MLP and kept logits), the
-    stock step and the step without checkpointing each grow with rank and length by their own rule."""
-    return f"fixes {recipe.fixes}, checkpointing {'on' if recipe.checkpointing else 'off'}"
+    ('fixes none, checkpointing on'), and whether LoRA adapts a mixture of experts' fused experts
+    ('..., experts adapted'). The program's preset (its chunked MLP and kept logits), the stock step,
+    the step without checkpointing and an adapter of rank x experts over every routed token each
+    grow with rank and length by their own rule."""
+    kind = f"fixes {recipe.fixes}, checkpointing {'on' if recipe.checkpointing else 'off'}"
+    return kind + ", experts adapted" if experts_adapted(recipe.model, recipe.targets) else kind
 
 
 class DryTable:

@@ -71,15 +71,17 @@ class UnslothStudio(Estimator):
         H, L, V, M, r, B, S = arch.hidden, arch.layers, arch.vocab, arch.intermediate, recipe.rank, recipe.batch, \
             recipe.seq_len
         K = (H // arch.heads) * arch.kv_heads  # the write-up's K: (H / heads) x kv_heads
+        E = max(arch.experts, 1)  # the write-up's E: 1 for a dense model
         qkvo = (H + K + K + H) * H
-        mlp = H * M * 3
+        mlp = H * M * 3 * E + (E * H if E > 1 else 0)
         quantizable = (qkvo + mlp) * L
         non_quantizable = 2 * H * L + V * H + (0 if arch.tied else V * H)
         if recipe.quant == "4bit":
             weights = quantizable * 2 / 3.6 + non_quantizable * 2  # double quant: the 3.6 factor
         else:
             weights = (quantizable + non_quantizable) * 2
-        lora_params = (H * r + r * H) + 2 * (H * r + r * K) + (H * r + r * H) + 2 * (H * r + r * M) + (M * r + r * H)
+        # its LoRA table, the MLP modules multiplied by E for a mixture of experts
+        lora_params = (H * r + r * H) + 2 * (H * r + r * K) + (H * r + r * H) + (2 * (H * r + r * M) + (M * r + r * H)) * E
         lora_params *= L
         lora_b = lora_params * 2
         optimizer = lora_params * 4  # adamw_8bit
@@ -146,7 +148,8 @@ class Canifinetune(Estimator):
         override = dict(hidden_size=arch.hidden, num_hidden_layers=arch.layers, num_attention_heads=arch.heads,
                         num_key_value_heads=arch.kv_heads, intermediate_size=arch.intermediate,
                         vocab_size=arch.vocab, total_params=arch.total_params, family=arch.family,
-                        tie_word_embeddings=arch.tied)
+                        tie_word_embeddings=arch.tied, num_local_experts=max(arch.experts, 1),
+                        num_experts_per_tok=max(arch.top_k, 1))
         req = EstimateRequest(
             model_id=arch.name, seq_len=recipe.seq_len, micro_batch_size=recipe.batch,
             method="qlora" if recipe.quant == "4bit" else "lora", lora_rank=recipe.rank,

@@ -1,5 +1,6 @@
 """The estimators page's data (``estimators.html``, ``estimators.md``): the scoreboard with its
-per-slice values and its one-row-per-measurement table, and the estimate-against-measured plot."""
+per-slice values and its one-row-per-measurement table, the mixtures of experts' board against this
+project's dry runs, and the estimate-against-measured plot."""
 
 from __future__ import annotations
 
@@ -8,13 +9,16 @@ from typing import Optional
 from ledger.storage.dry_runs import load_dry_runs
 from ledger.core.models import Ledger
 from ledger.core.results import Scoreboard
+from ledger.report.dry_board import moe_board
+from ledger.report.held_out import shared_predictor
 from ledger.report.scoreboard import _sort_key, scoreboard
 from .views import ROW_LIMIT, Plot, PlotPoint, PlotSeries
 
 
 def estimator_scoreboard(ledger: Ledger) -> Scoreboard:
     """How every VRAM estimator fares against the ledger's measured peaks."""
-    board = scoreboard(ledger, keep_rows=ROW_LIMIT, dry_runs=load_dry_runs())
+    dry_runs = load_dry_runs()
+    board = scoreboard(ledger, keep_rows=ROW_LIMIT, dry_runs=dry_runs)
     # Views the pages show: each slice's values, and one row per measurement across estimators.
     board["slice_values"] = {}
     for est in board["estimators"]:
@@ -31,6 +35,8 @@ def estimator_scoreboard(ledger: Ledger) -> Scoreboard:
                                              "cells": [None] * len(board["estimators"])})
             row["cells"][i] = {"estimate_mib": r["estimate_mib"], "error_pct": r["error_pct"]}
     board["table"] = list(table.values())
+    moe = moe_board(shared_predictor(ledger, dry_runs))
+    board["moe"] = moe if moe["recipes"] else None
     return Scoreboard.model_validate(board)
 
 

@@ -160,6 +160,9 @@ def fit_models(fits: Fits, batches: Optional[dict] = None) -> list[FitModel]:
                 "cards": [{"key": c.key, "name": c.name, "limit_low_mib": c.limit_low_mib,
                            "limit_high_mib": c.limit_high_mib} for c in cards.values()],
                 "rows": rows}
+        settings = fits.settings(model)
+        if settings != ["plain", "dropout", "DoRA"]:  # a mixture of experts: the plain adapter only
+            data["settings"] = settings
         out.append(FitModel(name=model, slug=model_slug(model), family=family_of(model),
                             params_b=round(arch.total_params / 1e9, 2) if arch else None,
                             max_len=max_length(model), headline=headline,

@@ -92,6 +92,24 @@ def trainable_params(arch: Arch, rank: int, targets: Iterable[str] = ALL_LINEAR,
 #: A model's architecture read once per process (the fit table asks it per rank and recipe).
 arch_of = lru_cache(maxsize=256)(load_arch)
 
+#: The MLP projections, which a mixture of experts holds as its fused expert weights.
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def experts_adapted(model: Optional[str], targets: Iterable[str] = ALL_LINEAR) -> bool:
+    """Whether LoRA on these targets reaches a mixture of experts' fused expert weights (peft's
+    ``target_parameters``, which takes no dropout and no DoRA)."""
+    arch = arch_of(model) if model else None
+    return bool(arch and arch.experts and any(t in MLP_PROJECTIONS for t in targets))
+
+
+def experts_refuse(model: Optional[str], targets: Iterable[str], dropout: bool, dora: bool) -> Optional[str]:
+    """Why peft cannot build this adapter (dropout or DoRA on fused expert weights), or None."""
+    if not (dropout or dora) or not experts_adapted(model, tuple(targets)):
+        return None
+    return (f"LoRA on a mixture of experts' fused expert weights (peft's target_parameters) takes no "
+            f"{'dropout' if dropout else 'DoRA'}: drop it, or train attention only (--target-modules attn)")
+
 
 @lru_cache(maxsize=65536)
 def adapter_mib(model: Optional[str], rank: int, targets: tuple[str, ...] = ALL_LINEAR, dora: bool = False

@@ -85,6 +85,16 @@
       out.appendChild(pre);
     }
     var noCkpt = ckpt ? "" : " --no-gradient-checkpointing";
+    if (data.settings && data.settings.indexOf(setting) < 0) {
+      out.appendChild(el("p", {"class": "warn"}, data.model + " is a mixture of experts: LoRA on its fused expert " +
+        "weights (peft's target_parameters) takes no " + (setting === "DoRA" ? "DoRA" : "dropout") + ". LoRA on " +
+        "attention only takes it; the command line answers that from dry runs of it, run on your CPU:"));
+      var attn = el("pre");
+      attn.appendChild(el("code", {}, "vram estimate --model " + data.model + " " + where + " --quant " + quant +
+        " --target-modules attn --seq-len 2048 --rank 16" + (setting === "DoRA" ? " --dora" : " --dropout 0.1")));
+      out.appendChild(attn);
+      return;
+    }
     if (batch !== "1" && fixes !== "none") {
       elsewhere("A micro-batch with the program's memory fixes is not in these tables: the chunked MLP and the " +
         "kept logits work per sequence, so a batch is not one longer sequence. The command line answers it from " +

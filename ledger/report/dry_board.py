@@ -1,0 +1,91 @@
+"""The estimators against this project's dry runs, where no card has measured the recipe: the
+mixtures of experts (Qwen3-30B-A3B, gpt-oss-20b, Mixtral-8x7B). The ledger holds no measured MoE
+row, so the reference is this project's answer from its committed dry runs (the real transformers
+classes under fake tensors, checked against the real CPU step to 1% on tiny configs of each
+family), not a measurement: the board says how far each estimator's MoE terms are from that step,
+in its own slices, and is never mixed into the measured scoreboard.
+
+The recipes are the fit grid's stock ones: LoRA on every projection (attention and the fused
+experts), gradient checkpointing, micro-batch 1, a training run with AdamW's state, 4-bit and
+bf16, every length and rank the committed rows hold. Each estimator's figure is compared with the
+project's figure of the quantity it claims to predict, on ``REFERENCE_CARD`` (the card the
+reserved figure and canifinetune's overhead need): peak allocated, or peak reserved (allocated
+times the card's reserved/allocated ratio, as ``vram estimate`` gives it). No torch.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Iterable, Optional
+
+from ledger.core.models import Measurement
+from ledger.vocab.cards import resolve_card
+from ledger.vocab.model_configs import load_arch, model_name
+from ledger.vocab.recipe import Recipe, recipe_of
+from .estimators import ESTIMATORS, MIB, Estimator
+
+REFERENCE_CARD = "h100-80gb"
+#: The optimizer the stock recipe's training run steps (what the fit table's stock cells judge).
+OPTIMIZER = "adamw_torch"
+
+
+def moe_recipes(dry_runs: Iterable[Measurement]) -> list[Recipe]:
+    """The stock recipes of the committed dry runs of mixture-of-experts models, once each, in order."""
+    seen: dict[tuple, Recipe] = {}
+    for m in dry_runs:
+        arch = load_arch(m.model) if m.model else None
+        if not arch or not arch.experts or m.outcome.status != "ok":
+            continue
+        r = recipe_of(m)
+        if r is None or r.fixes != "none" or not r.checkpointing or r.batch != 1 or r.dropout or r.dora \
+                or r.seq_len is None:
+            continue
+        key = (model_name(m.model), r.quant, r.rank, r.seq_len)
+        seen.setdefault(key, Recipe(model=model_name(m.model), quant=r.quant, rank=r.rank, seq_len=r.seq_len,
+                                    fixes="none", optimizer=OPTIMIZER))
+    return [seen[k] for k in sorted(seen)]
+
+
+def moe_board(predictor, estimators: Optional[list[Estimator]] = None, card: str = REFERENCE_CARD) -> dict:
+    """Each estimator's MoE figures against the project's dry-run answers (see the module
+    docstring): per estimator its rows, the median |error| and signed error, and slices by model
+    and quant."""
+    estimators = ESTIMATORS if estimators is None else estimators
+    found = resolve_card(predictor.ledger, card)
+    if found is None:
+        raise ValueError(f"unknown card {card!r}")
+    card, entry, _ = found
+    rows = []
+    for recipe in moe_recipes(predictor.dry):
+        answer = predictor.predict(recipe, card, entry=entry, run="real")
+        if answer.method != "dry run" or answer.real_allocated is None:
+            continue
+        rows.append((recipe, {"allocated": answer.real_allocated.mib,
+                              "reserved": answer.reserved.mib if answer.reserved else None}))
+    total = entry.total_mib
+    out = []
+    for est in estimators:
+        scored = []
+        available = getattr(est, "available", lambda: True)()
+        for recipe, reference in rows if available else []:
+            e = est.estimate(load_arch(recipe.model), recipe, gpu_total_mib=total)
+            ref = reference.get(est.predicts)
+            if e is None or not ref:
+                continue
+            mib = e.bytes / MIB
+            scored.append({"model": recipe.model, "quant": recipe.quant, "rank": recipe.rank, "seq_len": recipe.seq_len,
+                           "reference_mib": round(ref, 1), "estimate_mib": round(mib, 1),
+                           "error_pct": round((mib - ref) / ref * 100, 2)})
+        errors = [r["error_pct"] for r in scored]
+        out.append({"name": est.name, "predicts": est.predicts, "available": available, "n": len(scored),
+                    "median_abs_err_pct": round(statistics.median(abs(e) for e in errors), 2) if errors else None,
+                    "median_signed_err_pct": round(statistics.median(errors), 2) if errors else None,
+                    "slices": {key: _medians(scored, key) for key in ("model", "quant")}, "rows": scored})
+    return {"reference_card": card, "optimizer": OPTIMIZER, "recipes": len(rows), "estimators": out}
+
+
+def _medians(scored: list[dict], key: str) -> dict[str, dict]:
+    groups: dict[str, list[float]] = {}
+    for r in scored:
+        groups.setdefault(str(r[key]), []).append(abs(r["error_pct"]))
+    return {k: {"n": len(v), "median_abs_err_pct": round(statistics.median(v), 2)} for k, v in sorted(groups.items())}
