@@ -114,3 +114,77 @@ def test_what_peft_cannot_build_is_one_line(capsys, argv, message):
     if argv[0] != "--target-modules":
         assert dry_main(["--model", "tiny-qwen3moe", "--rank", "8", "--seq-len", "128", "--response-len", "32", "--target-modules",
                          "q_proj,k_proj,v_proj,o_proj", "--json", *argv]) == 0
+
+
+def test_answering_commands_refuse_dropout_on_fused_experts_in_one_line(capsys):
+    from ledger import cli
+
+    assert cli.main(["estimate", "--model", "qwen3-30b-a3b", "--rank", "16", "--seq-len", "2048",
+                     "--dropout", "0.1", "--budget-mib", "80000", "--no-compute"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("--dropout: LoRA on a mixture of experts' fused expert")
+    # attention only: dropout is peft's usual; the answer needs dry runs of LoRA on attention
+    assert cli.main(["estimate", "--model", "qwen3-30b-a3b", "--rank", "16", "--seq-len", "2048", "--dropout", "0.1",
+                     "--target-modules", "attn", "--budget-mib", "80000", "--no-compute"]) == 1
+    assert "dry runs not computed yet" in capsys.readouterr().err
+
+
+def test_the_fit_table_of_a_mixture_of_experts_has_the_plain_adapter_only():
+    from conftest import FROZEN
+    from ledger.answer.fits import fit_table, grid_points
+    from ledger.answer.predictor import Predictor
+    from ledger.storage import store
+    from ledger.storage.dry_runs import load_dry_runs
+
+    assert not any(p.get("dropout") or p.get("dora") for p in grid_points("gpt-oss-20b"))
+    assert any(p.get("dropout") for p in grid_points("qwen3-8b"))
+    cells = fit_table(Predictor(store.load(FROZEN), load_dry_runs()), models=["gpt-oss-20b"], gpus=["h100-80gb"])
+    assert {c.setting for c in cells} == {"plain"}
+    bf16 = {c.seq_len: c for c in cells if c.quant == "bf16" and c.fixes == "none"}
+    assert bf16[512].status == "ok" and bf16[512].fits_rank >= 8  # LoRA in bf16 fits an 80 GB card
+    assert all(c.status == "none-fits" for c in cells if c.quant == "4bit" and c.fixes == "none")  # fp32 experts
+
+
+def test_the_moe_board_scores_each_estimator_against_the_projects_dry_run():
+    from conftest import FROZEN
+    from ledger.answer.predictor import Predictor
+    from ledger.report.dry_board import moe_board
+    from ledger.report.estimators import MIB, UnslothStudio
+    from ledger.storage import store
+    from ledger.storage.dry_runs import load_dry_runs
+    from ledger.vocab.cards import resolve_card
+    from ledger.vocab.model_configs import load_arch
+    from ledger.vocab.recipe import Recipe
+
+    p = Predictor(store.load(FROZEN), load_dry_runs())
+    board = moe_board(p, estimators=[UnslothStudio()])
+    assert board["recipes"] >= 30 and board["reference_card"] == "h100-80gb"
+    (est,) = board["estimators"]
+    assert est["n"] == board["recipes"] and set(est["slices"]["model"]) == {"qwen3-30b-a3b", "gpt-oss-20b",
+                                                                         "mixtral-8x7b"}
+    row = est["rows"][0]
+    recipe = Recipe(model=row["model"], quant=row["quant"], rank=row["rank"], seq_len=row["seq_len"], fixes="none",
+                    optimizer="adamw_torch")
+    key, entry, _ = resolve_card(p.ledger, "h100-80gb")
+    answer = p.predict(recipe, key, entry=entry, run="real")
+    assert row["reference_mib"] == pytest.approx(answer.reserved.mib, abs=0.05)  # Unsloth predicts reserved
+    assert row["estimate_mib"] == pytest.approx(UnslothStudio().estimate(load_arch(row["model"]), recipe).bytes / MIB,
+                                                abs=0.05)
+    assert row["error_pct"] == pytest.approx((row["estimate_mib"] - row["reference_mib"]) / row["reference_mib"] * 100,
+                                             abs=0.01)
+
+
+def test_a_step_past_what_any_device_holds_is_an_oom_with_its_figure(monkeypatch):
+    """gpt-oss's eager attention at 131,072 tokens without checkpointing: the dry run's figure
+    is past the ledger's 16 TiB bound, so the row records an OOM and the figure in words."""
+    import probe_kit.dry_run as dry
+
+    raw = {"after_load_mib": 39000.0, "pre_step_mib": 41000.0, "peak_mib": 2.0 ** 26, "vision_mib": 0.0, "oom": None,
+           "seconds": 1.0, "rss_growth_mib": 0.0, "depth": {"method": "extrapolated"}}
+    monkeypatch.setattr(dry, "dry_run", lambda *a, **k: dict(raw))
+    cfg = config("tiny-gpt-oss", quant="bf16")
+    outcome, _ = dry.predict(cfg)
+    assert outcome["status"] == "oom" and outcome["peak_allocated_mib"] is None
+    assert outcome["result_text"].startswith("the dry run's step needs 64.0 TiB allocated, past the 16 TiB")
+    m = dry.measurement(cfg, outcome, {}, None, "dry-x")
+    assert m.outcome.status == "oom" and m.outcome.pre_step_mib == 41000.0
