@@ -54,11 +54,13 @@ def sample_recipes(models: Iterable[str], n: int, seed: int = 0, max_tokens: int
                    lengths: Optional[Iterable[int]] = None, per_group: int = 1) -> list[Recipe]:
     """``n`` random recipes over ``models``: rank 8-512, a length (from ``lengths``, else 256 up to
     the model's context and ``max_tokens`` tokens a micro-batch), both quants, every optimizer,
-    micro-batch 1-8, checkpointing on and off, dropout, DoRA, the stock recipe, the settings users
+    micro-batch 1-8, checkpointing on and off, dropout, DoRA (never on a mixture of experts' fused
+    experts, which peft adapts without either), the stock recipe, the settings users
     set and the program's preset (its response span 64 tokens), LoRA on the 7 projections.
     ``per_group``: recipes drawn for each group drawn (model, quant, dropout, DoRA, length, fixes,
     micro-batch, checkpointing), each with its own rank and optimizer: the dry runs a group's
     answers rest on (ranks 8 and 64) are then shared by that many recipes."""
+    from ledger.vocab.adapter import experts_adapted
     from ledger.vocab.model_configs import max_length
 
     rng = random.Random(seed)
@@ -74,6 +76,8 @@ def sample_recipes(models: Iterable[str], n: int, seed: int = 0, max_tokens: int
             continue
         fixes, seq = rng.choice(FIXES), rng.choice(choices)
         quant, dropout, dora = rng.choice(("4bit", "bf16")), rng.random() < 0.2, rng.random() < 0.15
+        if experts_adapted(model):  # peft adapts a mixture of experts' fused experts without either
+            dropout = dora = False
         checkpointing = fixes == "all" or rng.random() < 0.75
         for _ in range(min(per_group, n - len(out))):
             out.append(Recipe(model=model, rank=rng.choice((8, 16, 24, 40, 64, 96, 128, 200, 256, 320, 432, 512)),
