@@ -369,3 +369,24 @@ def test_a_run_with_a_fix_is_recorded_under_it_and_one_without_a_name_is_not(tmp
     result = preflight(trainer_for(tmp_path, tiny_model()), budget_mib=1000, ledger=str(path), stream=sys.stderr)
     assert result.recorded is None and "no recipe the ledger names" in result.not_recorded
     assert len(store.load(path).measurements) == 1 and "not recorded:" in result.report()
+
+
+def test_a_mixture_of_experts_with_adapted_experts_is_read_and_measured(tmp_path):
+    """peft's target_parameters (a mixture of experts' fused expert weights) are part of the
+    recipe preflight records: gate_up_proj as gate_proj and up_proj, down_proj as itself."""
+    from transformers import Qwen3MoeConfig
+
+    from probe_kit.preflight.state import read_recipe
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+                         num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, vocab_size=VOCAB, max_position_embeddings=512)
+    model = get_peft_model(AutoModelForCausalLM.from_config(cfg), LoraConfig(
+        r=8, target_modules=["q_proj", "v_proj"], target_parameters=["mlp.experts.gate_up_proj",
+                                                                     "mlp.experts.down_proj"], task_type="CAUSAL_LM"))
+    trainer = trainer_for(tmp_path, model, batch=2)
+    recipe = read_recipe(trainer, model)
+    assert recipe.target_modules == ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]
+    result = preflight(trainer, budget_mib=1000, stream=sys.stderr)
+    assert result.verdict == "fits" and result.step.peak_allocated_mib > 0 and "r8" in result.recipe

@@ -141,16 +141,27 @@ def read_recipe(trainer, model) -> RunRecipe:
     config = getattr(base, "config", None)
     name = getattr(config, "name_or_path", None) or getattr(config, "_name_or_path", None) or None
     targets = getattr(peft_cfg, "target_modules", None)
+    targets = sorted(targets) if isinstance(targets, (set, list, tuple)) else ([targets] if targets else [])
+    targets += expert_targets(getattr(peft_cfg, "target_parameters", None))
     ckpt = bool(getattr(trainer.args, "gradient_checkpointing", False)) or _checkpointing_on(base)
     return RunRecipe(
         model=name or getattr(config, "model_type", None), quant=quant,
         rank=getattr(peft_cfg, "r", None), alpha=getattr(peft_cfg, "lora_alpha", None),
         rslora=bool(getattr(peft_cfg, "use_rslora", False)), dropout=float(getattr(peft_cfg, "lora_dropout", 0) or 0),
         dora=bool(getattr(peft_cfg, "use_dora", False)),
-        target_modules=sorted(targets) if isinstance(targets, (set, list, tuple)) else ([targets] if targets else []),
+        target_modules=targets,
         batch_size=int(trainer.args.per_device_train_batch_size),
         accumulation=int(trainer.args.gradient_accumulation_steps or 1), checkpointing=ckpt,
         optimizer=str(getattr(trainer.args.optim, "value", trainer.args.optim)), fixes=run_fixes(trainer.args, base))
+
+
+def expert_targets(parameters) -> list[str]:
+    """A mixture of experts' fused expert weights in peft's ``target_parameters``
+    ('mlp.experts.gate_up_proj', 'mlp.experts.down_proj') as the projections the ledger names:
+    gate_up_proj is gate_proj and up_proj."""
+    names = {str(p).rsplit(".", 1)[-1] for p in (parameters or ())}
+    return ((["gate_proj", "up_proj"] if "gate_up_proj" in names else [])
+            + (["down_proj"] if "down_proj" in names else []))
 
 
 def run_fixes(args, base) -> Optional[list[str]]:
