@@ -43,7 +43,10 @@ class DryTable:
     rank and length the rows reach."""
 
     def __init__(self, dry: list[Measurement]):
-        self.dry = dry
+        # Rows with a peak only: a dry run recorded as an OOM (a budget, or a step past what any
+        # device holds) has no figure to interpolate.
+        self.dry = dry if all(m.outcome.peak_allocated_mib is not None for m in dry) else \
+            [m for m in dry if m.outcome.peak_allocated_mib is not None]
         self._tables: dict = {}
         self._by_model: Optional[dict] = None
         self._slopes: dict = {}
