@@ -61,7 +61,7 @@ from .depth import depth_plan, extrapolate, phase_marks, phase_peaks, with_layer
 from .meters import MIB, TrackerMeter
 from .probe_vram import add_recipe_options, config_from_args, probe_id, rss_bytes, run_cli, versions
 from .recipe import ProbeConfig, RecipeError, checkpointing_as_asked, load_config, offload, prepare, step_offloader, \
-    resolve_config_path, synthetic_batch, train_step
+    resolve_config_path, synthetic_batch, train_step, weights_dtype
 
 #: PyTorch's default cuBLAS workspace per handle (CUBLAS_WORKSPACE_CONFIG ":4096:8"): 4096 KiB x 2
 #: + 16 KiB x 8. Workspaces come from the caching allocator, so they are inside peak allocated.
@@ -269,7 +269,7 @@ def _fake_step(cfg: ProbeConfig, config, budget_mib: Optional[float], marks: Opt
 
     with fake_world():
         torch.manual_seed(cfg.seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config, dtype=weights_dtype(cfg))
         if cfg.quant == "4bit":
             stand_in_4bit(model, cfg.double_quant)
         meter = TrackerMeter(budget_mib)
@@ -354,7 +354,8 @@ def dry_id(cfg: ProbeConfig) -> str:
     """A readable id, the same for the same recipe (what a dry-run sweep's --resume relies on):
     the dry run does not depend on the card, so the card is not in it."""
     digest = probe_id(cfg, "dry", None).rsplit("-", 1)[1]
-    parts = ["dry", cfg.model.split("/")[-1].removesuffix(".json"), cfg.quant, f"r{cfg.rank}"]
+    parts = ["dry", cfg.model.split("/")[-1].removesuffix(".json"), cfg.quant,
+             f"r{cfg.rank}" if cfg.method == "lora" else "full"]
     if cfg.dropout:
         parts.append(f"drop{cfg.dropout:g}")
     if cfg.dora:
@@ -422,6 +423,8 @@ def main(argv=None) -> int:
 
     def work() -> None:
         cfg = config_from_args(args)
+        if args.append or args.gpu or args.find_ceiling:
+            cfg.refuse_recording()
         predictor = _predictor(args.ledger)
         gpu = entry = None
         if args.gpu:
@@ -445,7 +448,8 @@ def main(argv=None) -> int:
                 return
             outcome, breakdown = predict(cfg, multimodal=multimodal, full_depth=args.full_depth)
             answer = predictor.judge_dry(cfg.recipe(), outcome["peak_allocated_mib"], gpu, entry=entry,
-                                         budget_mib=args.budget_mib) if outcome["peak_allocated_mib"] else None
+                                         budget_mib=args.budget_mib) \
+                if outcome["peak_allocated_mib"] and cfg.method == "lora" else None
             m = measurement(cfg, outcome, breakdown, None, args.id)
             result["doc"] = {"measurement": m.model_dump(mode="json", exclude_none=True), "breakdown": breakdown,
                              "answer": answer.model_dump(mode="json") if answer else None}

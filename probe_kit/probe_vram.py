@@ -239,7 +239,7 @@ def driver_version() -> Optional[str]:
 def probe_id(cfg: ProbeConfig, device: str, gpu_key: Optional[str]) -> str:
     """A readable id that is the same for the same configuration (what --resume relies on)."""
     digest = hashlib.sha256(json.dumps([cfg.key(), device, gpu_key], sort_keys=True).encode()).hexdigest()[:8]
-    parts = ["probe", gpu_key or device.split(":")[0], cfg.quant, f"r{cfg.rank}"]
+    parts = ["probe", gpu_key or device.split(":")[0], cfg.quant, f"r{cfg.rank}" if cfg.method == "lora" else "full"]
     if cfg.dropout:
         parts.append(f"drop{cfg.dropout:g}")
     if cfg.dora:
@@ -391,12 +391,17 @@ def add_recipe_options(p: argparse.ArgumentParser) -> None:
     """The recipe flags, shared by probe_vram, run_sweep points and dry_run."""
     p.add_argument("--model", required=True, help="model id or directory (real weights), or a config JSON "
                    "(a path, or a shipped name such as gemma-3-4b-it) with --random-weights")
-    p.add_argument("--rank", type=int, required=True, help="LoRA rank")
+    p.add_argument("--method", choices=["lora", "full"], default="lora",
+                   help="lora (the default; QLoRA is lora with --quant 4bit) or full: every weight trained, no "
+                        "adapter, in --quant bf16 or fp32 (fp32 master weights under bf16 autocast)")
+    p.add_argument("--rank", type=int, help="LoRA rank (required with --method lora)")
     p.add_argument("--alpha", type=float, help="lora_alpha (default: the rank)")
     p.add_argument("--rslora", action="store_true", help="rank-stabilised scaling")
     p.add_argument("--dropout", type=float, default=0.0, help="lora_dropout (default 0: no masks stored)")
     p.add_argument("--dora", action="store_true", help="DoRA (weight-decomposed LoRA)")
-    p.add_argument("--quant", choices=["4bit", "bf16"], default="4bit", help="4bit = bitsandbytes nf4; bf16 = plain")
+    p.add_argument("--quant", choices=["4bit", "bf16", "fp32"], default=None,
+                   help="4bit = bitsandbytes nf4 (the default with LoRA); bf16 = plain (the default with --method "
+                        "full); fp32 = fp32 master weights under bf16 autocast (--method full only)")
     p.add_argument("--no-double-quant", action="store_true", help="4bit without double quantisation")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens in the probed sequence (the longest example)")
     p.add_argument("--response-len", type=int, default=256, help="tokens the loss is computed on")
@@ -423,7 +428,8 @@ def add_recipe_options(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> ProbeConfig:
     kwargs = dict(
         model=args.model, rank=args.rank, alpha=args.alpha, rslora=args.rslora, dropout=args.dropout, dora=args.dora,
-        quant=args.quant, seq_len=args.seq_len, response_len=args.response_len, fixes=parse_fixes(args.fixes),
+        quant=args.quant or ("bf16" if args.method == "full" else "4bit"), method=args.method, seq_len=args.seq_len,
+        response_len=args.response_len, fixes=parse_fixes(args.fixes),
         logits_to_keep=args.logits_to_keep, double_quant=not args.no_double_quant, mlp_chunk=args.mlp_chunk,
         random_weights=args.random_weights, seed=args.seed, batch_size=args.batch_size,
         gradient_checkpointing=not args.no_gradient_checkpointing, optimizer=args.optim,
@@ -480,6 +486,8 @@ def main(argv=None) -> int:
 
     def work() -> None:
         cfg = config_from_args(args)
+        if args.ledger:
+            cfg.refuse_recording()
         with contextlib.redirect_stdout(sys.stderr):  # libraries print banners on import; stdout is ours
             done["m"], gpu = run_probe(cfg, device=args.device, budget_mib=args.budget_mib,
                                        host_cap_gib=args.host_ram_cap_gib or None, gpu_key=args.gpu, mid=args.id)

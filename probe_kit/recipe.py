@@ -20,6 +20,12 @@ Memory fixes (``--fixes all|none|LIST``):
   gradient checkpointing.
 
 The first four are the program's preset (``--fixes all``); stock is none.
+
+Methods (``--method``): ``lora`` (the default; QLoRA is LoRA with ``--quant 4bit``) and ``full``:
+every weight trainable, no adapter, in the precisions people run it in — ``--quant bf16`` (bf16
+weights, gradients and optimizer state in the parameters' dtype) and ``--quant fp32`` (fp32 master
+weights, the forward and backward under bf16 autocast: 4 + 4 bytes a parameter, and AdamW's 8).
+Tied embeddings are one parameter, counted once, as the model holds them.
 """
 
 from __future__ import annotations
@@ -60,7 +66,7 @@ class ProbeConfig:
     """Everything that decides a probe's memory."""
 
     model: str
-    rank: int
+    rank: Optional[int] = None
     alpha: Optional[float] = None
     rslora: bool = False
     dropout: float = 0.0
@@ -82,12 +88,15 @@ class ProbeConfig:
     #: An optimizer to step, by its TrainingArguments name: the step measured is then the steady
     #: state (an optimizer step first, so its state exists, then forward, backward and a step).
     optimizer: Optional[str] = None
+    #: "lora" (an adapter of ``rank``) or "full" (every weight trainable, no adapter).
+    method: str = "lora"
 
     def label(self) -> str:
         """The recipe in a few words, every axis that changes memory named: 'gemma-3-4b-it 4bit r96
         dropout 0.1 DoRA 7177 tokens fixes all' (progress bars, messages)."""
         fixes = ledger_recipe.fixes_key(ledger_recipe.fixes_value(self.fixes))
-        return (f"{self.model.split('/')[-1].removesuffix('.json')} {self.quant} r{self.rank}"
+        return (f"{self.model.split('/')[-1].removesuffix('.json')} {self.quant} "
+                + (f"r{self.rank}" if self.method == "lora" else "full")
                 + (f" dropout {self.dropout:g}" if self.dropout else "") + (" DoRA" if self.dora else "")
                 + (f" batch {self.batch_size} x" if self.batch_size != 1 else "")
                 + f" {self.seq_len} tokens fixes {fixes}"
@@ -95,12 +104,20 @@ class ProbeConfig:
                 + (f" {self.optimizer}" if self.optimizer else ""))
 
     def __post_init__(self) -> None:
-        if self.rank <= 0:
+        if self.method not in ("lora", "full"):
+            raise RecipeError(f"--method must be lora or full, got {self.method!r}")
+        if self.method == "full":
+            self._full_only()
+        elif self.rank is None:
+            raise RecipeError("--rank is required for LoRA (--method lora, the default)")
+        elif self.rank <= 0:
             raise RecipeError(f"--rank must be > 0, got {self.rank}")
         if not 0 <= self.dropout < 1:
             raise RecipeError(f"--dropout must be in [0, 1), got {self.dropout}")
-        if self.quant not in ("4bit", "bf16"):
-            raise RecipeError(f"--quant must be 4bit or bf16, got {self.quant!r}")
+        if self.quant not in ("4bit", "bf16") and not (self.method == "full" and self.quant == "fp32"):
+            raise RecipeError(f"--quant must be 4bit or bf16, got {self.quant!r}"
+                              + (" (fp32 master weights are a full fine-tuning precision: --method full)"
+                                 if self.quant == "fp32" else ""))
         if self.seq_len < 2:
             raise RecipeError(f"--seq-len must be at least 2, got {self.seq_len}")
         if not 0 < self.response_len < self.seq_len:
@@ -115,6 +132,18 @@ class ProbeConfig:
         if clash:
             raise RecipeError(clash)
 
+    def _full_only(self) -> None:
+        """Full fine-tuning trains every weight: no adapter flags, no 4-bit weights."""
+        if self.quant == "4bit":
+            raise RecipeError("--method full with --quant 4bit: 4-bit weights cannot be trained (QLoRA is LoRA on "
+                              "4-bit weights: --method lora); full fine-tuning runs in --quant bf16 or fp32")
+        lora = [flag for flag, on in (("--rank", self.rank is not None), ("--alpha", self.alpha is not None),
+                                      ("--rslora", self.rslora), ("--dropout", self.dropout > 0), ("--dora", self.dora),
+                                      ("--target-modules", list(self.target_modules) != list(DEFAULT_TARGETS)))
+                if on]
+        if lora:
+            raise RecipeError(f"{lora[0]} is a LoRA setting: --method full trains every weight, with no adapter")
+
     @property
     def keep(self) -> int:
         """Positions whose logits the loss needs: the response, plus the one before it."""
@@ -125,7 +154,8 @@ class ProbeConfig:
         earlier probe had (micro-batch 1, checkpointing on, no optimizer step) is left out, so their
         ids stay what they were."""
         key = asdict(self)
-        for name, default in (("batch_size", 1), ("gradient_checkpointing", True), ("optimizer", None)):
+        for name, default in (("batch_size", 1), ("gradient_checkpointing", True), ("optimizer", None),
+                              ("method", "lora")):
             if key[name] == default:
                 del key[name]
         return key
@@ -133,6 +163,7 @@ class ProbeConfig:
     def recipe(self) -> ledger_recipe.Recipe:
         """The typed recipe the ledger answers for (``ledger.vocab.recipe.Recipe``), read as ``recipe_of``
         reads the row this configuration records: every axis, the same way."""
+        self._lora_only("answered by the ledger")
         return ledger_recipe.Recipe(
             model=self.model, rank=self.rank, quant=self.quant, dropout=self.dropout > 0, dora=self.dora,
             seq_len=self.seq_len, fixes=ledger_recipe.fixes_key(ledger_recipe.fixes_value(self.fixes)),
@@ -141,14 +172,27 @@ class ProbeConfig:
             dropout_rate=self.dropout, alpha=self.alpha if self.alpha is not None else float(self.rank),
             rslora=self.rslora)
 
+    def _lora_only(self, what: str) -> None:
+        if self.method == "full":
+            raise RecipeError(f"--method full is measured but not yet {what}: the ledger's format has no full "
+                              "fine-tuning row yet (run it without --ledger, --append, --gpu and --find-ceiling; "
+                              "--json prints the figures)")
+
+    def refuse_recording(self) -> None:
+        """A one-line error for a measurement the ledger cannot hold yet (full fine-tuning)."""
+        self._lora_only("recorded in a ledger")
+
     def measurement(self, *, id: str, kind: str, gpu: Optional[str] = None, **fields) -> Measurement:
         """The one place a probe configuration becomes a ledger Measurement (probe, crashed
-        sweep point, dry run): the recipe fields from this config, the rest from ``fields``."""
+        sweep point, dry run): the recipe fields from this config, the rest from ``fields``. Full
+        fine-tuning has no adapter (``lora`` None, ``config_text`` says ``"method": "full"``): such a
+        measurement is printed, never recorded (``refuse_recording``)."""
+        full = self.method == "full"
         return Measurement(
             id=id, kind=kind, gpu=gpu, model=self.model, quant=self.quant,
-            lora=Lora(rank=self.rank, alpha=self.alpha if self.alpha is not None else float(self.rank),
-                      rslora=self.rslora, dropout=self.dropout, dora=self.dora,
-                      target_modules=list(self.target_modules)),
+            lora=None if full else Lora(rank=self.rank, alpha=self.alpha if self.alpha is not None else float(self.rank),
+                                        rslora=self.rslora, dropout=self.dropout, dora=self.dora,
+                                        target_modules=list(self.target_modules)),
             seq_len=self.seq_len, response_len=self.response_len, batch_size=self.batch_size,
             optimizer=self.optimizer, gradient_checkpointing=None if self.gradient_checkpointing else False,
             memory_fixes=ledger_recipe.fixes_value(self.fixes),
@@ -246,6 +290,12 @@ def materialize(model: torch.nn.Module, device: torch.device, std: float = 0.02)
     model.to(device)
 
 
+def weights_dtype(cfg: ProbeConfig) -> torch.dtype:
+    """The dtype the model's weights are made in: fp32 master weights for full fine-tuning in
+    --quant fp32, else bf16 (4-bit quantises the linear layers from bf16)."""
+    return torch.float32 if cfg.quant == "fp32" else torch.bfloat16
+
+
 def build_model(cfg: ProbeConfig, device: torch.device) -> torch.nn.Module:
     """The base model on the device: random weights from a config, or from_pretrained. With
     random weights the model is built on the meta device (buffers such as rotary frequencies are
@@ -259,7 +309,7 @@ def build_model(cfg: ProbeConfig, device: torch.device) -> torch.nn.Module:
         torch.manual_seed(cfg.seed)
         std = float(getattr(config, "initializer_range", 0.02) or 0.02)
         with init_empty_weights(include_buffers=False):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+            model = AutoModelForCausalLM.from_config(config, dtype=weights_dtype(cfg))
         if cfg.quant == "4bit":
             quantize_linear_layers(model, device, cfg.double_quant, std)
         materialize(model, device, std)
@@ -268,7 +318,7 @@ def build_model(cfg: ProbeConfig, device: torch.device) -> torch.nn.Module:
         return model
     if resolve_config_path(cfg.model) is not None and Path(cfg.model).suffix == ".json":
         raise RecipeError(f"{cfg.model}: a config file has no weights; add --random-weights")
-    kwargs: dict = {"dtype": torch.bfloat16, "device_map": {"": str(device)}}
+    kwargs: dict = {"dtype": weights_dtype(cfg), "device_map": {"": str(device)}}
     if cfg.quant == "4bit":
         from transformers import BitsAndBytesConfig
 
@@ -351,11 +401,15 @@ def prepare(model: torch.nn.Module, cfg: ProbeConfig) -> torch.nn.Module:
                                                     gradient_checkpointing_kwargs=ckpt)
     else:
         for p in model.parameters():
-            p.requires_grad = False
+            p.requires_grad = cfg.method == "full"
         if on and hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=ckpt)
         elif on:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt)
+        if cfg.method == "full":  # every weight trained, the embeddings' output needs its gradient anyway
+            apply_fixes(model, cfg)
+            model.train()
+            return model
         model.enable_input_require_grads()
     modules, parameters = model_targets(model, cfg.target_modules)
     if parameters and (cfg.dropout or cfg.dora):
@@ -595,11 +649,19 @@ def step(model: torch.nn.Module, ids: torch.Tensor, cfg: ProbeConfig,
     inside ``forward_context`` (the save_on_cpu offload): what the forward saves goes to host
     RAM; the layers recomputed in backward keep theirs on the device, as in the trainer."""
     with gpu_dropout(), _kernels(cfg, ids.device, fake), offloader or contextlib.nullcontext():
-        with forward_context if forward_context is not None else contextlib.nullcontext():
+        with forward_context if forward_context is not None else contextlib.nullcontext(), autocast(cfg, ids.device):
             loss = _forward_loss(model, ids, cfg)
         with backward_context() if backward_context is not None else contextlib.nullcontext():
             loss.backward()
     return loss.detach()
+
+
+def autocast(cfg: ProbeConfig, device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast over the forward (its backward follows it) for fp32 master weights, as the
+    Trainer runs ``bf16=True`` on fp32 weights; nothing for bf16 or 4-bit weights."""
+    if cfg.quant != "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
 def _kernels(cfg: ProbeConfig, device: torch.device, fake: bool) -> contextlib.AbstractContextManager:

@@ -1,0 +1,107 @@
+"""Full fine-tuning in the probe kit and the dry run (``--method full``): every weight trainable, no
+adapter, in bf16 (optimizer state in the parameters' dtype) and in fp32 master weights under bf16
+autocast, with the Trainer's optimizers, gradient checkpointing on and off. The dry run gives the
+real CPU step's figures for three model families; tied embeddings are one parameter; the LoRA
+flags and 4-bit weights are refused in one line, and so is recording (the ledger's format has no
+full fine-tuning row yet)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from probe_kit.dry_run import dry_run, main as dry_main  # noqa: E402
+from probe_kit.probe_vram import main as probe_main, run_probe  # noqa: E402
+from probe_kit.recipe import ProbeConfig, RecipeError, load_config  # noqa: E402
+
+FIGURES = ("after_load_mib", "pre_step_mib", "peak_allocated_mib")
+
+
+def full(model: str, **recipe) -> ProbeConfig:
+    return ProbeConfig(model=model, method="full", random_weights=True, seq_len=256, response_len=16,
+                       **{"fixes": [], "quant": "bf16", **recipe})
+
+
+CASES = [
+    ("tiny-llama", dict(optimizer="adamw_torch")),
+    ("tiny-llama", dict(quant="fp32", optimizer="adamw_torch")),
+    ("tiny-qwen2", dict(optimizer="adamw_8bit")),
+    ("tiny-qwen2", dict(quant="fp32", optimizer="adafactor", gradient_checkpointing=False)),
+    ("tiny-gemma3", dict(optimizer="sgd")),
+    ("tiny-gemma3", dict(quant="fp32", optimizer="paged_adamw_32bit")),
+    ("tiny-gemma3", dict(gradient_checkpointing=False, batch_size=2)),
+]
+
+
+@pytest.mark.parametrize("model,recipe", CASES)
+def test_the_dry_run_is_the_real_cpu_step(model, recipe):
+    cfg = full(model, **recipe)
+    real = run_probe(cfg, device="cpu")[0].outcome
+    fake = dry_run(cfg)
+    assert real.status == "ok"
+    got = {"after_load_mib": fake["after_load_mib"], "pre_step_mib": fake["pre_step_mib"],
+           "peak_allocated_mib": fake["peak_mib"]}
+    for key in FIGURES:
+        assert got[key] == pytest.approx(getattr(real, key), rel=0.01, abs=0.05), key
+
+
+def _params(model: str) -> int:
+    """The model's parameters, each tensor once (a tied lm_head is the embedding's)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(load_config(model))
+    return sum(p.numel() for p in m.parameters())
+
+
+@pytest.mark.parametrize("quant,weight_bytes,state_bytes", [("bf16", 2, 4), ("fp32", 4, 8)])
+def test_weights_and_adamw_state_in_the_parameters_dtype_tied_embeddings_once(quant, weight_bytes, state_bytes):
+    """tiny-qwen2 ties its lm_head to the embedding: counted once. AdamW keeps two moments of
+    each parameter in its dtype: bf16 weights 2 + 4 bytes a parameter, fp32 master weights 4 + 8
+    (with their 4-byte gradients, the FT01 rule's 16 bytes a parameter at the step)."""
+    n = _params("tiny-qwen2")
+    d = dry_run(full("tiny-qwen2", quant=quant, optimizer="adamw_torch"))
+    assert d["after_load_mib"] == pytest.approx(n * weight_bytes / 2**20, rel=0.01)
+    assert d["pre_step_mib"] - d["after_load_mib"] == pytest.approx(n * state_bytes / 2**20, rel=0.01)
+    assert d["peak_mib"] > n * (weight_bytes + state_bytes + weight_bytes) / 2**20  # + the gradients
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--quant", "4bit"], "--method full with --quant 4bit: 4-bit weights cannot be trained"),
+    (["--rank", "8"], "--rank is a LoRA setting: --method full trains every weight, with no adapter"),
+    (["--dropout", "0.1"], "--dropout is a LoRA setting"),
+    (["--target-modules", "q_proj"], "--target-modules is a LoRA setting"),
+    (["--json", "--append", "--ledger", "x.json"], "--method full is measured but not yet recorded in a ledger"),
+])
+def test_what_full_fine_tuning_cannot_take_is_one_line(capsys, argv, message):
+    assert dry_main(["--model", "tiny-llama", "--method", "full", "--seq-len", "128", "--response-len", "16",
+                     *argv]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err and "Traceback" not in err
+
+
+def test_fp32_weights_and_a_missing_rank_are_refused_for_lora(capsys):
+    with pytest.raises(RecipeError, match="fp32 master weights are a full fine-tuning precision"):
+        ProbeConfig(model="tiny-llama", rank=8, quant="fp32")
+    assert dry_main(["--model", "tiny-llama", "--seq-len", "128", "--response-len", "16"]) == 1
+    assert "--rank is required for LoRA" in capsys.readouterr().err
+
+
+def test_the_commands_print_a_full_fine_tuning_step(capsys, tmp_path):
+    assert dry_main(["--model", "tiny-llama", "--method", "full", "--quant", "fp32", "--optim", "adamw_torch",
+                     "--seq-len", "128", "--response-len", "16", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["answer"] is None and "lora" not in doc["measurement"]
+    assert json.loads(doc["measurement"]["config_text"])["method"] == "full"
+    assert doc["measurement"]["id"].startswith("dry-tiny-llama-fp32-full-")
+    assert probe_main(["--model", "tiny-llama", "--method", "full", "--random-weights", "--device", "cpu",
+                       "--seq-len", "128", "--response-len", "16", "--json"]) == 0
+    probe = json.loads(capsys.readouterr().out)
+    assert probe["outcome"]["status"] == "ok" and "-bf16-full-" in probe["id"]
+    assert probe_main(["--model", "tiny-llama", "--method", "full", "--random-weights", "--device", "cpu",
+                       "--seq-len", "128", "--response-len", "16", "--ledger", str(tmp_path / "l.json")]) == 1
+    assert not (tmp_path / "l.json").exists()
