@@ -203,7 +203,7 @@ def moe_unsupported(model: str) -> Optional[str]:
     found = _config(model)
     text = found[2] if found else {}
     for key, alike in _MIXED_LAYERS.items():
-        if text.get(key) not in (None, alike) and not (alike == [] and text.get(key) == []):
+        if text.get(key) not in (None, alike):
             return f"its {key} is {text[key]!r} (dense layers or a shared expert beside the routed ones)"
     return None
 
