@@ -590,7 +590,12 @@ def make_optimizer(model: torch.nn.Module, name: str, fake: bool = False,
         made = opt.get_state_buffer
 
         def get_state_buffer(p, dtype=torch.float32):
-            buffer = made(p, dtype=dtype)
+            import warnings
+
+            with warnings.catch_warnings():  # off a GPU bitsandbytes says it makes a plain buffer: known
+                warnings.filterwarnings("ignore", message="Paged optimizers are not supported on CPU",
+                                        category=UserWarning)
+                buffer = made(p, dtype=dtype)
             if p.numel() >= 1e5:  # what bitsandbytes pages on a GPU
                 unified(buffer)
             return buffer
