@@ -178,3 +178,33 @@ def test_preflight_on_the_card_trains_bit_for_bit_like_a_run_without(tmp_path):
     r = pre[4].result
     assert r.meter == "allocator" and r.step.peak_reserved_mib >= r.step.peak_allocated_mib > 0
     assert r.verdict == "fits" and r.headroom_mib == pytest.approx(r.available_mib - r.step.peak_reserved_mib, abs=0.1)
+
+
+@pytest.mark.parametrize("quant", ["4bit", "bf16"])
+@pytest.mark.parametrize("model", ["tiny-qwen3moe", "tiny-mixtral", "tiny-gpt-oss"])
+def test_a_mixture_of_experts_steps_on_the_card_as_on_the_cpu(model, quant):
+    """The fused experts' grouped matmul on the card: under stock 4-bit peft's k-bit preparation
+    leaves them in fp32, which the card's grouped matmul must take (the CPU's does). The gap to
+    the CPU tracker is bounded as for the dense step."""
+    cfg = ProbeConfig(**dict(TINY, model=model, rank=8, seq_len=512), quant=quant, optimizer="adamw_torch")
+    gpu, _ = run_probe(cfg, device="cuda")
+    cpu, _ = run_probe(cfg, device="cpu")
+    o, env = gpu.outcome, gpu.environment
+    assert o.status == "ok", o.result_text
+    workspaces = 2 * ((env.cublas_workspace_mib or 8.1) + (env.cublaslt_workspace_mib or 0.0))
+    gap = o.peak_allocated_mib - cpu.outcome.peak_allocated_mib
+    assert -0.10 * cpu.outcome.peak_allocated_mib - 8 <= gap <= workspaces + 0.10 * cpu.outcome.peak_allocated_mib + 8
+
+
+@pytest.mark.parametrize("quant", ["bf16", "fp32"])
+def test_full_fine_tuning_on_the_card_as_on_the_cpu(quant):
+    """--method full on the card: bf16 weights, or fp32 master weights under CUDA's bf16 autocast."""
+    cfg = ProbeConfig(model="tiny-llama", random_weights=True, method="full", quant=quant, seq_len=1024,
+                      response_len=32, fixes=[], optimizer="adamw_torch")
+    gpu, _ = run_probe(cfg, device="cuda")
+    cpu, _ = run_probe(cfg, device="cpu")
+    o, env = gpu.outcome, gpu.environment
+    assert o.status == "ok" and o.pre_step_mib == pytest.approx(cpu.outcome.pre_step_mib, rel=0.02, abs=1)
+    workspaces = 2 * ((env.cublas_workspace_mib or 8.1) + (env.cublaslt_workspace_mib or 0.0))
+    gap = o.peak_allocated_mib - cpu.outcome.peak_allocated_mib
+    assert -0.10 * cpu.outcome.peak_allocated_mib - 8 <= gap <= workspaces + 0.10 * cpu.outcome.peak_allocated_mib + 8
