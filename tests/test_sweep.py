@@ -321,3 +321,10 @@ def test_dry_rows_leave_a_row_another_writer_recorded(tmp_path):
     first.flush()
     rows = {m.id: m for m in store.load(ledger).measurements}
     assert len(rows) == 2 and rows[theirs.id].provenance.notes == ["written by another shard"]
+
+
+def test_the_mixture_of_experts_example_sweep_loads():
+    sweep = load_sweep(str(REPO / "examples" / "sweeps" / "moe-h200.toml"))
+    assert sweep.device == "cuda" and len(sweep.points) == 7
+    assert {p.config.model for p in sweep.points} == {"gpt-oss-20b", "qwen3-30b-a3b", "mixtral-8x7b"}
+    assert all(p.config.optimizer == "adamw_torch" and p.config.fixes == [] for p in sweep.points)
