@@ -423,8 +423,8 @@ def main(argv=None) -> int:
 
     def work() -> None:
         cfg = config_from_args(args)
-        if args.append or args.gpu or args.find_ceiling:
-            cfg.refuse_recording()
+        if args.gpu or args.find_ceiling:
+            cfg.refuse_answering()
         predictor = _predictor(args.ledger)
         gpu = entry = None
         if args.gpu:

@@ -486,8 +486,6 @@ def main(argv=None) -> int:
 
     def work() -> None:
         cfg = config_from_args(args)
-        if args.ledger:
-            cfg.refuse_recording()
         with contextlib.redirect_stdout(sys.stderr):  # libraries print banners on import; stdout is ours
             done["m"], gpu = run_probe(cfg, device=args.device, budget_mib=args.budget_mib,
                                        host_cap_gib=args.host_ram_cap_gib or None, gpu_key=args.gpu, mid=args.id)

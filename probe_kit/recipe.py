@@ -174,19 +174,17 @@ class ProbeConfig:
 
     def _lora_only(self, what: str) -> None:
         if self.method == "full":
-            raise RecipeError(f"--method full is measured but not yet {what}: the ledger's format has no full "
-                              "fine-tuning row yet (run it without --ledger, --append, --gpu and --find-ceiling; "
-                              "--json prints the figures)")
+            raise RecipeError(f"--method full is measured and recorded but not yet {what} (run the dry run "
+                              "without --gpu and --find-ceiling; its --budget-mib simulates an OOM)")
 
-    def refuse_recording(self) -> None:
-        """A one-line error for a measurement the ledger cannot hold yet (full fine-tuning)."""
-        self._lora_only("recorded in a ledger")
+    def refuse_answering(self) -> None:
+        """A one-line error for what needs an answer the ledger does not give yet (full fine-tuning)."""
+        self._lora_only("answered against a card")
 
     def measurement(self, *, id: str, kind: str, gpu: Optional[str] = None, **fields) -> Measurement:
         """The one place a probe configuration becomes a ledger Measurement (probe, crashed
         sweep point, dry run): the recipe fields from this config, the rest from ``fields``. Full
-        fine-tuning has no adapter (``lora`` None, ``config_text`` says ``"method": "full"``): such a
-        measurement is printed, never recorded (``refuse_recording``)."""
+        fine-tuning has no adapter: ``finetune`` "full", ``lora`` None."""
         full = self.method == "full"
         return Measurement(
             id=id, kind=kind, gpu=gpu, model=self.model, quant=self.quant,
@@ -197,7 +195,7 @@ class ProbeConfig:
             optimizer=self.optimizer, gradient_checkpointing=None if self.gradient_checkpointing else False,
             memory_fixes=ledger_recipe.fixes_value(self.fixes),
             logits_to_keep=self.keep if "logits_to_keep" in self.fixes else None,
-            config_text=json.dumps(self.key(), sort_keys=True), **fields,
+            config_text=json.dumps(self.key(), sort_keys=True), finetune="full" if full else None, **fields,
         )
 
 

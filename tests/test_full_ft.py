@@ -2,8 +2,8 @@
 adapter, in bf16 (optimizer state in the parameters' dtype) and in fp32 master weights under bf16
 autocast, with the Trainer's optimizers, gradient checkpointing on and off. The dry run gives the
 real CPU step's figures for three model families; tied embeddings are one parameter; the LoRA
-flags and 4-bit weights are refused in one line, and so is recording (the ledger's format has no
-full fine-tuning row yet)."""
+flags and 4-bit weights are refused in one line; a row records ``finetune: full`` and the fits
+leave it out (full fine-tuning is measured and recorded, not yet answered)."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def test_weights_and_adamw_state_in_the_parameters_dtype_tied_embeddings_once(qu
     (["--rank", "8"], "--rank is a LoRA setting: --method full trains every weight, with no adapter"),
     (["--dropout", "0.1"], "--dropout is a LoRA setting"),
     (["--target-modules", "q_proj"], "--target-modules is a LoRA setting"),
-    (["--json", "--append", "--ledger", "x.json"], "--method full is measured but not yet recorded in a ledger"),
+    (["--gpu", "RTX 4090"], "--method full is measured and recorded but not yet answered against a card"),
 ])
 def test_what_full_fine_tuning_cannot_take_is_one_line(capsys, argv, message):
     assert dry_main(["--model", "tiny-llama", "--method", "full", "--seq-len", "128", "--response-len", "16",
@@ -102,6 +102,33 @@ def test_the_commands_print_a_full_fine_tuning_step(capsys, tmp_path):
                        "--seq-len", "128", "--response-len", "16", "--json"]) == 0
     probe = json.loads(capsys.readouterr().out)
     assert probe["outcome"]["status"] == "ok" and "-bf16-full-" in probe["id"]
+    # Recorded: finetune full, no LoRA settings; a valid ledger row the fits leave out.
+    from ledger.answer.predictor import Predictor
+    from ledger.fit.peaks import modelled
+    from ledger.storage import store
+
+    ledger = tmp_path / "l.json"
     assert probe_main(["--model", "tiny-llama", "--method", "full", "--random-weights", "--device", "cpu",
-                       "--seq-len", "128", "--response-len", "16", "--ledger", str(tmp_path / "l.json")]) == 1
-    assert not (tmp_path / "l.json").exists()
+                       "--seq-len", "128", "--response-len", "16", "--ledger", str(ledger)]) == 0
+    (row,) = store.load(ledger).measurements
+    assert row.finetune == "full" and row.lora is None and row.quant == "bf16" and not modelled(row)
+    assert dry_main(["--model", "tiny-llama", "--method", "full", "--seq-len", "128", "--response-len", "16",
+                     "--ledger", str(ledger), "--append"]) == 0
+    assert {m.finetune for m in store.load(ledger).measurements} == {"full"}
+    assert Predictor(store.load(ledger), store.load(ledger).measurements).fit.dry == []
+
+
+def test_a_full_fine_tuning_row_with_lora_settings_or_4bit_is_refused(tmp_path, capsys):
+    from conftest import FROZEN
+    from ledger import cli
+
+    doc = json.loads(FROZEN.read_text())
+    row = next(m for m in doc["measurements"] if m.get("lora"))
+    doc["measurements"] = [{**m, **({"finetune": "full", "quant": "4bit"} if m is row else {})}
+                           for m in doc["measurements"]]
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(doc))
+    assert cli.main(["validate", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "a full fine-tuning row (finetune: full) trains every weight: it has no LoRA settings" in err
+    assert "a full fine-tuning row cannot have 4-bit weights" in err

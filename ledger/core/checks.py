@@ -13,7 +13,9 @@ Physics, each rule a property of the instruments, not of this ledger:
 - a run that fit (``ok``) never held more than its card has; one that finished past the card
   ``spilled``, and a driver spills into shared host memory only, which is at most half of a
   host's RAM (Windows' shared GPU memory, the amdgpu GTT): ``MAX_SPILL_MIB`` past the card total
-  is a unit mistake, not a spill.
+  is a unit mistake, not a spill;
+- a full fine-tuning row (``finetune: full``) trains every weight: no LoRA settings, and no 4-bit
+  weights (they cannot be trained).
 """
 
 from __future__ import annotations
@@ -97,6 +99,11 @@ def measurement_issues(ledger: Ledger, m: Measurement, where: str, name: str, to
     if o.peak_allocated_mib is not None and o.peak_reserved_mib is not None and o.peak_reserved_mib < o.peak_allocated_mib:
         yield Issue(name, f"{where}.outcome.peak_reserved_mib", f"{o.peak_reserved_mib} MiB reserved is below the "
                     f"{o.peak_allocated_mib} MiB allocated (the allocator's reserved memory includes what it allocated)")
+    if m.finetune == "full" and m.lora is not None:
+        yield Issue(name, f"{where}.lora", "a full fine-tuning row (finetune: full) trains every weight: it has no "
+                    "LoRA settings")
+    if m.finetune == "full" and m.quant == "4bit":
+        yield Issue(name, f"{where}.quant", "a full fine-tuning row cannot have 4-bit weights: they are not trainable")
     if _future(m.provenance.measured_on, today):
         yield Issue(name, f"{where}.provenance.measured_on", f"{m.provenance.measured_on} is in the future "
                     f"(today is {today})")
@@ -113,6 +120,8 @@ def measurement_issues(ledger: Ledger, m: Measurement, where: str, name: str, to
 
 def _suspect(m: Measurement, latest: dt.date, totals: dict) -> bool:
     """A cheap test that passes every possible row: only a row it flags is examined in full."""
+    if m.finetune == "full":
+        return True
     o = m.outcome
     a, r = o.peak_allocated_mib, o.peak_reserved_mib
     if a is None and r is None:

@@ -356,6 +356,9 @@ class Measurement(RecipeFields):
         )
     )
     config_text: Optional[Text] = Field(None, description="The configuration as the source described it.")
+    finetune: Optional[Literal["lora", "full"]] = Field(
+        None, description="What the step trains: 'full' = every weight, no adapter (lora is then null); "
+                          "null or 'lora' = LoRA (its settings in lora, where known).")
     outcome: Outcome = Field(default_factory=_default_outcome, description="The outcome: status and measured figures.")
     environment: Optional[Environment] = Field(None, description="Software and device (probes).")
     provenance: Provenance = Field(default_factory=_default_provenance, description="Where the figures came from.")

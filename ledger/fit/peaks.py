@@ -35,11 +35,11 @@ def date_of(m) -> dt.date:
 def modelled(m: Measurement) -> bool:
     """Whether the fits can read a row: micro-batch 1, gradient checkpointing on, and for a probe or
     dry run no optimizer step inside the measured step (what probes, dry runs and the program's runs
-    are). A row outside that, such as a preflight of a batch of 4 with its AdamW step, stays in the
-    ledger as evidence and on the site, but is no point of the peak model, the pairs, the card
-    limits or the dry-run table."""
+    are), and LoRA (a full fine-tuning row is not answered yet). A row outside that, such as a
+    preflight of a batch of 4 with its AdamW step, stays in the ledger as evidence and on the site,
+    but is no point of the peak model, the pairs, the card limits or the dry-run table."""
     return ((m.batch_size or 1) == 1 and m.gradient_checkpointing is not False
-            and (m.optimizer is None or m.kind == "real"))
+            and (m.optimizer is None or m.kind == "real") and m.finetune != "full")
 
 
 def dry_readable(m: Measurement) -> bool:

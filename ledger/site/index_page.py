@@ -93,6 +93,8 @@ def make_row(ledger: Ledger, m: Measurement) -> Row:
     else:
         peak_text = o.peak_as_reported or ""
     detail_bits = []
+    if m.finetune == "full":
+        detail_bits.append("Full fine-tuning: every weight trained, no adapter")
     if m.config_text:
         detail_bits.append(f"Config: {m.config_text}")
     if o.result_text and o.status != "oom":
