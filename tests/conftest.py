@@ -69,3 +69,17 @@ GOLDEN_VERSIONS = _golden_versions()
 REGEN_GOLDEN = (f"rm -rf tests/data/golden-site && VRAM_LEDGER_LIBRARY_VERSIONS={GOLDEN_VERSIONS} vram build "
                 "--ledger tests/data/small-ledger.json --dry-runs tests/data/golden-dry-runs.json "
                 "--out tests/data/golden-site -q")
+
+
+def assert_dry_run_is_the_real_cpu_step(cfg, rel: float = 0.01) -> None:
+    """The dry run of a probe configuration against the real step on the CPU (tracker meter): after
+    load, pre-step and peak allocated each within ``rel`` (0.05 MiB at the least)."""
+    from probe_kit.dry_run import dry_run
+    from probe_kit.probe_vram import run_probe
+
+    real = run_probe(cfg, device="cpu")[0].outcome
+    fake = dry_run(cfg)
+    assert real.status == "ok"
+    for key, got in (("after_load_mib", fake["after_load_mib"]), ("pre_step_mib", fake["pre_step_mib"]),
+                     ("peak_allocated_mib", fake["peak_mib"])):
+        assert got == pytest.approx(getattr(real, key), rel=rel, abs=0.05), key

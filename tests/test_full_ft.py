@@ -10,15 +10,15 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import assert_dry_run_is_the_real_cpu_step
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from probe_kit.dry_run import dry_run, main as dry_main  # noqa: E402
-from probe_kit.probe_vram import main as probe_main, run_probe  # noqa: E402
+from probe_kit.probe_vram import main as probe_main  # noqa: E402
 from probe_kit.recipe import ProbeConfig, RecipeError, load_config  # noqa: E402
 
-FIGURES = ("after_load_mib", "pre_step_mib", "peak_allocated_mib")
 
 
 def full(model: str, **recipe) -> ProbeConfig:
@@ -40,13 +40,7 @@ CASES = [
 @pytest.mark.parametrize("model,recipe", CASES)
 def test_the_dry_run_is_the_real_cpu_step(model, recipe):
     cfg = full(model, **recipe)
-    real = run_probe(cfg, device="cpu")[0].outcome
-    fake = dry_run(cfg)
-    assert real.status == "ok"
-    got = {"after_load_mib": fake["after_load_mib"], "pre_step_mib": fake["pre_step_mib"],
-           "peak_allocated_mib": fake["peak_mib"]}
-    for key in FIGURES:
-        assert got[key] == pytest.approx(getattr(real, key), rel=0.01, abs=0.05), key
+    assert_dry_run_is_the_real_cpu_step(cfg)
 
 
 def _params(model: str) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import assert_dry_run_is_the_real_cpu_step
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
@@ -21,7 +22,6 @@ from probe_kit.probe_vram import run_probe  # noqa: E402
 from probe_kit.recipe import ProbeConfig  # noqa: E402
 
 ATTN = list(ALL_LINEAR[:4])
-FIGURES = ("after_load_mib", "pre_step_mib", "peak_allocated_mib")
 
 
 def config(model: str, **recipe) -> ProbeConfig:
@@ -57,13 +57,7 @@ def test_the_dry_run_is_the_real_cpu_step(tmp_path, model, recipe):
     if model.startswith("aux:"):
         model = with_aux_loss(tmp_path, model[4:])
     cfg = config(model, **recipe)
-    real = run_probe(cfg, device="cpu")[0].outcome
-    fake = dry_run(cfg)
-    assert real.status == "ok"
-    got = {"after_load_mib": fake["after_load_mib"], "pre_step_mib": fake["pre_step_mib"],
-           "peak_allocated_mib": fake["peak_mib"]}
-    for key in FIGURES:
-        assert got[key] == pytest.approx(getattr(real, key), rel=0.01, abs=0.05), key
+    assert_dry_run_is_the_real_cpu_step(cfg)
 
 
 ROUTERS = {"tiny-qwen3moe": ("qwen3_moe", "Qwen3MoeTopKRouter"), "tiny-mixtral": ("mixtral", "MixtralTopKRouter"),
