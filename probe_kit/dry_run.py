@@ -423,8 +423,8 @@ def main(argv=None) -> int:
 
     def work() -> None:
         cfg = config_from_args(args)
-        if args.gpu or args.find_ceiling:
-            cfg.refuse_answering()
+        if args.find_ceiling:
+            cfg.refuse_rank_search()
         predictor = _predictor(args.ledger)
         gpu = entry = None
         if args.gpu:
@@ -447,10 +447,15 @@ def main(argv=None) -> int:
                                              multimodal=multimodal)
                 return
             outcome, breakdown = predict(cfg, multimodal=multimodal, full_depth=args.full_depth)
-            answer = predictor.judge_dry(cfg.recipe(), outcome["peak_allocated_mib"], gpu, entry=entry,
-                                         budget_mib=args.budget_mib) \
-                if outcome["peak_allocated_mib"] and cfg.method == "lora" else None
             m = measurement(cfg, outcome, breakdown, None, args.id)
+            if cfg.method == "full":  # judged as every full fine-tuning answer is, from this very row
+                from ledger.answer.full_ft import FullAnswers
+
+                answer = FullAnswers(predictor, [m]).judged(
+                    cfg.recipe(), gpu or "", entry, "real" if cfg.optimizer else "probe", 0.0, args.budget_mib, True)
+            else:
+                answer = predictor.judge_dry(cfg.recipe(), outcome["peak_allocated_mib"], gpu, entry=entry,
+                                             budget_mib=args.budget_mib) if outcome["peak_allocated_mib"] else None
             result["doc"] = {"measurement": m.model_dump(mode="json", exclude_none=True), "breakdown": breakdown,
                              "answer": answer.model_dump(mode="json") if answer else None}
             if args.append:
@@ -473,8 +478,8 @@ def main(argv=None) -> int:
         print(f"dry run: peak allocated {o.get('peak_allocated_mib')} MiB raw (tracker {b['tracker_peak_mib']} + "
               f"cuBLAS {b['cublas_workspace_mib']} + vision {b['vision_tower_mib']} MiB); after load "
               f"{o.get('after_load_mib')} MiB, pre-step {o.get('pre_step_mib')} MiB; {depth}; {b['seconds']} s")
-        if a:
-            iv = a["probe_allocated"]
+        if a and (a["probe_allocated"] or a["real_allocated"]):
+            iv = a["probe_allocated"] or a["real_allocated"]
             print(f"predicted peak allocated {iv['mib']} MiB ({iv['low_mib']}–{iv['high_mib']} MiB): {a['method_text']}")
             print(f"verdict{' on ' + a['gpu'] if a['gpu'] else ''}: {a['verdict']}: {a['why']}")
     return 0

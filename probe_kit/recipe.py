@@ -162,24 +162,26 @@ class ProbeConfig:
 
     def recipe(self) -> ledger_recipe.Recipe:
         """The typed recipe the ledger answers for (``ledger.vocab.recipe.Recipe``), read as ``recipe_of``
-        reads the row this configuration records: every axis, the same way."""
-        self._lora_only("answered by the ledger")
+        (a full fine-tune: ``full_recipe_of``) reads the row this configuration records: every axis,
+        the same way."""
+        fixes = ledger_recipe.fixes_key(ledger_recipe.fixes_value(self.fixes))
+        if self.method == "full":
+            return ledger_recipe.full_recipe(model=self.model, quant=self.quant, seq_len=self.seq_len, fixes=fixes,
+                                             response_len=self.response_len, optimizer=self.optimizer,
+                                             batch=self.batch_size, checkpointing=self.gradient_checkpointing)
         return ledger_recipe.Recipe(
             model=self.model, rank=self.rank, quant=self.quant, dropout=self.dropout > 0, dora=self.dora,
-            seq_len=self.seq_len, fixes=ledger_recipe.fixes_key(ledger_recipe.fixes_value(self.fixes)),
+            seq_len=self.seq_len, fixes=fixes,
             response_len=self.response_len, optimizer=self.optimizer, batch=self.batch_size,
             checkpointing=self.gradient_checkpointing, targets=ledger_recipe.targets_of_row(list(self.target_modules)),
             dropout_rate=self.dropout, alpha=self.alpha if self.alpha is not None else float(self.rank),
             rslora=self.rslora)
 
-    def _lora_only(self, what: str) -> None:
+    def refuse_rank_search(self) -> None:
+        """A one-line error for a rank search of a full fine-tune (it has no rank)."""
         if self.method == "full":
-            raise RecipeError(f"--method full is measured and recorded but not yet {what} (run the dry run "
-                              "without --gpu and --find-ceiling; its --budget-mib simulates an OOM)")
-
-    def refuse_answering(self) -> None:
-        """A one-line error for what needs an answer the ledger does not give yet (full fine-tuning)."""
-        self._lora_only("answered against a card")
+            raise RecipeError("--find-ceiling rank: full fine-tuning has no rank (`vram ceiling --method full` "
+                              "answers the longest sequence that fits)")
 
     def measurement(self, *, id: str, kind: str, gpu: Optional[str] = None, **fields) -> Measurement:
         """The one place a probe configuration becomes a ledger Measurement (probe, crashed

@@ -3,7 +3,7 @@ adapter, in bf16 (optimizer state in the parameters' dtype) and in fp32 master w
 autocast, with the Trainer's optimizers, gradient checkpointing on and off. The dry run gives the
 real CPU step's figures for three model families; tied embeddings are one parameter; the LoRA
 flags and 4-bit weights are refused in one line; a row records ``finetune: full`` and the fits
-leave it out (full fine-tuning is measured and recorded, not yet answered)."""
+leave LoRA's fits without it (full fine-tuning is answered from its own rows: test_full_ft_answers)."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def test_weights_and_adamw_state_in_the_parameters_dtype_tied_embeddings_once(qu
     (["--rank", "8"], "--rank is a LoRA setting: --method full trains every weight, with no adapter"),
     (["--dropout", "0.1"], "--dropout is a LoRA setting"),
     (["--target-modules", "q_proj"], "--target-modules is a LoRA setting"),
-    (["--gpu", "RTX 4090"], "--method full is measured and recorded but not yet answered against a card"),
+    (["--find-ceiling", "rank", "--gpu", "RTX 4090"], "--find-ceiling rank: full fine-tuning has no rank"),
 ])
 def test_what_full_fine_tuning_cannot_take_is_one_line(capsys, argv, message):
     assert dry_main(["--model", "tiny-llama", "--method", "full", "--seq-len", "128", "--response-len", "16",
@@ -89,7 +89,8 @@ def test_the_commands_print_a_full_fine_tuning_step(capsys, tmp_path):
     assert dry_main(["--model", "tiny-llama", "--method", "full", "--quant", "fp32", "--optim", "adamw_torch",
                      "--seq-len", "128", "--response-len", "16", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["answer"] is None and "lora" not in doc["measurement"]
+    assert doc["answer"]["verdict"] == "unknown" and "lora" not in doc["measurement"]  # no card: no verdict
+    assert doc["answer"]["method"] == "dry run" and doc["answer"]["real_allocated"]["mib"] is not None
     assert json.loads(doc["measurement"]["config_text"])["method"] == "full"
     assert doc["measurement"]["id"].startswith("dry-tiny-llama-fp32-full-")
     assert probe_main(["--model", "tiny-llama", "--method", "full", "--random-weights", "--device", "cpu",

@@ -180,7 +180,8 @@ def longest(p, recipe: Recipe, gpu: str, *, entry: Optional[Gpu] = None, run: Ru
         status, note = "unknown", p.predict(recipe.replace(seq_len=step), gpu, entry=entry, run=run,
                                                budget_mib=budget_mib).why
     elif fits_len is None and tight_len is None:
-        status, note = "none-fits", f"rank {recipe.rank} does not fit at {rows[0]['seq_len']} tokens"
+        status, note = "none-fits", (f"{'full fine-tuning' if recipe.method == 'full' else f'rank {recipe.rank}'} "
+                                     f"does not fit at {rows[0]['seq_len']} tokens")
     else:
         status, note = "ok", ""
     at_least = status == "ok" and not stopped

@@ -168,6 +168,75 @@ def grid_points(model: str, lengths: Optional[Iterable[int]] = None, checkpointi
     return out
 
 
+#: Full fine-tuning's precisions in the fit table: bf16 weights (gradients and the optimizer's state
+#: in bf16) and fp32 master weights under bf16 autocast (what the Trainer's bf16=True runs on fp32
+#: weights: FT01's 16 bytes a parameter with AdamW).
+FULL_QUANTS = ("bf16", "fp32")
+
+
+def full_grid_points(model: str, lengths: Optional[Iterable[int]] = None, checkpointing: bool = True,
+                     optimizer: str = "adamw_torch") -> list[dict]:
+    """A model's full fine-tuning points for the fit table: the training run's steady state with
+    ``optimizer``'s step, stock, in each of ``FULL_QUANTS``, at every length the model allows up to
+    ``AFFINE_FROM``, at 16,384 tokens and at the longest (a model whose every layer attends to the
+    whole sequence), or at every length. Between two lengths the full table reads the chord,
+    at or above the step (``ledger.fit.full_table``)."""
+    from ledger.vocab.model_configs import full_attention
+
+    seqs = model_lengths(model, LENGTHS if lengths is None else lengths)
+    if not seqs:
+        return []
+    ends = {seqs[0], seqs[-1]} | ({PRESET_MAX_LEN} & set(seqs))
+    affine = full_attention(model)
+    keep = [s for s in seqs if not affine or s <= AFFINE_FROM or s in ends]
+    return [{"model": model, "method": "full", "quant": q, "fixes": "none", "response_len": GRID_RESPONSE_LEN,
+             "seq_len": s, "optim": optimizer, **({} if checkpointing else {"no_gradient_checkpointing": True})}
+            for q in FULL_QUANTS for s in keep]
+
+
+class FullCell(NamedTuple):
+    """Full fine-tuning's answer for a model on a card at one length, in one precision: a training
+    run with ``optimizer``'s step, stock, checkpointing on (``ledger.answer.full_ft``)."""
+
+    model: str
+    gpu: str
+    quant: str  # bf16 | fp32 (master weights)
+    seq_len: int
+    verdict: str
+    mib: Optional[float]
+    high_mib: Optional[float]
+    method: str
+    evidence: tuple[str, ...]
+    optimizer: str = "adamw_torch"
+
+
+def full_table(p: Predictor, gpus: Optional[list[str]] = None, models: Optional[list[str]] = None,
+               optimizer: str = "adamw_torch") -> list[FullCell]:
+    """Full fine-tuning's cells: every model with full fine-tuning dry runs (the grid's order), on
+    ``gpus`` (default the site's, ``page_cards``), in ``FULL_QUANTS``, at each length the model
+    allows: ``Predictor.predict``'s answer for the training run, as ``vram fit --method full``
+    gives it."""
+    from ledger.vocab.recipe import full_recipe
+
+    all_cards = cards(p)
+    gpus = gpus if gpus is not None else page_cards(p)
+    have = {k.model for k in p.full.table.rows}
+    names = models if models is not None else [m for m in GRID_MODELS if m in have] + sorted(
+        m for m in have - set(GRID_MODELS) if m)
+    out = []
+    for model in names:
+        for gpu in gpus:
+            entry = all_cards.get(gpu)
+            for quant in FULL_QUANTS:
+                for seq in model_lengths(model):
+                    a = p.predict(full_recipe(model=model, quant=quant, seq_len=seq, fixes="none", optimizer=optimizer),
+                                  gpu, entry=entry, run="real")
+                    fig = a.allocated
+                    out.append(FullCell(model, gpu, quant, seq, a.verdict, fig.mib if fig else None,
+                                        fig.high_mib if fig else None, a.method or "", tuple(a.evidence), optimizer))
+    return out
+
+
 def settings_of(model: str) -> tuple[tuple[str, bool, bool], ...]:
     """The table's adapter settings for a model: plain, dropout and DoRA; plain only for a mixture
     of experts, whose adapted expert weights take neither (``adapter.experts_adapted``)."""
@@ -424,7 +493,8 @@ def fits_document(p: Predictor, cells: Optional[list[FitCell]] = None, ladder: b
             "derivation_n": len(p.dry_derivation["errors_pct"]),
             "derivation_by_kind": {k: v["max_abs_err_pct"] for k, v in p.dry_derivation["by_kind"].items()
                                    if v["n"] >= MIN_KIND_ROWS},
-            "stale": stale_rows(p.dry), "derive": p.limits.derive_rule()}
+            "stale": stale_rows(p.dry), "derive": p.limits.derive_rule(),
+            "full_cells": full_table(p, gpus=[k for k in used if k in common])}
 
 
 def cell_results(cells: list) -> list:

@@ -83,6 +83,7 @@ from ledger.fit.response_span import (
     upper_bound,
     with_optimizer_state,
 )
+from .full_ft import FullAnswers
 from .rungs import CalibratedDryRun, MeasuredRealRun, probe_ladder
 
 
@@ -111,6 +112,8 @@ class Predictor:
         self.ladder = probe_ladder(self.fit, self.dry_cal)
         self.dry_rung = next(r for r in self.ladder if isinstance(r, CalibratedDryRun))
         self.real_rung = MeasuredRealRun(self.fit)
+        #: Full fine-tuning's answers (``full_ft``): its own dry runs, none of the LoRA ladder.
+        self.full = FullAnswers(self, rows, base.full.table if same_dry else None)
         self.subceilings: dict = {}
         #: The fit table's dry-run ceilings by judged recipe, card, budget and widening (a micro-batch
         #: of B x L tokens and one of B' x L' with the same total are one question).
@@ -224,6 +227,8 @@ class Predictor:
                 budget_mib: Optional[float], full: bool):
         """``predict`` (``full``) or ``verdict``: one derivation, the texts and the answer made
         only for the first."""
+        if recipe.method == "full":
+            return self.full.judged(recipe, gpu, entry, run, margin_mib, budget_mib, full)
         asked = recipe
         optimizer = recipe.optimizer  # the rows record none: its state is added to a real run below
         recipe = self.resolve_model(recipe, gpu)

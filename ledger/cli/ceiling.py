@@ -8,8 +8,8 @@ from dataclasses import replace
 
 from ledger.storage import store
 from ledger.core.errors import Issue, UserError
-from .options import (Command, add_batch_option, add_json_option, add_ledger_option, add_optimizer_option,
-                      add_recipe_options, add_run_option, dump_json)
+from .options import (Command, add_batch_option, add_json_option, add_ledger_option, add_method_option,
+                      add_optimizer_option, add_recipe_options, add_run_option, dump_json)
 from .question import (BUDGET_CARD, add_card_option, add_dry_runs_option, card_from, predictor_for, recipe_from,
                        require_model)
 
@@ -22,6 +22,7 @@ def add_ceiling_options(p: argparse.ArgumentParser) -> None:
     add_compute_option(p)
     add_card_option(p, budget=True)
     add_recipe_options(p, skip=("rank", "alpha", "rslora"))
+    add_method_option(p)
     p.add_argument("--rank", type=int, help="instead of --seq-len: the longest sequence that fits at this rank (a length "
                                             "ceiling, the form of published context tables)")
     p.add_argument("--max-seq-len", type=int, help="with --rank: the longest length searched (default: the model's "
@@ -52,13 +53,18 @@ def cmd_ceiling(args: argparse.Namespace) -> int:
     With --rank instead of --seq-len: the longest sequence that fits at that rank."""
     if args.step <= 0 or args.max_rank < args.step:
         raise UserError(Issue("--step", "", "needs 0 < --step <= --max-rank"))
-    if (args.seq_len is None) == (args.rank is None):
+    full = args.method == "full"
+    if full and args.seq_len is not None:
+        raise UserError(Issue("--seq-len", "", "full fine-tuning has no rank to search: `vram ceiling --method full` "
+                              "answers the longest sequence that fits (ask one length with `vram estimate --method "
+                              "full --seq-len N`)"))
+    if not full and (args.seq_len is None) == (args.rank is None):
         raise UserError(Issue("--seq-len", "", "give --seq-len N (the largest rank at that length) or --rank N (the "
                               "longest sequence at that rank)" + (", not both" if args.seq_len is not None else "")))
     ledger = store.load(args.ledger)
     require_model(args.model, ledger)
     gpu, entry = card_from(args, ledger)
-    if args.rank is not None:
+    if args.rank is not None or full:
         return _length_ceiling(args, ledger, gpu, entry)
     recipe = recipe_from(args)
     from .compute import ensure_dry_runs
@@ -116,14 +122,15 @@ def _limit_text(c) -> str:
 
 
 def _length_ceiling(args: argparse.Namespace, ledger, gpu: str, entry) -> int:
-    """``vram ceiling --rank N``: the longest sequence (a multiple of --seq-step) that fits at the
+    """``vram ceiling --rank N`` (or ``--method full``): the longest sequence (a multiple of --seq-step) that fits at the
     rank, computing the dry runs of the lengths no row reaches (``LENGTH_LADDER``, within the model's
     context) while the longest answered still fits, unless --no-compute."""
     from ledger.answer.ceilings import longest
     from ledger.vocab.model_configs import max_length
     from .compute import ensure_dry_runs
 
-    if args.rank <= 0 or args.seq_step <= 0:
+    full = args.method == "full"
+    if (args.rank is not None and args.rank <= 0) or args.seq_step <= 0:
         raise UserError(Issue("--rank", "", "--rank and --seq-step must be > 0"))
     limit = args.max_seq_len or min(max_length(args.model or "") or MAX_SEARCHED_LEN, MAX_SEARCHED_LEN)
     if limit < args.seq_step:
@@ -153,11 +160,12 @@ def _length_ceiling(args: argparse.Namespace, ledger, gpu: str, entry) -> int:
     if c.status == "unknown":
         print(f"unknown: {c.note or 'no evidence near this recipe'} ({where})")
         return 0
+    at = "of full fine-tuning" if full else f"at rank {args.rank}"
     if c.fits_len is None:
-        print(f"no length fits {what} at rank {args.rank} on {where} for sure"
+        print(f"no length fits {what} {at} on {where} for sure"
               + (f"; up to {c.tight_len} tokens is tight" if c.tight_len else "") + f" ({lim})")
     else:
-        print(f"{c.fits_len} tokens fit {what} at rank {args.rank} on {where}"
+        print(f"{c.fits_len} tokens fit {what} {at} on {where}"
               + ("" if c.tight_len == c.fits_len else f"; up to {c.tight_len} tokens is tight") + f" ({lim})")
     for r in c.lengths:
         span = f"up to {r['high_mib']} MiB" if r["high_mib"] is not None else "a lower bound: the step needs more"

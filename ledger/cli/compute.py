@@ -105,6 +105,23 @@ def needed_points(predictor, recipe: Recipe, model_rows: str) -> list[dict]:
     return [{**base, "rank": r} for r in RANKS]
 
 
+def full_points(predictor, recipe: Recipe, model_rows: str, run: str = "real") -> list[dict]:
+    """The dry runs a full fine-tuning answer lacks: none when the full table has a figure for it,
+    else its own length, with the optimizer's step for a training run (``ledger.answer.full_ft``)."""
+    from ledger.answer.full_ft import optimizer_of
+
+    optimizer = optimizer_of(recipe, run)
+    if recipe.seq_len is None or recipe.model is None or predictor.full.table.figure(recipe, optimizer) is not None:
+        return []
+    point = {"model": model_rows, "method": "full", "quant": recipe.quant, "fixes": recipe.fixes,
+             "seq_len": recipe.seq_len,
+             "response_len": recipe.response_len or min(GRID_RESPONSE_LEN, recipe.seq_len - 1),
+             **({} if recipe.checkpointing else {"no_gradient_checkpointing": True}),
+             **({"batch_size": recipe.batch} if recipe.batch != 1 else {}),
+             **({"optim": optimizer} if optimizer else {})}
+    return [point]
+
+
 def seconds_for(points: list[dict]) -> Optional[float]:
     """The expected wall seconds of these dry runs on this kind of machine: a least-squares fit of
     the shipped rows' recorded times in the model's layers and the length (seconds = a + b layers +
@@ -228,6 +245,13 @@ def ensure_dry_runs(args: argparse.Namespace, predictor, recipe: Recipe) -> bool
     model = getattr(args, "model", None)
     if not model or config_path(model) is None:
         return False
+    if recipe.method == "full":
+        points = full_points(predictor, recipe, model_for_rows(model, args.cache),
+                             "real" if getattr(args, "real", True) else "probe")
+        if points:
+            compute_points(points, f"{model_name(model)} full fine-tuning at {recipe.seq_len} tokens", args.cache,
+                           no_compute=args.no_compute)
+        return bool(points)
     one, _ = answerable(recipe)  # LoRA on fewer projections: the dry runs of those projections
     if one is None:
         return False

@@ -14,12 +14,13 @@ from ledger.fit.response_span import answerable
 from .question import (BUDGET_CARD, add_card_option, add_dry_runs_option, card_from, predictor_for, recipe_from,
                         require_model)
 from .compute import add_compute_option, ensure_dry_runs
-from .options import (Command, add_batch_option, add_json_option, add_ledger_option, add_optimizer_option,
-                      add_recipe_options, add_run_option, dump_json)
+from .options import (Command, add_batch_option, add_json_option, add_ledger_option, add_method_option,
+                      add_optimizer_option, add_recipe_options, add_run_option, dump_json)
 
 
 def add_estimate_options(p: argparse.ArgumentParser) -> None:
-    add_recipe_options(p, required=("model", "rank", "seq-len"), skip=("alpha", "rslora"))
+    add_recipe_options(p, required=("model", "seq-len"), skip=("alpha", "rslora"))
+    add_method_option(p)
     add_batch_option(p)
     add_card_option(p, required=False, budget=True)
     add_run_option(p)
@@ -41,7 +42,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     requested card when it has one). How each fares against the ledger is on the estimator page."""
     require_model(args.model)
     arch = load_arch(args.model)
-    if args.rank <= 0:
+    if args.method == "lora" and args.rank is not None and args.rank <= 0:
         raise UserError(Issue("--rank", "", f"must be > 0, got {args.rank}"))
     ledger = store.load(args.ledger)
     gpu, entry = card_from(args, ledger, required=False)
@@ -58,8 +59,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         answer = predictor.predict(question, "", run="real" if args.real else "probe")
     figures = estimate_all(arch, question, card)
     near = nearest_row(ledger, args.model, question, None if gpu == BUDGET_CARD else gpu)
+    full = question.method == "full"
     doc = {"model": arch.name, "params": arch.total_params,
-           "recipe": {"quant": question.quant, "rank": question.rank, "seq_len": question.seq_len,
+           "recipe": {"method": question.method, "quant": question.quant, "rank": None if full else question.rank, "seq_len": question.seq_len,
                       "dropout": args.dropout, "dora": question.dora, "batch": question.batch, "fixes": fixes,
                       "response_len": args.response_len, "optimizer": optimizer},
            "gpu": gpu, "card_mib": card,
@@ -72,11 +74,13 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         dump_json(doc)
         return 0
     # The first line names the whole recipe the answer is for.
-    print(f"{arch.name} ({arch.total_params / 1e9:.2f}B params), {args.quant}, r{args.rank}, {args.seq_len} tokens"
+    print(f"{arch.name} ({arch.total_params / 1e9:.2f}B params), "
+          + ("full fine-tuning (every weight trained), " if full else "")
+          + f"{args.quant}" + ("" if full else f", r{args.rank}") + f", {args.seq_len} tokens"
           + (f", dropout {args.dropout:g}" if args.dropout else "") + (", DoRA" if args.dora else "")
           + f", batch {args.batch_size}" + (", no gradient checkpointing" if args.no_gradient_checkpointing else
                                              ", gradient checkpointing")
-          + f", LoRA on {args.target_modules}" + f", memory fixes {fixes}"
+          + ("" if full else f", LoRA on {args.target_modules}") + f", memory fixes {fixes}"
           + (" (the program's preset)" if fixes == "all" else " (stock)" if fixes == "none" else "")
           + ((f", {optimizer}" if optimizer else ", optimizer state as in the program's measured runs") if args.real
              else ", a one-step probe (no optimizer step; without --probe: a training run)")
@@ -109,7 +113,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     print("  outside estimators, for comparison:")
     for f in figures:
         if not f["available"]:
-            print(f"  {f['estimator']:>15}: not installed (pip install canifinetune)")
+            print(f"  {f['estimator']:>15}: " + (f["note"] if f.get("installed") else
+                                                  "not installed (pip install canifinetune)"))
             continue
         rng = f" (range {f['low_mib']:,.0f}–{f['high_mib']:,.0f} MiB)" if f["low_mib"] else ""
         print(f"  {f['estimator']:>15}: {f['estimate_mib']:>9,.1f} MiB {f['predicts']}{rng}")

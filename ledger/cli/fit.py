@@ -14,14 +14,16 @@ from ledger.vocab.optimizers import optimizer_for
 from ledger.vocab.recipe import Recipe, fixes_key, fixes_value, parse_fixes
 from .question import add_card_option, add_dry_runs_option, card_from, dry_rows, predictor_for, require_model
 from .compute import add_compute_option, compute_points, model_for_rows
-from .options import Command, add_json_option, add_ledger_option, add_optimizer_option, dump_json
+from .options import Command, add_json_option, add_ledger_option, add_method_option, add_optimizer_option, dump_json
 
 
 def add_fit_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="a shipped model config name (e.g. qwen2.5-7b) or a config JSON")
     add_card_option(p, budget=True)
-    p.add_argument("--quant", choices=("4bit", "bf16"), action="append",
-                   help="base weights (repeatable; default both)")
+    add_method_option(p)
+    p.add_argument("--quant", choices=("4bit", "bf16", "fp32"), action="append",
+                   help="base weights (repeatable; default 4bit and bf16; with --method full, bf16 and fp32 master "
+                        "weights)")
     p.add_argument("--fixes", action="append",
                    help="memory fixes: none (stock transformers + peft, the default), all (the program's preset) or "
                         "a comma list (e.g. fused_linear_ce, activation_offloading; see vram estimate --help); "
@@ -54,6 +56,11 @@ def cmd_fit(args: argparse.Namespace) -> int:
     ledger = store.load(args.ledger)
     require_model(args.model, ledger)
     gpu, entry = card_from(args, ledger)
+    if args.method == "full":
+        return _full_table(args, ledger, gpu, entry)
+    if "fp32" in (args.quant or []):
+        raise UserError(Issue("--quant", "", "fp32 master weights are a full fine-tuning precision (--method full); "
+                              "LoRA's base weights are 4bit or bf16"))
     name = model_name(args.model)
     quants = args.quant or ["4bit", "bf16"]
     fixes = list(dict.fromkeys(_fixes_key(text) for text in args.fixes or ["none"]))
@@ -65,7 +72,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
               if p["quant"] in quants}
     have = {(d.quant, fixes_key(d.memory_fixes), d.batch_size or 1, d.seq_len, d.lora.rank, bool(d.lora.dropout),
              bool(d.lora.dora)) for d in dry_rows(args)
-            if model_name(d.model) == name and (d.gradient_checkpointing is not False) == ckpt}
+            if d.lora is not None and model_name(d.model) == name and (d.gradient_checkpointing is not False) == ckpt}
     has_rows = wanted <= have
     if args.compute or (not has_rows and not args.no_compute and config_path(args.model) is not None):
         _compute(args, quants, fixes)
@@ -145,6 +152,79 @@ def cmd_fit(args: argparse.Namespace) -> int:
     if stale:
         print(f"warning: {len(stale)} of this model's dry-run rows were computed with other library versions; "
               "rerun with --compute")
+    return 0
+
+
+def _full_table(args: argparse.Namespace, ledger, gpu: str, entry) -> int:
+    """``vram fit --method full``: full fine-tuning's verdict and peak at each length, for each
+    precision (bf16 weights; fp32 master weights), a training run with the optimizer's step
+    (AdamW unless --optim); the dry runs a length lacks are computed first unless --no-compute."""
+    from ledger.answer.fits import FULL_QUANTS, full_grid_points
+    from ledger.vocab.optimizers import STOCK_OPTIMIZER
+    from ledger.vocab.recipe import full_recipe
+
+    from .compute import full_points
+
+    if "4bit" in (args.quant or []):
+        raise UserError(Issue("--quant", "", "--method full with --quant 4bit: 4-bit weights cannot be trained (QLoRA "
+                              "is LoRA on 4-bit weights: --method lora); full fine-tuning runs in bf16 or fp32"))
+    if args.batch_size <= 0:
+        raise UserError(Issue("--batch-size", "", f"must be > 0, got {args.batch_size}"))
+    fixes = list(dict.fromkeys(_fixes_key(text) for text in args.fixes or ["none"]))
+    quants = list(dict.fromkeys(args.quant or FULL_QUANTS))
+    optimizer = args.optim or STOCK_OPTIMIZER
+    ckpt = not args.no_gradient_checkpointing
+    name = model_name(args.model)
+    lengths = model_lengths(args.model)
+    # The grid's lengths of each precision: the table reads the rest between them.
+    wanted = [(q, f, s) for q in quants for f in fixes
+              for s in sorted({p["seq_len"] for p in full_grid_points(args.model, checkpointing=ckpt)})]
+
+    def recipe(q, f, s):
+        return full_recipe(model=args.model, quant=q, seq_len=s, fixes=f, optimizer=optimizer, batch=args.batch_size,
+                           checkpointing=ckpt)
+    p = predictor_for(args, ledger)
+    if config_path(args.model) is not None:
+        rows_model = model_for_rows(args.model, args.cache)
+        # The grid's lengths each need a row of their own (a chord needs its two ends).
+        points = [{**pt, "seq_len": s} for q, f, s in wanted
+                  for pt in full_points(p, recipe(q, f, s), rows_model)
+                  if s not in p.full.table.lengths(recipe(q, f, s), optimizer)]
+        if points:
+            compute_points(points, f"{name}'s full fine-tuning table", args.cache, no_compute=args.no_compute)
+            p = predictor_for(args, ledger)
+    answers = {(q, f, s): p.predict(recipe(q, f, s), gpu, entry=entry, run="real", budget_mib=args.budget_mib)
+               for q in quants for f in fixes for s in lengths}
+    some = next(iter(answers.values()))
+    low, high, source = some.limit_low_mib, some.limit_high_mib, some.limit_source
+    if args.json:
+        dump_json({"model": name, "gpu": gpu, "method": "full", "batch": args.batch_size, "checkpointing": ckpt,
+                   "run": "real", "optimizer": optimizer, "limit_low_mib": low, "limit_high_mib": high,
+                   "limit_source": source,
+                   "cells": [{"quant": q, "fixes": f, "seq_len": s, "verdict": a.verdict,
+                              "allocated": a.allocated.model_dump() if a.allocated else None, "method": a.method,
+                              "evidence": a.evidence} for (q, f, s), a in answers.items()]})
+        return 0
+    print(f"{name} on {gpu}, full fine-tuning (every weight trained, no adapter): a training run with {optimizer}'s "
+          f"step" + (f", micro-batch {args.batch_size}" if args.batch_size != 1 else "")
+          + ("" if ckpt else ", gradient checkpointing off")
+          + f"; its verdict and peak allocated (MiB, the interval's top in brackets); limit {low}–{high} MiB "
+          f"allocated ({source})")
+    words = {"bf16": "bf16 weights (gradients and state in bf16)",
+             "fp32": "fp32 master weights, bf16 autocast"}
+    for f in fixes:
+        print(f"\nmemory fixes {f}{' (stock)' if f == 'none' else ''}")
+        print(f"  {'tokens':>7}  " + "  ".join(f"{words[q]:<44}" for q in quants))
+        for s in lengths:
+            cells = []
+            for q in quants:
+                a = answers[(q, f, s)]
+                fig = a.allocated
+                cells.append(a.verdict + (f" {fig.mib:,.0f} ({fig.high_mib:,.0f})" if fig and fig.mib else ""))
+            print(f"  {s:>7}  " + "  ".join(f"{c:<44}" for c in cells))
+    methods = sorted({a.method for a in answers.values() if a.method})
+    print(f"\nanswered by: {', '.join(methods) or 'nothing (no dry runs: run without --no-compute)'}; "
+          f"{next((a.method_text.split('; interval ')[1] for a in answers.values() if '; interval ' in a.method_text), '')}")
     return 0
 
 

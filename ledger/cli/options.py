@@ -13,7 +13,9 @@ from ledger.core.errors import Issue, UserError
 from ledger.core.paths import DEFAULT_LEDGER, shown
 
 #: Base weights a recipe option accepts: the same choices as ``python -m probe_kit.probe_vram``.
-QUANTS = ("4bit", "bf16")
+QUANTS = ("4bit", "bf16", "fp32")
+#: Fine-tuning methods: the same choices as ``python -m probe_kit.probe_vram --method``.
+METHODS = ("lora", "full")
 
 
 @dataclass(frozen=True)
@@ -49,9 +51,10 @@ def add_recipe_options(p: argparse.ArgumentParser, *, required: tuple[str, ...] 
         "rslora": dict(action="store_true", help="rank-stabilised LoRA scaling"),
         "dropout": dict(type=float, default=d(0.0), help="lora_dropout (any value > 0 stores masks)"),
         "dora": dict(action="store_true", help="DoRA (weight-decomposed LoRA)"),
-        "quant": dict(choices=QUANTS, default=d("4bit"),
-                      help="base weights: 4bit = bitsandbytes nf4, bf16 = plain" + (" (default 4bit)" if defaults
-                                                                                   else "")),
+        "quant": dict(choices=QUANTS, default=None,
+                      help="base weights: 4bit = bitsandbytes nf4, bf16 = plain, fp32 = fp32 master weights under bf16 "
+                           "autocast (full fine-tuning only)" + (" (default 4bit; bf16 with --method full)"
+                                                                 if defaults else "")),
         "seq-len": dict(type=int, help="tokens in the longest example"),
         "response-len": dict(type=int, help="tokens the loss is computed on"),
         "fixes": dict(default=d("none"), help="memory fixes: none (stock transformers + peft + Trainer, the default), all "
@@ -68,6 +71,12 @@ def add_recipe_options(p: argparse.ArgumentParser, *, required: tuple[str, ...] 
         if name in required:
             kw = {**kw, "required": True}
         p.add_argument(f"--{name}", **kw)
+
+
+def add_method_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--method", choices=METHODS, default="lora",
+                   help="lora (an adapter; QLoRA is LoRA with --quant 4bit; the default) or full (full fine-tuning: "
+                        "every weight trained, no adapter, --quant bf16 or fp32; answered by dry runs of it alone)")
 
 
 def add_optimizer_option(p: argparse.ArgumentParser, table: bool = False) -> None:

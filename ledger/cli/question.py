@@ -112,7 +112,9 @@ def require_model(model: Optional[str], ledger=None) -> None:
                               "(Qwen3-MoE, Mixtral, gpt-oss), so no answer rather than a wrong one"))
 
 
-def recipe_from(args: argparse.Namespace, rank: int = 16):
+def recipe_from(args: argparse.Namespace, rank: Optional[int] = 16):
+    """The typed recipe a command is asked about (``--method full``: ``full_recipe_of_args``), or a
+    one-line error naming the flag."""
     from ledger.vocab.recipe import Recipe
 
     if args.seq_len is not None and args.seq_len <= 0:
@@ -126,6 +128,16 @@ def recipe_from(args: argparse.Namespace, rank: int = 16):
     if getattr(args, "response_len", None) is not None and (args.response_len <= 0 or (
             args.seq_len and args.response_len >= args.seq_len)):
         raise UserError(Issue("--response-len", "", "must be in [1, --seq-len)"))
+    if getattr(args, "method", "lora") == "full":
+        return full_recipe_of_args(args)
+    if args.quant is None:
+        args.quant = "4bit"
+    if args.quant == "fp32":
+        raise UserError(Issue("--quant", "", "fp32 master weights are a full fine-tuning precision (--method full); "
+                              "LoRA's base weights are 4bit or bf16"))
+    if rank is None:
+        raise UserError(Issue("--rank", "", "LoRA needs a rank (--method lora, the default); full fine-tuning "
+                              "(--method full) has none"))
     if not 0 <= (args.dropout or 0) < 1:
         raise UserError(Issue("--dropout", "", f"must be in [0, 1), got {args.dropout}"))
     from ledger.vocab.adapter import experts_refuse
@@ -139,6 +151,39 @@ def recipe_from(args: argparse.Namespace, rank: int = 16):
                   optimizer=optimizer_of(args, fixes), batch=getattr(args, "batch_size", 1) or 1,
                   checkpointing=not getattr(args, "no_gradient_checkpointing", False), targets=targets_of(args),
                   dropout_rate=args.dropout, alpha=getattr(args, "alpha", None), rslora=bool(getattr(args, "rslora", False)))
+
+
+#: The LoRA flags a full fine-tune refuses, with how each reads "given".
+LORA_FLAGS = (("--rank", lambda a: getattr(a, "rank", None) is not None),
+              ("--alpha", lambda a: getattr(a, "alpha", None) is not None),
+              ("--rslora", lambda a: bool(getattr(a, "rslora", False))),
+              ("--dropout", lambda a: bool(getattr(a, "dropout", 0))),
+              ("--dora", lambda a: bool(getattr(a, "dora", False))),
+              ("--target-modules", lambda a: (getattr(a, "target_modules", None) or "all-linear") != "all-linear"))
+
+
+def full_recipe_of_args(args: argparse.Namespace):
+    """A full fine-tuning recipe (``--method full``): weights bf16 (the default) or fp32 master
+    weights; a LoRA flag or 4-bit weights are one-line errors, as the probe kit's are."""
+    from ledger.vocab.recipe import full_recipe
+
+    if args.quant is None:
+        args.quant = "bf16"
+    if args.quant == "4bit":
+        raise UserError(Issue("--quant", "", "--method full with --quant 4bit: 4-bit weights cannot be trained (QLoRA "
+                              "is LoRA on 4-bit weights: --method lora); full fine-tuning runs in --quant bf16 or fp32"))
+    given = next((flag for flag, on in LORA_FLAGS if on(args)), None)
+    if given:
+        raise UserError(Issue(given, "", "a LoRA setting: --method full trains every weight, with no adapter"))
+    fixes = fixes_key(fixes_option(args.fixes))
+    optimizer = getattr(args, "optim", None)
+    from ledger.vocab.optimizers import STOCK_OPTIMIZER
+
+    return full_recipe(model=args.model, quant=args.quant, seq_len=args.seq_len, fixes=fixes,
+                       response_len=getattr(args, "response_len", None),
+                       optimizer=(optimizer or STOCK_OPTIMIZER) if hasattr(args, "optim") else None,
+                       batch=getattr(args, "batch_size", 1) or 1,
+                       checkpointing=not getattr(args, "no_gradient_checkpointing", False))
 
 
 def targets_of(args: argparse.Namespace) -> tuple:

@@ -347,7 +347,8 @@ class TableRow(_Result):
 class DryBoardRow(_Result):
     model: str
     quant: str
-    rank: int
+    rank: Optional[int] = Field(description="LoRA's rank (none for full fine-tuning).")
+    size: Optional[str] = Field(None, description="Full fine-tuning: the model's size band (a slice).")
     seq_len: int = Field(description="Tokens in the longest example.")
     reference_mib: float = Field(description="This project's dry-run answer of the quantity the estimator predicts.")
     estimate_mib: float
@@ -363,13 +364,15 @@ class DryBoardScore(_Result):
     n: int
     median_abs_err_pct: Optional[float]
     median_signed_err_pct: Optional[float]
-    slices: dict[str, dict[str, SliceScore]] = Field(description="By model and by quant.")
+    slices: dict[str, dict[str, SliceScore]] = Field(description="MoE: by model and by quant; full fine-tuning: by "
+                                                                   "quant (precision) and by model size.")
     rows: list[DryBoardRow]
 
 
 class DryRunBoard(_Result):
     """The estimators against this project's dry runs where no card has measured: mixtures of
-    experts (``ledger.report.dry_board``). A dry run is the reference here, not a measurement."""
+    experts, full fine-tuning (``ledger.report.dry_board``). A dry run is the reference here, not a
+    measurement."""
 
     reference_card: str = Field(description="The card the reserved figures and canifinetune's overhead are for.")
     optimizer: str = Field(description="The optimizer whose state the training run holds.")
@@ -387,6 +390,8 @@ class Scoreboard(_Result):
     table: list[TableRow] = Field(default_factory=list)
     moe: Optional[DryRunBoard] = Field(None, description="Mixtures of experts: the estimators against this "
                                                          "project's dry runs (no measured MoE row yet).")
+    full: Optional[DryRunBoard] = Field(None, description="Full fine-tuning: the estimators against this project's "
+                                                          "dry runs (no measured full fine-tuning row yet).")
 
 
 class FitCellResult(_Result):
@@ -413,6 +418,23 @@ class FitCellResult(_Result):
                                                        "TrainingArguments name; none: the program's preset, whose "
                                                        "measured runs hold their own.")
     checkpointing: bool = Field(True, description="Gradient checkpointing on (off: every layer's activations kept).")
+
+
+class FullCellResult(_Result):
+    """Full fine-tuning on a card at one length: every weight trained, a training run's step with the
+    optimizer's state, stock, gradient checkpointing on; the verdict and the peak allocated."""
+
+    model: str
+    gpu: str
+    quant: str = Field(description="bf16 (weights, gradients and optimizer state in bf16) or fp32 (fp32 master "
+                                   "weights under bf16 autocast).")
+    seq_len: int = Field(description="Tokens in the longest example.")
+    verdict: str = Field(description="fits, tight, won't fit or unknown.")
+    mib: Optional[float] = Field(description="Predicted peak allocated, MiB (none: past any device, or unknown).")
+    high_mib: Optional[float] = Field(description="The top of its interval, MiB.")
+    method: str = Field(description="'dry run' (the calibrated dry run of this recipe) or a measured row's kind.")
+    evidence: list[str] = Field(description="Ids of the rows it rests on.")
+    optimizer: str = Field(description="The optimizer whose step and state the training run holds.")
 
 
 class FitCard(_Result):
@@ -449,6 +471,9 @@ class Fits(_Result):
         "instead of derivation_max_abs_err_pct.")
     stale: list[str] = Field(default_factory=list, description="Dry-run rows computed with other library versions "
                                                                "than the build's (none when the build has no torch).")
+    full_cells: list[FullCellResult] = Field(
+        default_factory=list, description="Full fine-tuning (every weight trained) on the common cards, by model, "
+                                          "precision and length: `vram fit --method full`'s answers.")
     derive: Optional[dict[str, float]] = Field(
         None, description="How a card known by its nvidia-smi total alone gets its limit (vram fit --gpu-mib): usable = "
                           "total x usable_low (low end) .. usable_high, rounded to 0.1 MiB; limit low end = (usable low "
@@ -481,6 +506,25 @@ class Fits(_Result):
                 found.setdefault(c.model, set()).add(c.setting)
             self._views["settings"] = {m: [s for s in ("plain", "dropout", "DoRA") if s in v] for m, v in found.items()}
         return self._views["settings"].get(model, [])
+
+    def full_rows(self, model: str) -> dict[tuple[str, str], list[FullCellResult]]:
+        """A model's full fine-tuning cells by (precision, card), by length."""
+        if "full" not in self._views:
+            rows: dict[str, dict[tuple[str, str], list[FullCellResult]]] = {}
+            for c in self.full_cells:
+                rows.setdefault(c.model, {}).setdefault((c.quant, c.gpu), []).append(c)
+            self._views["full"] = {m: {k: sorted(v, key=lambda c: c.seq_len) for k, v in r.items()}
+                                   for m, r in rows.items()}
+        return self._views["full"].get(model, {})
+
+    def full_fits_somewhere(self, model: str) -> bool:
+        """Whether full fine-tuning of the model fits any of the cards at any length."""
+        return any(c.verdict == "fits" for cells in self.full_rows(model).values() for c in cells)
+
+    def full_smallest(self, model: str) -> Optional[FullCellResult]:
+        """The model's smallest full fine-tuning step (its shortest length, bf16) with a figure."""
+        cells = [c for cells in self.full_rows(model).values() for c in cells if c.mib is not None]
+        return min(cells, key=lambda c: (c.seq_len, c.mib), default=None)
 
     def table_lengths(self) -> dict[tuple[str, str, str], list[int]]:
         """The lengths each table has, (model, quant, fixes) -> lengths: a model's stop at its

@@ -43,10 +43,11 @@ class DryTable:
     rank and length the rows reach."""
 
     def __init__(self, dry: list[Measurement]):
-        # Rows with a peak only: a dry run recorded as an OOM (a budget, or a step past what any
-        # device holds) has no figure to interpolate.
-        self.dry = dry if all(m.outcome.peak_allocated_mib is not None for m in dry) else \
-            [m for m in dry if m.outcome.peak_allocated_mib is not None]
+        # LoRA rows with a peak only: a dry run recorded as an OOM (a budget, or a step past what
+        # any device holds) has no figure to interpolate, and full fine-tuning's rows are
+        # ``ledger.fit.full_table``'s.
+        self.dry = dry if all(m.outcome.peak_allocated_mib is not None and m.lora is not None for m in dry) else \
+            [m for m in dry if m.outcome.peak_allocated_mib is not None and m.lora is not None]
         self._tables: dict = {}
         self._by_model: Optional[dict] = None
         self._slopes: dict = {}

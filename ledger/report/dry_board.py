@@ -1,13 +1,16 @@
 """The estimators against this project's dry runs, where no card has measured the recipe: the
-mixtures of experts (Qwen3-30B-A3B, gpt-oss-20b, Mixtral-8x7B). The ledger holds no measured MoE
-row, so the reference is this project's answer from its committed dry runs (the real transformers
-classes under fake tensors, checked against the real CPU step to 1% on tiny configs of each
-family), not a measurement: the board says how far each estimator's MoE terms are from that step,
-in its own slices, and is never mixed into the measured scoreboard.
+mixtures of experts (Qwen3-30B-A3B, gpt-oss-20b, Mixtral-8x7B; ``moe_board``) and full
+fine-tuning (``full_board``). The ledger holds no measured row of either, so the reference is
+this project's answer from its committed dry runs (the real transformers classes under fake
+tensors, checked against the real CPU step to 1% on tiny configs of each family), not a
+measurement: each board says how far each estimator's terms are from that step, in its own
+slices, and is never mixed into the measured scoreboard.
 
-The recipes are the fit grid's stock ones: LoRA on every projection (attention and the fused
+The MoE recipes are the fit grid's stock ones: LoRA on every projection (attention and the fused
 experts), gradient checkpointing, micro-batch 1, a training run with AdamW's state, 4-bit and
-bf16, every length and rank the committed rows hold. Each estimator's figure is compared with the
+bf16, every length and rank the committed rows hold. The full fine-tuning recipes are the grid's
+too: every weight trained, bf16 weights or fp32 master weights, a training run with AdamW's step,
+stock, every model and length the committed rows hold. Each estimator's figure is compared with the
 project's figure of the quantity it claims to predict, on ``REFERENCE_CARD`` (the card the
 reserved figure and canifinetune's overhead need): peak allocated, or peak reserved (allocated
 times the card's reserved/allocated ratio, as ``vram estimate`` gives it). No torch.
@@ -21,7 +24,7 @@ from typing import Iterable, Optional
 from ledger.core.models import Measurement
 from ledger.vocab.cards import resolve_card
 from ledger.vocab.model_configs import load_arch, model_name
-from ledger.vocab.recipe import Recipe, recipe_of
+from ledger.vocab.recipe import Recipe, full_recipe, full_recipe_of, recipe_of
 from .estimators import ESTIMATORS, MIB, Estimator
 
 REFERENCE_CARD = "h100-80gb"
@@ -46,17 +49,51 @@ def moe_recipes(dry_runs: Iterable[Measurement]) -> list[Recipe]:
     return [seen[k] for k in sorted(seen)]
 
 
+def full_recipes(dry_runs: Iterable[Measurement]) -> list[Recipe]:
+    """The stock full fine-tuning recipes of the committed dry runs (a training run with AdamW's
+    step, checkpointing on, micro-batch 1), once each, in order."""
+    seen: dict[tuple, Recipe] = {}
+    for m in dry_runs:
+        r = full_recipe_of(m)
+        if (r is None or m.kind != "dry_run" or m.outcome.status != "ok" or r.fixes != "none" or not r.checkpointing
+                or r.batch != 1 or r.optimizer != OPTIMIZER or r.seq_len is None):
+            continue
+        key = (model_name(m.model), r.quant, r.seq_len)
+        seen.setdefault(key, full_recipe(model=model_name(m.model), quant=r.quant, seq_len=r.seq_len, fixes="none",
+                                         optimizer=OPTIMIZER))
+    return [seen[k] for k in sorted(seen)]
+
+
+def size_band(model: str) -> str:
+    """A model's size band, a slice of the full fine-tuning board."""
+    arch = load_arch(model)
+    b = arch.total_params / 1e9 if arch else 0.0
+    return "under 5B" if b < 5 else "5-15B" if b < 15 else "15B and up"
+
+
 def moe_board(predictor, estimators: Optional[list[Estimator]] = None, card: str = REFERENCE_CARD) -> dict:
     """Each estimator's MoE figures against the project's dry-run answers (see the module
     docstring): per estimator its rows, the median |error| and signed error, and slices by model
     and quant."""
+    return _board(predictor, moe_recipes(predictor.dry), estimators, card,
+                  {"model": lambda r: r.model, "quant": lambda r: r.quant})
+
+
+def full_board(predictor, estimators: Optional[list[Estimator]] = None, card: str = REFERENCE_CARD) -> dict:
+    """Each estimator's full fine-tuning figures against the project's dry-run answers (see the
+    module docstring), with slices by precision and by model size."""
+    return _board(predictor, full_recipes(predictor.fit.dry_source), estimators, card,
+                  {"quant": lambda r: r.quant, "size": lambda r: size_band(r.model)})
+
+
+def _board(predictor, recipes: list[Recipe], estimators: Optional[list[Estimator]], card: str, slices: dict) -> dict:
     estimators = ESTIMATORS if estimators is None else estimators
     found = resolve_card(predictor.ledger, card)
     if found is None:
         raise ValueError(f"unknown card {card!r}")
     card, entry, _ = found
     rows = []
-    for recipe in moe_recipes(predictor.dry):
+    for recipe in recipes:
         answer = predictor.predict(recipe, card, entry=entry, run="real")
         if answer.method != "dry run" or answer.real_allocated is None:
             continue
@@ -73,14 +110,16 @@ def moe_board(predictor, estimators: Optional[list[Estimator]] = None, card: str
             if e is None or not ref:
                 continue
             mib = e.bytes / MIB
-            scored.append({"model": recipe.model, "quant": recipe.quant, "rank": recipe.rank, "seq_len": recipe.seq_len,
+            scored.append({"model": recipe.model, "quant": recipe.quant,
+                           "rank": None if recipe.method == "full" else recipe.rank, "seq_len": recipe.seq_len,
+                           **{key: of(recipe) for key, of in slices.items() if key not in ("model", "quant")},
                            "reference_mib": round(ref, 1), "estimate_mib": round(mib, 1),
                            "error_pct": round((mib - ref) / ref * 100, 2)})
         errors = [r["error_pct"] for r in scored]
         out.append({"name": est.name, "predicts": est.predicts, "available": available, "n": len(scored),
                     "median_abs_err_pct": round(statistics.median(abs(e) for e in errors), 2) if errors else None,
                     "median_signed_err_pct": round(statistics.median(errors), 2) if errors else None,
-                    "slices": {key: _medians(scored, key) for key in ("model", "quant")}, "rows": scored})
+                    "slices": {key: _medians(scored, key) for key in slices}, "rows": scored})
     return {"reference_card": card, "optimizer": OPTIMIZER, "recipes": len(rows), "estimators": out}
 
 

@@ -68,6 +68,8 @@ class UnslothStudio(Estimator):
                   "constant calibrated on one card.")
 
     def estimate(self, arch, recipe, gpu_total_mib=None):
+        if recipe.method == "full":
+            return self._full(arch, recipe)
         H, L, V, M, r, B, S = arch.hidden, arch.layers, arch.vocab, arch.intermediate, recipe.rank, recipe.batch, \
             recipe.seq_len
         K = (H // arch.heads) * arch.kv_heads  # the write-up's K: (H / heads) x kv_heads
@@ -96,6 +98,36 @@ class UnslothStudio(Estimator):
             "activations": activations, "cuda_overhead": cuda})
 
 
+    #: Its optimizer table, bytes per trainable parameter (adafactor is not in it).
+    OPTIMIZER_BYTES = {"adamw_8bit": 4, "paged_adamw_8bit": 4, "adamw_torch": 6, "adamw_torch_fused": 6,
+                       "paged_adamw_32bit": 8, "sgd": 4}
+
+    def _full(self, arch, recipe):
+        """Its full fine-tuning mode: every parameter trainable (optimizer and 2-byte gradients for
+        all), the 15% gradient floor, fp16 weights (the write-up has no fp32 row: ``--quant fp32``
+        is charged as it charges any full fine-tune), HF checkpointing keeping 2 layers'
+        activations (every layer without it)."""
+        per_param = self.OPTIMIZER_BYTES.get(recipe.optimizer or "adamw_torch")
+        if per_param is None:
+            return None
+        H, L, V, M, B, S = arch.hidden, arch.layers, arch.vocab, arch.intermediate, recipe.batch, recipe.seq_len
+        K = (H // arch.heads) * arch.kv_heads
+        E = max(arch.experts, 1)
+        quantizable = ((H + K + K + H) * H + H * M * 3 * E + (E * H if E > 1 else 0)) * L
+        non_quantizable = 2 * H * L + V * H + (0 if arch.tied else V * H)
+        params = quantizable + non_quantizable
+        weights = params * 2
+        optimizer = params * per_param
+        grad = max(params * 2, weights * 0.15)
+        per_layer = (S * B * (H + K + K) + S * B * 2 + S * B * (M + M)) * 2 * 1.25
+        activations = per_layer * (2.0 if recipe.checkpointing else L)
+        cuda = 1.4 * GB
+        total = weights + optimizer + grad + activations + cuda
+        return Estimate(self.name, total, self.predicts, breakdown={
+            "weights": weights, "optimizer": optimizer, "gradients": grad, "activations": activations,
+            "cuda_overhead": cuda})
+
+
 # -- FT01 rule of thumb --------------------------------------------------------------------------
 
 
@@ -110,6 +142,13 @@ class FT01(Estimator):
 
     def estimate(self, arch, recipe, gpu_total_mib=None):
         params = arch.total_params
+        if recipe.method == "full":
+            # ~16 bytes per trainable parameter (weights, gradients, AdamW's master copy and moments)
+            # plus activations: its 7B range, 100-160 GB, is 16 B/param x 7B = 112 GB and up to 160.
+            low = params * 16.0
+            high = low * 160 / 112
+            return Estimate(self.name, (low + high) / 2, self.predicts,
+                            breakdown={"weights_grads_adamw_16_bytes": low}, low_bytes=low, high_bytes=high)
         if recipe.quant == "4bit":
             weights = params * 0.5
             low, high = weights + 6 * GB, weights + 10 * GB
@@ -128,6 +167,8 @@ class Canifinetune(Estimator):
 
     name = "canifinetune"
     predicts = "reserved"
+    #: The optimizers its full mode takes (paged_adamw_32bit and adafactor are not among them).
+    FULL_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit", "sgd")
     leaves_out = ("the recipe's memory fixes: it charges the full logits chain (seq x vocab x 14 B) and fp32 "
                   "embeddings that logits_to_keep and the bf16 lm_head remove; dropout masks and DoRA are not "
                   "modelled; 8% of the card is added as overhead.")
@@ -150,12 +191,22 @@ class Canifinetune(Estimator):
                         vocab_size=arch.vocab, total_params=arch.total_params, family=arch.family,
                         tie_word_embeddings=arch.tied, num_local_experts=max(arch.experts, 1),
                         num_experts_per_tok=max(arch.top_k, 1))
-        req = EstimateRequest(
-            model_id=arch.name, seq_len=recipe.seq_len, micro_batch_size=recipe.batch,
-            method="qlora" if recipe.quant == "4bit" else "lora", lora_rank=recipe.rank,
-            lora_dropout=min(recipe.dropout_rate or 0.0, 0.99), lora_target_scope="all_linear", optimizer="adamw_torch",
-            gpu_vram_gb=(gpu_total_mib or 24 * 1024) / 1024, override=override, use_network=False,
-        )
+        if recipe.method == "full":  # its full mode: the weights' dtype, the optimizer asked where it has it
+            optimizer = recipe.optimizer or "adamw_torch"
+            if optimizer not in self.FULL_OPTIMIZERS:
+                return None
+            req = EstimateRequest(
+                model_id=arch.name, seq_len=recipe.seq_len, micro_batch_size=recipe.batch, method="full",
+                base_dtype=recipe.quant, optimizer=optimizer, gradient_checkpointing=recipe.checkpointing,
+                gpu_vram_gb=(gpu_total_mib or 80 * 1024) / 1024, override=override, use_network=False)
+        else:
+            req = EstimateRequest(
+                model_id=arch.name, seq_len=recipe.seq_len, micro_batch_size=recipe.batch,
+                method="qlora" if recipe.quant == "4bit" else "lora", lora_rank=recipe.rank,
+                lora_dropout=min(recipe.dropout_rate or 0.0, 0.99), lora_target_scope="all_linear",
+                optimizer="adamw_torch", gpu_vram_gb=(gpu_total_mib or 24 * 1024) / 1024, override=override,
+                use_network=False,
+            )
         e = estimate(req).memory
         total = (e.total_estimated_gb - e.safety_margin_gb) * GIB
         # canifinetune's fields are GB (its GiB); here they are bytes, printed as MiB under
@@ -187,7 +238,9 @@ def estimate_all(arch: Arch, recipe: Recipe, gpu_total_mib: Optional[float] = No
     for est in ESTIMATORS:
         e = est.estimate(arch, recipe, gpu_total_mib)
         if e is None:
-            out.append({"estimator": est.name, "available": False})
+            installed = not isinstance(est, Canifinetune) or est.available()
+            out.append({"estimator": est.name, "available": False, "installed": installed,
+                        "note": "" if not installed else "it does not model this recipe (its optimizer)"})
             continue
         out.append({"estimator": est.name, "available": True, "estimate_mib": e.mib, "predicts": e.predicts,
                     "low_mib": round(e.low_bytes / MIB, 1) if e.low_bytes else None,
@@ -201,6 +254,8 @@ def nearest_row(ledger: Ledger, model: str, recipe: Recipe, gpu: Optional[str]) 
     on the requested card whenever it has such a row, another card's only when it has none. A
     dry-run row is a prediction, not a measurement: never the nearest measured row."""
     best: dict[bool, tuple[float, Measurement]] = {}
+    if recipe.method == "full":  # no LoRA row is near a full fine-tune
+        return None
     for m in ledger.measurements:
         if m.kind == "dry_run" or m.lora is None or m.outcome.peak_allocated_mib is None or m.quant != recipe.quant:
             continue

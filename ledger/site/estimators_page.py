@@ -9,7 +9,7 @@ from typing import Optional
 from ledger.storage.dry_runs import load_dry_runs
 from ledger.core.models import Ledger
 from ledger.core.results import Scoreboard
-from ledger.report.dry_board import moe_board
+from ledger.report.dry_board import full_board, moe_board
 from ledger.report.held_out import shared_predictor
 from ledger.report.scoreboard import _sort_key, scoreboard
 from .views import ROW_LIMIT, Plot, PlotPoint, PlotSeries
@@ -35,8 +35,10 @@ def estimator_scoreboard(ledger: Ledger) -> Scoreboard:
                                              "cells": [None] * len(board["estimators"])})
             row["cells"][i] = {"estimate_mib": r["estimate_mib"], "error_pct": r["error_pct"]}
     board["table"] = list(table.values())
-    moe = moe_board(shared_predictor(ledger, dry_runs))
+    p = shared_predictor(ledger, dry_runs)
+    moe, full = moe_board(p), full_board(p)
     board["moe"] = moe if moe["recipes"] else None
+    board["full"] = full if full["recipes"] else None
     return Scoreboard.model_validate(board)
 
 

@@ -165,6 +165,18 @@ def md_fit_cells(cells) -> str:
                    for c in cells)
 
 
+def full_words(c) -> str:
+    """A full fine-tuning cell in words: its verdict and predicted peak allocated (the interval's top)."""
+    if c.mib is None:
+        return c.verdict + (" (past any device)" if c.verdict == "won't fit" else "")
+    return f"{c.verdict} {c.mib:,.0f} MiB" + (f" (≤ {c.high_mib:,.0f})" if c.high_mib is not None else "")
+
+
+def md_full_cells(cells) -> str:
+    """A full fine-tuning row's cells for fits.md."""
+    return "".join(f" {_md_cell(full_words(c))} |" for c in cells)
+
+
 def html_fit_cells(cells, model: str, quant: str, fixes: str, setting: str, card: str, root: str) -> Markup:
     """A fit-table row's cells for a model's page, each ``<td>`` with its class, its title (the
     recipe, the method, the measured rows nearby), its label and method and links to those rows:
@@ -184,6 +196,27 @@ def html_fit_cells(cells, model: str, quant: str, fixes: str, setting: str, card
         out.append(f'<td class="num fit-{kind}" title="{where}{escape(c.seq_len)}{on}{method}{nearby}">'
                    f'{escape(c.label)}<span class="meta"> {method}</span>{links}</td>')
     return Markup("".join(out))
+
+
+#: A full fine-tuning verdict's colour: the fit table's classes.
+FULL_CLASS = {"fits": "ok", "tight": "tight", "won't fit": "none-fits", "unknown": "unknown"}
+
+
+def html_full_cells(cells, model: str, quant: str, card: str) -> Markup:
+    """A full fine-tuning row's cells for a model's page: each verdict and its predicted peak (MiB),
+    the interval's top and the method in its title (kept short: a page holds some 200 of them)."""
+    out = []
+    for c in cells:
+        fig = f"{c.mib:,.0f}" if c.mib is not None else ""
+        title = full_words(c) + f" by {c.method or 'nothing (no dry run)'}"
+        out.append(f'<td class="num fit-{escape(FULL_CLASS.get(c.verdict, "unknown"))}" title="{escape(title)}">'
+                   f'{escape(c.verdict)}' + (f'<span class="meta"> {fig}</span>' if fig else '') + '</td>')
+    return Markup("".join(out))
+
+
+def full_row(card: str, rows: dict, quant: str) -> list:
+    """A card's full fine-tuning cells in one precision (``Fits.full_rows``), or none."""
+    return rows.get((quant, card), [])
 
 
 def anchor(text: object) -> str:
@@ -206,5 +239,8 @@ FILTERS = {
     "md_cell": md_cell,
     "md_fit_cells": md_fit_cells,
     "html_fit_cells": html_fit_cells,
+    "html_full_cells": html_full_cells,
+    "full_row": full_row,
+    "md_full_cells": md_full_cells,
     "md_text": md_text,
 }

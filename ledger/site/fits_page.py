@@ -45,8 +45,13 @@ def fits_of(doc: Optional[dict]) -> Optional[Fits]:
     """``fit_table_doc``'s document as ``results.Fits`` (None for none)."""
     if doc is None:
         return None
+    from ledger.core.results import FullCellResult
+
     return Fits.model_construct(**{**doc, "cards": [FitCard.model_construct(**c) for c in doc["cards"]],
-                                   "cells": cell_results(doc["cells"])})
+                                   "cells": cell_results(doc["cells"]),
+                                   "full_cells": [FullCellResult.model_construct(**{**c._asdict(), "evidence": list(
+                                       c.evidence)}) if hasattr(c, "_asdict") else c
+                                                  for c in doc.get("full_cells", [])]})
 
 
 def as_tuples(cells: list) -> list[tuple]:
@@ -160,6 +165,10 @@ def fit_models(fits: Fits, batches: Optional[dict] = None) -> list[FitModel]:
                 "cards": [{"key": c.key, "name": c.name, "limit_low_mib": c.limit_low_mib,
                            "limit_high_mib": c.limit_high_mib} for c in cards.values()],
                 "rows": rows}
+        full = {f"{q}|{g}": [[c.seq_len, c.verdict, c.mib, c.high_mib, c.method] for c in cells]
+                for (q, g), cells in fits.full_rows(model).items() if g in cards}
+        if full:  # full fine-tuning's training run with AdamW, stock: the picker's "full" choices
+            data["full"] = full
         settings = fits.settings(model)
         if settings != ["plain", "dropout", "DoRA"]:  # a mixture of experts: the plain adapter only
             data["settings"] = settings

@@ -245,6 +245,10 @@ class Recipe:
     checkpointing: bool = True
     #: The projections LoRA targets (``ledger.vocab.adapter``): every row the fits read trains all 7.
     targets: tuple[str, ...] = ALL_LINEAR
+    #: "lora" (an adapter; QLoRA is LoRA on 4-bit weights) or "full" (every weight trained, no
+    #: adapter: ``rank`` is ``FULL_RANK``, no dropout or DoRA, weights bf16 or fp32 master weights
+    #: under bf16 autocast). Answered by ``ledger.answer.full_ft`` from dry runs of it alone.
+    method: str = "lora"
     #: Named so the recipe is whole, but no memory depends on them, so two recipes that differ only
     #: here are the same question: the dropout rate (any rate above 0 keeps the same masks), lora_alpha
     #: and rsLoRA (they scale the update, not the tensors).
@@ -276,12 +280,37 @@ class Recipe:
         return self.response_len if keeps_logits(self.fixes) else None
 
     def describe(self) -> str:
+        if self.method == "full":
+            return (f"{self.model or 'the model'} full fine-tuning {self.quant}"
+                    + (f" {self.seq_len} tokens" if self.seq_len else "")
+                    + (f" batch {self.batch}" if self.batch != 1 else "")
+                    + ("" if self.checkpointing else " no checkpointing")
+                    + f" fixes {self.fixes}" + (f" {self.optimizer}" if self.optimizer else ""))
         return (f"{self.model or 'the model'} {self.quant} r{self.rank}" + (" dropout" if self.dropout else "")
                 + (" DoRA" if self.dora else "") + (f" {self.seq_len} tokens" if self.seq_len else "")
                 + (f" batch {self.batch}" if self.batch != 1 else "")
                 + ("" if self.checkpointing else " no checkpointing")
                 + ("" if self.targets == ALL_LINEAR else f" LoRA on {','.join(self.targets)}")
                 + f" fixes {self.fixes}" + (f" {self.optimizer}" if self.optimizer else ""))
+
+
+#: A full fine-tuning recipe's rank: it has no adapter.
+FULL_RANK = 0
+
+
+def full_recipe(**values) -> Recipe:
+    """A full fine-tuning recipe: every weight trained, no adapter settings."""
+    return Recipe(method="full", rank=FULL_RANK, dropout=False, dora=False, **values)
+
+
+def full_recipe_of(m: Measurement) -> Optional[Recipe]:
+    """A full fine-tuning row's recipe (None for any other row): ``recipe_of`` reads LoRA rows only,
+    so a full row is never taken for an adapter's."""
+    if m.finetune != "full":
+        return None
+    return full_recipe(model=m.model, quant=m.quant or "bf16", seq_len=seq_len_of(m), fixes=fixes_key(m.memory_fixes),
+                       response_len=m.response_len, optimizer=m.optimizer, batch=m.batch_size or 1,
+                       checkpointing=m.gradient_checkpointing is not False)
 
 
 #: Recipe's fields that memory depends on (those its equality compares), in order.
@@ -302,7 +331,7 @@ def _recipe_of(m: Measurement) -> Optional[Recipe]:
                   dora=bool(lora.dora), seq_len=seq_len_of(m), fixes=fixes_key(m.memory_fixes),
                   response_len=m.response_len, optimizer=m.optimizer, batch=m.batch_size or 1,
                   checkpointing=m.gradient_checkpointing is not False, targets=targets_of_row(lora.target_modules),
-                  dropout_rate=lora.dropout, alpha=lora.alpha, rslora=bool(lora.rslora))
+                  method="lora", dropout_rate=lora.dropout, alpha=lora.alpha, rslora=bool(lora.rslora))
 
 
 def _whole(**values) -> Recipe:

@@ -72,7 +72,11 @@
       (optim ? "|" + optim : "") + (ckpt ? "" : "|nockpt");
     var cells = data.rows[key] || [];
     out.textContent = "";
-    var what = data.model + " on " + (card ? card.name : gpu) + ", " + (quant === "4bit" ? "4-bit nf4" : "bf16") +
+    var what = quant.indexOf("full-") === 0 ? data.model + " on " + (card ? card.name : gpu) +
+      ", full fine-tuning (every weight trained), " + (quant === "full-fp32" ? "fp32 master weights" : "bf16 weights") +
+      ", " + (fixes === "none" ? "stock" : "memory fixes " + fixes) + ", a training run with " + (optim || "adamw_torch") +
+      "'s state, micro-batch " + batch + (ckpt ? "" : ", no gradient checkpointing") :
+      data.model + " on " + (card ? card.name : gpu) + ", " + (quant === "4bit" ? "4-bit nf4" : "bf16") +
       ", " + (fixes === "none" ? "stock, a training run with " + (optim || "adamw_torch") + "'s state" :
         "the program's memory fixes, a training run as its measured runs") + ", LoRA " + setting +
       ", micro-batch " + batch + (ckpt ? "" : ", no gradient checkpointing");
@@ -85,6 +89,10 @@
       out.appendChild(pre);
     }
     var noCkpt = ckpt ? "" : " --no-gradient-checkpointing";
+    if (quant.indexOf("full-") === 0) {
+      fullAnswer(data, card, gpu, where, quant.slice(5), fixes, setting, batch, optim, ckpt, typed, proxy, same);
+      return;
+    }
     if (data.settings && data.settings.indexOf(setting) < 0) {
       out.appendChild(el("p", {"class": "warn"}, data.model + " is a mixture of experts: LoRA on its fused expert " +
         "weights (peft's target_parameters) takes no " + (setting === "DoRA" ? "DoRA" : "dropout") + ". LoRA on " +
@@ -177,6 +185,66 @@
       "   # the exact longest length at rank 16"));
     out.appendChild(el("p", {"class": "meta"}, "The same on the command line:"));
     out.appendChild(cmd);
+  }
+
+  // Full fine-tuning (every weight trained): the verdict and peak at each length, for the stock
+  // training run with AdamW, as `vram fit --method full` answers it.
+  function fullAnswer(data, card, gpu, where, precision, fixes, setting, batch, optim, ckpt, typed, proxy, same) {
+    var cmd = "vram fit --model " + data.model + " " + where + " --method full --quant " + precision;
+    function command(flags) {
+      var pre = el("pre");
+      pre.appendChild(el("code", {}, cmd + flags));
+      out.appendChild(pre);
+    }
+    if (fixes !== "none" || setting !== "plain" || batch !== "1" || optim || !ckpt) {
+      out.appendChild(el("p", {"class": "warn"}, "These tables have full fine-tuning's stock training run with " +
+        "AdamW, micro-batch 1, gradient checkpointing on" + (setting !== "plain" ? " (LoRA's dropout and DoRA " +
+        "have no meaning without an adapter)" : "") + ". The command line answers the rest from dry runs of it, " +
+        "run on your CPU:"));
+      command((fixes !== "none" ? " --fixes " + fixes : "") + (batch !== "1" ? " --batch-size " + batch : "") +
+        (optim ? " --optim " + optim : "") + (ckpt ? "" : " --no-gradient-checkpointing"));
+      return;
+    }
+    var cells = (data.full || {})[precision + "|" + gpu];
+    if (!cells) {
+      out.appendChild(el("p", {"class": "warn"}, "No full fine-tuning figures of " + data.model + " here; the " +
+        "command line dry-runs them:"));
+      command("");
+      return;
+    }
+    if (card) {
+      out.appendChild(el("p", {"class": "meta"}, "Limit for peak allocated: " + card.limit_low_mib + "–" +
+        card.limit_high_mib + " MiB" + (typed ? ", derived from the total as for the listed cards." : ".")));
+    }
+    if (typed && !same) {
+      out.appendChild(el("p", {"class": "meta"}, "Answered for the " + proxy.name + " (its limit lies at or below " +
+        "this card's): what fits there fits here; the exact answer is the command's below."));
+    }
+    var wrap = el("div", {"class": "table-wrap"});
+    var table = el("table", {"class": "fit", id: "fit-answer-table"});
+    var head = el("tr");
+    ["Tokens", "Verdict", "Peak allocated (MiB)", "Method"].forEach(function (h) {
+      head.appendChild(el("th", {scope: "col"}, h));
+    });
+    table.appendChild(el("thead")).appendChild(head);
+    var body = el("tbody");
+    var colour = {"fits": "ok", "tight": "tight", "won't fit": "none-fits", "unknown": "unknown"};
+    cells.forEach(function (c) {
+      var verdict = typed && !same && c[1] !== "fits" ? "unknown" : c[1];
+      var tr = el("tr", {"data-len": String(c[0])});
+      tr.appendChild(el("th", {scope: "row"}, String(c[0])));
+      tr.appendChild(el("td", {"class": "num fit-" + (colour[verdict] || "unknown")}, verdict));
+      tr.appendChild(el("td", {"class": "num"}, c[2] === null ? (c[1] === "won't fit" ? "past any device" : "") :
+        Math.round(c[2]).toLocaleString("en") + (c[3] === null ? "" : " (≤ " + Math.round(c[3]).toLocaleString("en") +
+        ")")));
+      tr.appendChild(el("td", {}, c[4]));
+      body.appendChild(tr);
+    });
+    table.appendChild(body);
+    wrap.appendChild(table);
+    out.appendChild(wrap);
+    out.appendChild(el("p", {"class": "meta"}, "The same on the command line:"));
+    command("");
   }
 
   function update() {
