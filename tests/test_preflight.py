@@ -273,6 +273,13 @@ def test_the_command(tmp_path):
     bad = subprocess.run(cmd[:-4] + ["--data", str(tmp_path / "missing.jsonl")], capture_output=True, text=True,
                          cwd=REPO)
     assert bad.returncode == 1 and bad.stderr.strip().count("\n") == 0 and "no such file" in bad.stderr
+    full = [c for c in cmd if c not in ("--rank", "8")]
+    full[full.index("bf16")] = "fp32"
+    done = subprocess.run(full + ["--method", "full", "--budget-mib", "4000", "--json"], capture_output=True,
+                          text=True, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    assert "full fine-tuning" in doc["recipe"] and "fp32" in doc["recipe"] and doc["verdict"] == "fits"
     rows = tmp_path / "bad.jsonl"
     rows.write_text('{"text": "w1"}\n{"prompt": 1}\n')
     with pytest.raises(Exception, match=r"bad.jsonl:2: a row needs a 'text' or 'messages' column"):
@@ -390,3 +397,24 @@ def test_a_mixture_of_experts_with_adapted_experts_is_read_and_measured(tmp_path
     assert recipe.target_modules == ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]
     result = preflight(trainer, budget_mib=1000, stream=sys.stderr)
     assert result.verdict == "fits" and result.step.peak_allocated_mib > 0 and "r8" in result.recipe
+
+
+def test_a_full_fine_tune_is_read_measured_recorded_and_answered_as_one(tmp_path):
+    """No peft adapter and every weight trainable: preflight reads full fine-tuning in the weights'
+    dtype, measures the run's own step, records ``finetune: full`` (a valid row, no LoRA), and
+    asks the ledger about full fine-tuning (a toy model: no dry run of it, so unknown)."""
+    from ledger.storage import store
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=512)
+    model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+    path = tmp_path / "runs.json"
+    result = preflight(trainer_for(tmp_path, model, batch=2), gpu="rtx-4090", ledger=str(path), stop=(),
+                       stream=sys.stderr)
+    assert "full fine-tuning (every weight trained)" in result.recipe and "bf16" in result.recipe
+    assert "full fine-tuning" in result.ledger_answer and "LoRA" not in result.ledger_answer
+    (m,) = store.load(path).measurements
+    assert m.finetune == "full" and m.lora is None and m.quant == "bf16" and m.batch_size == 2
+    n = sum(p.numel() for p in model.parameters())
+    assert result.step.peak_allocated_mib > n * (2 + 2 + 4) / 2**20  # weights, gradients, AdamW's bf16 moments

@@ -106,6 +106,8 @@ def run(args: argparse.Namespace) -> PreflightResult:
         targs = TrainingArguments(output_dir=out, per_device_train_batch_size=args.batch_size,
                                   gradient_accumulation_steps=args.grad_accum, optim=optim, report_to=[],
                                   gradient_checkpointing=False, use_cpu=device.type == "cpu",
+                                  # fp32 master weights train under bf16 autocast, as the Trainer's bf16=True
+                                  bf16=cfg.method == "full" and cfg.quant == "fp32",
                                   remove_unused_columns=False, save_strategy="no", logging_strategy="no")
         trainer = Trainer(model=model, args=targs, train_dataset=rows, data_collator=collate)
         result = preflight(trainer, gpu=args.gpu, budget_mib=args.budget_mib, max_scan=args.max_scan,

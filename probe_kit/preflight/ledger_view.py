@@ -42,8 +42,23 @@ def _ledger_view(card, recipe: RunRecipe, seq_len: int):
     predictor = Predictor(ledger, load_dry_runs())
     low, _high, source = predictor.card_limit(key, entry, "real")
     answer = None
-    if recipe.rank is None:
-        answer = "no answer: the ledger models LoRA runs"
+    if recipe.method == "full" and recipe.quant in ("bf16", "fp32") and recipe.fixes is not None:
+        from ledger.vocab.optimizers import OPTIMIZERS
+        from ledger.vocab.recipe import full_recipe
+
+        q = full_recipe(model=model_name(recipe.model), quant=recipe.quant, seq_len=seq_len, fixes=_fixes(recipe),
+                        batch=recipe.batch_size, checkpointing=recipe.checkpointing,
+                        optimizer=recipe.optimizer if recipe.optimizer in OPTIMIZERS else None)
+        a = predictor.predict(q, key, entry=entry, run="real")
+        answer = (f"{a.verdict} on {key}: a real run of {q.describe()} peaks at {a.allocated.mib:,.1f} MiB allocated "
+                  f"({a.allocated.low_mib:,.1f}–{a.allocated.high_mib:,.1f} MiB), by {a.method}"
+                  if a.allocated is not None else f"{a.verdict}: {a.why}")
+    elif recipe.method == "full":
+        answer = (f"no answer: full fine-tuning in {recipe.quant} is no recipe the ledger answers (bf16 or fp32 "
+                  "master weights)" if recipe.fixes is not None else
+                  "no answer: Liger kernels beyond the fused loss are no recipe the ledger names")
+    elif recipe.rank is None:
+        answer = "no answer: the ledger models LoRA runs and full fine-tuning"
     elif not recipe.checkpointing:
         answer = ("no answer with gradient checkpointing off (its predictor models checkpointing on); this "
                   "measurement is the evidence")
@@ -67,7 +82,14 @@ def _ledger_view(card, recipe: RunRecipe, seq_len: int):
 def _ceiling_advice(card, recipe: RunRecipe, seq_len: int) -> Optional[str]:
     """The ledger's largest LoRA rank that fits a real run of this recipe at this length on the card
     (``vram ceiling``), or the command that asks it when the ledger cannot say."""
-    if card is None or recipe.rank is None or recipe.fixes is None:
+    if card is None or recipe.fixes is None:
+        return None
+    if recipe.method == "full":
+        from ledger.vocab.model_configs import model_name
+
+        return (f"or a shorter sequence: `vram ceiling --model {model_name(recipe.model) or 'MODEL'} --gpu {card[0]} "
+                f"--method full --quant {recipe.quant}` answers the longest that fits full fine-tuning on this card")
+    if recipe.rank is None:
         return None
     from ledger.storage.dry_runs import load_dry_runs
     from ledger.vocab.model_configs import model_name
@@ -131,6 +153,7 @@ def record(path: str, recipe: RunRecipe, worst: WorstBatch, step: Step, device: 
         quant=recipe.quant,
         lora=lora, seq_len=worst.seq_len, batch_size=recipe.batch_size, memory_fixes=fixes_value(recipe.fixes or []),
         optimizer=recipe.optimizer, gradient_checkpointing=recipe.checkpointing,
+        finetune="full" if recipe.method == "full" else None,
         config_text=json.dumps(cfg, sort_keys=True), outcome=outcome,
         environment=environment(device, "allocator" if device.type == "cuda" else "tracker"),
         provenance=Provenance(source="probe_kit.preflight (the run's own step on its worst batch)",

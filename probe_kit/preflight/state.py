@@ -112,14 +112,17 @@ class RunRecipe:
     accumulation: int
     checkpointing: bool
     optimizer: str
+    #: "lora" (a peft adapter) or "full" (no adapter, every weight trained: full fine-tuning).
+    method: str = "lora"
     #: The memory fixes the run's arguments switch on, as the ledger names them (``fused_linear_ce``:
     #: Liger's fused loss alone; ``activation_offloading``: TRL's); None when the run has a setting
     #: the ledger has no name for (Liger's other kernels), so its step is not a recipe it can record.
     fixes: Optional[list[str]] = dataclasses.field(default_factory=list)
 
     def describe(self, seq_len: int) -> str:
-        lora = (f"LoRA r{self.rank}" + (f" dropout {self.dropout:g}" if self.dropout else "")
-                + (" DoRA" if self.dora else "")) if self.rank else "no LoRA"
+        lora = ("full fine-tuning (every weight trained)" if self.method == "full" else
+                (f"LoRA r{self.rank}" + (f" dropout {self.dropout:g}" if self.dropout else "")
+                 + (" DoRA" if self.dora else "")) if self.rank else "no LoRA")
         fixes = ("Liger kernels beyond the fused loss (no recipe the ledger names)" if self.fixes is None
                  else f"memory fixes {', '.join(self.fixes) or 'none'}")
         return (f"{self.model or 'the model'} {self.quant} {lora}, micro-batch {self.batch_size} × {seq_len} tokens"
@@ -133,10 +136,13 @@ def read_recipe(trainer, model) -> RunRecipe:
     cfgs = getattr(base, "peft_config", None)
     if isinstance(cfgs, dict) and cfgs:
         peft_cfg = cfgs.get(getattr(base, "active_adapter", "default")) or next(iter(cfgs.values()))
+    params = list(base.parameters())
+    # No adapter and every weight trainable: full fine-tuning (its weights' dtype is its precision).
+    full = peft_cfg is None and bool(params) and all(p.requires_grad for p in params)
     if getattr(base, "is_loaded_in_4bit", False) or any(type(m).__name__ == "Linear4bit" for m in base.modules()):
         quant = "4bit"
-    else:  # the frozen weights' dtype: bf16, fp16, fp32
-        dtype = next((p.dtype for p in base.parameters() if not p.requires_grad), torch.float32)
+    else:  # the frozen weights' dtype (a full fine-tune's trained ones): bf16, fp16, fp32
+        dtype = next((p.dtype for p in params if full or not p.requires_grad), torch.float32)
         quant = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
     config = getattr(base, "config", None)
     name = getattr(config, "name_or_path", None) or getattr(config, "_name_or_path", None) or None
@@ -152,7 +158,8 @@ def read_recipe(trainer, model) -> RunRecipe:
         target_modules=targets,
         batch_size=int(trainer.args.per_device_train_batch_size),
         accumulation=int(trainer.args.gradient_accumulation_steps or 1), checkpointing=ckpt,
-        optimizer=str(getattr(trainer.args.optim, "value", trainer.args.optim)), fixes=run_fixes(trainer.args, base))
+        optimizer=str(getattr(trainer.args.optim, "value", trainer.args.optim)), fixes=run_fixes(trainer.args, base),
+        method="full" if full else "lora")
 
 
 def expert_targets(parameters) -> list[str]:
