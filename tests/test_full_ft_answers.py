@@ -59,11 +59,11 @@ def test_the_grid_has_every_models_full_training_run_at_its_lengths(rows):
 
 def test_the_full_table_is_a_row_or_the_chord_between_two_and_nothing_outside(rows):
     table = FullTable(rows)
-    at = {s: _row(rows, s).outcome.peak_allocated_mib for s in (2048, 16384)}
+    at = {s: _row(rows, s).outcome.peak_allocated_mib for s in (2048, 4096)}
     assert table.figure(recipe(2048), "adamw_torch").mib == at[2048]
-    chord = table.figure(recipe(4096), "adamw_torch")
+    chord = table.figure(recipe(3072), "adamw_torch")
     assert chord.how == "chord" and len(chord.ids) == 2
-    assert chord.mib == pytest.approx(at[2048] + (at[16384] - at[2048]) * 2048 / 14336)
+    assert chord.mib == pytest.approx(at[2048] + (at[4096] - at[2048]) * 1024 / 2048)
     assert table.figure(recipe(256), "adamw_torch") is None  # below the shortest row
     assert table.figure(recipe(2048), None) is None  # a one-step probe has rows of its own (none here)
     assert table.figure(recipe(2048), "sgd") is None
@@ -76,7 +76,7 @@ def test_a_dry_run_past_any_device_fails_at_its_length_and_beyond(rows):
         update={"status": "oom", "peak_allocated_mib": None, "peak_reserved_mib": None})})
     table = FullTable([r for r in rows if r.model == MODEL] + [oom])
     assert table.figure(recipe(16384), "adamw_torch").how == "past any device"
-    assert table.figure(recipe(4096), "adamw_torch") is None  # no chord reaches past the failed length
+    assert table.figure(recipe(6144), "adamw_torch") is None  # no chord reaches past the failed length
     a = Predictor(store.load(BUNDLED), [r for r in rows if r.model == MODEL] + [oom]).predict(
         recipe(16384), "rtx-4090", run="real")
     assert a.verdict == "won't fit" and "oom-row" in a.evidence
@@ -313,3 +313,23 @@ def test_the_full_fine_tuning_board_scores_each_estimators_full_mode_against_the
     est = FT01().estimate(load_arch(r.model), r).bytes / 2**20
     assert row["reference_mib"] == answer.reserved.mib and row["estimate_mib"] == round(est, 1)
     assert row["error_pct"] == round((est - answer.reserved.mib) / answer.reserved.mib * 100, 2)
+
+
+def test_a_chord_knows_when_it_is_exact_and_a_length_ceiling_dry_runs_the_edges_of_the_others(predictor):
+    """The rows beyond a chord's ends give a floor under a convex peak: where the peak moves from the
+    optimizer's step to the activations between two lengths (llama-3.2-1b bf16, 2,048 to 4,096
+    tokens) the chord sits above it, and a length ceiling whose edge falls there asks for the dry
+    run halfway; where the floor reaches the chord (affine in length) it asks nothing."""
+    from types import SimpleNamespace
+
+    from ledger.cli.ceiling import CHORD_SLACK, _chord_edge
+
+    r = full_recipe(model="llama-3.2-1b", quant="bf16", fixes="none", optimizer="adamw_torch")
+    switch = predictor.full.table.figure(r.replace(seq_len=3072), "adamw_torch")
+    affine = predictor.full.table.figure(r.replace(seq_len=12288), "adamw_torch")
+    assert switch.how == affine.how == "chord"
+    assert switch.floor_mib < switch.mib * (1 - CHORD_SLACK) and affine.floor_mib >= affine.mib * (1 - CHORD_SLACK)
+    assert switch.floor_mib <= switch.mib
+    assert _chord_edge(predictor, r, SimpleNamespace(fits_len=2816, tight_len=2816), "real", 256) == 3072
+    assert _chord_edge(predictor, r, SimpleNamespace(fits_len=11776, tight_len=11776), "real", 256) is None
+    assert _chord_edge(predictor, r, SimpleNamespace(fits_len=3840, tight_len=3840), "real", 256) is None  # a row

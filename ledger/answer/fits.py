@@ -177,21 +177,15 @@ FULL_QUANTS = ("bf16", "fp32")
 def full_grid_points(model: str, lengths: Optional[Iterable[int]] = None, checkpointing: bool = True,
                      optimizer: str = "adamw_torch") -> list[dict]:
     """A model's full fine-tuning points for the fit table: the training run's steady state with
-    ``optimizer``'s step, stock, in each of ``FULL_QUANTS``, at every length the model allows up to
-    ``AFFINE_FROM``, at 16,384 tokens and at the longest (a model whose every layer attends to the
-    whole sequence), or at every length. Between two lengths the full table reads the chord,
-    at or above the step (``ledger.fit.full_table``)."""
-    from ledger.vocab.model_configs import full_attention
-
+    ``optimizer``'s step, stock, in each of ``FULL_QUANTS``, at every length the model allows. The
+    step's peak switches from the optimizer's step (weights, gradients and state) to the
+    activations somewhere between two lengths, so no length is left to a chord: between grid
+    lengths (a ceiling's scan) the full table reads the chord, at or above the step
+    (``ledger.fit.full_table``; ``benchmarks/full_ft_accuracy.py --chord``)."""
     seqs = model_lengths(model, LENGTHS if lengths is None else lengths)
-    if not seqs:
-        return []
-    ends = {seqs[0], seqs[-1]} | ({PRESET_MAX_LEN} & set(seqs))
-    affine = full_attention(model)
-    keep = [s for s in seqs if not affine or s <= AFFINE_FROM or s in ends]
     return [{"model": model, "method": "full", "quant": q, "fixes": "none", "response_len": GRID_RESPONSE_LEN,
              "seq_len": s, "optim": optimizer, **({} if checkpointing else {"no_gradient_checkpointing": True})}
-            for q in FULL_QUANTS for s in keep]
+            for q in FULL_QUANTS for s in seqs]
 
 
 class FullCell(NamedTuple):

@@ -101,6 +101,33 @@ def cmd_ceiling(args: argparse.Namespace) -> int:
     return 0
 
 
+#: Dry runs a full fine-tuning length ceiling may add to pin its edges (each halves a chord's span).
+MAX_REFINE = 12
+#: A chord within this fraction of the floor the rows beyond it give is taken as exact.
+CHORD_SLACK = 0.001
+
+
+def _chord_edge(predictor, recipe, c, run: str, step: int):
+    """A length (a multiple of ``step``) halfway through the chord that answers the first length past
+    a verdict's edge (the first not "fits", the first "won't fit"), or None where each edge is
+    answered by a dry run of its own length or its chord spans one step. A chord lies at or above
+    the step, so an edge read off one can sit lower than the step's own: dry runs there move it."""
+    from ledger.answer.full_ft import optimizer_of
+
+    opt = optimizer_of(recipe, run)
+    for edge in (c.fits_len, c.tight_len):
+        first = (edge or 0) + step
+        fig = predictor.full.table.figure(recipe.replace(seq_len=first), opt)
+        if fig is None or fig.how != "chord" or fig.floor_mib >= fig.mib * (1 - CHORD_SLACK):
+            continue  # a dry run of its own, or a chord the rows beyond it show to be exact
+        have = predictor.full.table.lengths(recipe, opt)
+        lo, hi = max(s for s in have if s < first), min(s for s in have if s > first)
+        mid = (lo + hi) // 2 // step * step
+        if lo < mid < hi:
+            return mid
+    return None
+
+
 def _recipe_line(recipe, args: argparse.Namespace) -> str:
     """The first line of a ceiling: the whole recipe the answer is for."""
     what = "a training run" if args.real else "a one-step probe"
@@ -150,6 +177,13 @@ def _length_ceiling(args: argparse.Namespace, ledger, gpu: str, entry) -> int:
             break
         predictor = predictor_for(args, ledger)
         c = ask()
+    if full and not args.no_compute:  # the verdicts' edges from dry runs, not a chord above the step
+        for _ in range(MAX_REFINE):
+            mid = _chord_edge(predictor, recipe, c, run, args.seq_step)
+            if mid is None or not ensure_dry_runs(args, predictor, replace(recipe, seq_len=mid)):
+                break
+            predictor = predictor_for(args, ledger)
+            c = ask()
     if args.json:
         dump_json(c.model_dump(mode="json"))
         return 0

@@ -106,12 +106,15 @@ def needed_points(predictor, recipe: Recipe, model_rows: str) -> list[dict]:
 
 
 def full_points(predictor, recipe: Recipe, model_rows: str, run: str = "real") -> list[dict]:
-    """The dry runs a full fine-tuning answer lacks: none when the full table has a figure for it,
-    else its own length, with the optimizer's step for a training run (``ledger.answer.full_ft``)."""
+    """The dry run a full fine-tuning answer lacks: none when the full table has a row of its very
+    length (a chord between two lengths is at or above the step, and an answer computed on the spot
+    has the step itself), else its own length, with the optimizer's step for a training run
+    (``ledger.answer.full_ft``)."""
     from ledger.answer.full_ft import optimizer_of
 
     optimizer = optimizer_of(recipe, run)
-    if recipe.seq_len is None or recipe.model is None or predictor.full.table.figure(recipe, optimizer) is not None:
+    found = predictor.full.table.figure(recipe, optimizer) if recipe.seq_len and recipe.model else None
+    if recipe.seq_len is None or recipe.model is None or (found is not None and found.how != "chord"):
         return []
     point = {"model": model_rows, "method": "full", "quant": recipe.quant, "fixes": recipe.fixes,
              "seq_len": recipe.seq_len,

@@ -43,6 +43,10 @@ class FullFigure(NamedTuple):
     ids: tuple[str, ...]
     how: str
     pre_step_mib: Optional[float] = None
+    #: For a chord: the highest the step can be below it, where rows beyond its ends say (the
+    #: lines through the two rows below it and the two above, extended to the length, lie at or
+    #: below a convex peak); the chord is exact when this reaches it.
+    floor_mib: Optional[float] = None
 
 
 def full_key(recipe: Recipe, optimizer: Optional[str]) -> FullKey:
@@ -100,4 +104,13 @@ class FullTable:
         (y1, i1, p1), (y2, i2, _) = cell[s1], cell[s2]
         if y2 is None:  # the next length run is past any device: no chord reaches this length
             return None
-        return FullFigure(y1 + (y2 - y1) * (seq - s1) / (s2 - s1), (i1, i2), "chord", p1)
+        floors = [y1]
+        below = [s for s in lower if s < s1]
+        above = [s for s in upper if s > s2 and cell[s][0] is not None]
+        if below:
+            s0 = max(below)
+            floors.append(y1 + (y1 - cell[s0][0]) * (seq - s1) / (s1 - s0))
+        if above:
+            s3 = min(above)
+            floors.append(y2 - (cell[s3][0] - y2) * (s2 - seq) / (s3 - s2))
+        return FullFigure(y1 + (y2 - y1) * (seq - s1) / (s2 - s1), (i1, i2), "chord", p1, max(floors))
