@@ -333,3 +333,31 @@ def test_a_chord_knows_when_it_is_exact_and_a_length_ceiling_dry_runs_the_edges_
     assert _chord_edge(predictor, r, SimpleNamespace(fits_len=2816, tight_len=2816), "real", 256) == 3072
     assert _chord_edge(predictor, r, SimpleNamespace(fits_len=11776, tight_len=11776), "real", 256) is None
     assert _chord_edge(predictor, r, SimpleNamespace(fits_len=3840, tight_len=3840), "real", 256) is None  # a row
+
+
+def test_a_prediction_of_a_full_fine_tune_is_stored_with_its_dry_runs_and_scored_by_a_full_run_only(tmp_path, capsys,
+                                                                                                  rows):
+    import shutil
+
+    from ledger.answer.predictions import score_predictions
+
+    path = tmp_path / "l.json"
+    shutil.copy(BUNDLED, path)
+    code, out, err = run_cli(capsys, "predict", "--ledger", str(path), "--model", MODEL, "--method", "full",
+                             "--seq-len", "2048", "--gpu", "rtx-4090", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    pred = doc["prediction"]
+    assert pred["finetune"] == "full" and "lora" not in pred and pred["id"].startswith("pred-rtx-4090-full-")
+    assert [d["id"] for d in pred["dry_run_rows"]] == pred["basis"] == [_row(rows, 2048).id]
+    ledger = store.load(path)
+    base = _row(rows, 2048)
+    lora_run = next(m for m in ledger.measurements if m.kind == "real" and m.outcome.peak_allocated_mib)
+    lora_run = lora_run.model_copy(update={"id": "lora-run", "gpu": "rtx-4090", "model": MODEL, "quant": "bf16",
+                                           "seq_len": 2048})
+    full_run = base.model_copy(update={"id": "full-run", "kind": "real", "gpu": "rtx-4090"})
+    ledger.measurements += [lora_run]
+    assert score_predictions(ledger).scored == []  # a LoRA run never scores a full fine-tune's prediction
+    ledger.measurements += [full_run]
+    assert score_predictions(ledger).scored == [pred["id"]]
+    assert ledger.predictions[-1].score.measurement == "full-run"

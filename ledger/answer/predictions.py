@@ -25,6 +25,8 @@ def matches(pred: Prediction, m: Measurement, *, needs_allocated: bool = True) -
         return False
     if not (_same(pred.gpu, m.gpu) and _same(pred.model, m.model) and _same(pred.quant, m.quant)):
         return False
+    if (pred.finetune == "full") != (m.finetune == "full"):  # a full fine-tune scores only its own kind
+        return False
     if pred.lora is not None:
         if m.lora is None or m.lora.rank != pred.lora.rank:
             return False
@@ -91,18 +93,20 @@ def make_prediction(ledger: Ledger, predictor, *, gpu: str, recipe, made_on: dt.
     if real is None or real.mib is None:
         raise UserError(Issue("predict", "", f"unknown: {answer.method_text or answer.why}"))
     ids = {m.id for m in ledger.measurements}
-    dry = {d.id: d for d in predictor.dry}
+    full = recipe.method == "full"
+    dry = {d.id: d for d in (predictor.fit.dry_source if full else predictor.dry)}
     carried = [dry[i] for i in answer.evidence if i not in ids and i in dry]
     missing = [i for i in answer.evidence if i not in ids and i not in dry]
     if missing:
         raise UserError(Issue("predict", "", f"the answer cites rows neither the ledger nor the dry runs hold: "
                               f"{', '.join(missing)}"))
-    pid = pid or (f"pred-{gpu}-r{recipe.rank}{'-drop' if recipe.dropout else ''}{'-dora' if recipe.dora else ''}-"
-                  f"{made_on.isoformat()}")
+    pid = pid or (f"pred-{gpu}-" + ("full" if full else f"r{recipe.rank}") + f"{'-drop' if recipe.dropout else ''}"
+                  f"{'-dora' if recipe.dora else ''}-{made_on.isoformat()}")
     pred = Prediction(
-        id=pid, gpu=gpu, model=recipe.model, quant=recipe.quant,
-        lora=Lora(rank=recipe.rank, alpha=alpha, rslora=rslora or None, dropout=dropout, dora=recipe.dora or None,
-                  target_modules=list(recipe.targets) if recipe.targets != ALL_LINEAR else None),
+        id=pid, gpu=gpu, model=recipe.model, quant=recipe.quant, finetune="full" if full else None,
+        lora=None if full else Lora(rank=recipe.rank, alpha=alpha, rslora=rslora or None, dropout=dropout,
+                                    dora=recipe.dora or None,
+                                    target_modules=list(recipe.targets) if recipe.targets != ALL_LINEAR else None),
         seq_len=recipe.seq_len, response_len=recipe.response_len, memory_fixes=fixes, optimizer=recipe.optimizer,
         batch_size=recipe.batch if recipe.batch != 1 else None,
         made_on=made_on,

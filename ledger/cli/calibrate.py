@@ -17,7 +17,8 @@ from ledger.vocab.recipe import capacity_mib
 from ledger.core.results import Calibration
 from .question import (add_card_option, add_dry_runs_option, card_from, dry_rows, predictor_for, recipe_from,
                        require_model)
-from .options import (Command, add_batch_option, add_json_option, add_ledger_option, add_optimizer_option,
+from .options import (Command, add_batch_option, add_json_option, add_ledger_option, add_method_option,
+                      add_optimizer_option,
                       add_recipe_options, dump_json, parse_date)
 
 
@@ -90,7 +91,8 @@ def add_predict_options(p: argparse.ArgumentParser) -> None:
     add_ledger_option(p)
     add_dry_runs_option(p)
     add_card_option(p)
-    add_recipe_options(p, required=("rank", "seq-len"))
+    add_recipe_options(p, required=("seq-len",))
+    add_method_option(p)
     add_optimizer_option(p)
     add_batch_option(p)
     p.add_argument("--id", help="prediction id (default: from the configuration and date)")
@@ -125,7 +127,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     if made_on > dt.date.today():
         raise UserError(Issue("--date", "", f"{made_on} is in the future: a prediction is made from what is "
                               "measured by then"))
-    if args.rank <= 0:
+    if args.method == "lora" and args.rank is not None and args.rank <= 0:
         raise UserError(Issue("--rank", "", f"must be > 0, got {args.rank}"))
     recipe = recipe_from(args, args.rank)
     pred, answer = make_prediction(ledger, predictor_for(args, ledger, as_of=made_on, exclude=args.exclude), gpu=gpu,

@@ -411,6 +411,9 @@ class Prediction(RecipeFields):
 
     id: Id
     made_on: Optional[Date] = Field(None, description="Date the prediction was made.")
+    finetune: Optional[Literal["lora", "full"]] = Field(
+        None, description="What the predicted run trains: 'full' = every weight, no adapter (lora is then null); "
+                          "null or 'lora' = LoRA.")
     predicted_peak_mib: MiB = Field(description="Predicted real-run peak allocated.")
     interval_low_mib: Optional[MiB] = Field(None, description="Lower end of the prediction interval.")
     interval_high_mib: Optional[MiB] = Field(None, description="Upper end of the prediction interval.")
