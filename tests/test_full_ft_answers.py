@@ -361,3 +361,23 @@ def test_a_prediction_of_a_full_fine_tune_is_stored_with_its_dry_runs_and_scored
     ledger.measurements += [full_run]
     assert score_predictions(ledger).scored == [pred["id"]]
     assert ledger.predictions[-1].score.measurement == "full-run"
+
+
+def test_a_measured_full_fine_tune_is_scored_on_the_board_apart_from_the_dry_runs(rows):
+    from ledger.report.dry_board import full_board
+    from ledger.report.estimators import FT01
+    from ledger.vocab.model_configs import load_arch
+
+    ledger = store.load(BUNDLED)
+    row = _row(rows, 2048)
+    run = row.model_copy(update={"id": "real-full", "kind": "real", "gpu": "rtx-3070-ti", "outcome":
+                                 row.outcome.model_copy(update={"peak_allocated_mib": 7000.0,
+                                                                "peak_reserved_mib": 7300.0})})
+    p = Predictor(ledger.model_copy(update={"measurements": [*ledger.measurements, run]}), rows)
+    board = full_board(p)
+    ft01 = next(e for e in board["estimators"] if e["name"] == "ft01")
+    (m,) = ft01["measured"]
+    est = FT01().estimate(load_arch(MODEL), full_recipe_of(run)).bytes / 2**20
+    assert m["id"] == "real-full" and m["measured_mib"] == 7300.0 and m["estimate_mib"] == round(est, 1)
+    assert ft01["measured_median_abs_err_pct"] == abs(m["error_pct"])
+    assert full_board(Predictor(ledger, rows))["estimators"][0]["measured"] == []  # none measured: none scored

@@ -355,8 +355,16 @@ class DryBoardRow(_Result):
     error_pct: float = Field(description="(estimate - reference) / reference x 100.")
 
 
+class MeasuredBoardRow(_Result):
+    id: str
+    gpu: str
+    measured_mib: float = Field(description="The row's measured figure of the quantity the estimator predicts.")
+    estimate_mib: float
+    error_pct: float = Field(description="(estimate - measured) / measured x 100.")
+
+
 class DryBoardScore(_Result):
-    """One estimator against this project's dry runs."""
+    """One estimator against this project's dry runs (and any measured row of the kind)."""
 
     name: str
     predicts: str = Field(description="The quantity it claims to predict.")
@@ -367,6 +375,9 @@ class DryBoardScore(_Result):
     slices: dict[str, dict[str, SliceScore]] = Field(description="MoE: by model and by quant; full fine-tuning: by "
                                                                    "quant (precision) and by model size.")
     rows: list[DryBoardRow]
+    measured: list[MeasuredBoardRow] = Field(default_factory=list, description="The ledger's measured rows of the "
+                                                                                "kind (on their own cards), scored.")
+    measured_median_abs_err_pct: Optional[float] = Field(None, description="Median |error| over them, %.")
 
 
 class DryRunBoard(_Result):

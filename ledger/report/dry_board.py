@@ -74,19 +74,45 @@ def size_band(model: str) -> str:
 def moe_board(predictor, estimators: Optional[list[Estimator]] = None, card: str = REFERENCE_CARD) -> dict:
     """Each estimator's MoE figures against the project's dry-run answers (see the module
     docstring): per estimator its rows, the median |error| and signed error, and slices by model
-    and quant."""
+    and quant; and against any measured MoE row."""
+    def moe(m: Measurement) -> Optional[Recipe]:
+        arch = load_arch(m.model) if m.model else None
+        return recipe_of(m) if arch and arch.experts else None
     return _board(predictor, moe_recipes(predictor.dry), estimators, card,
-                  {"model": lambda r: r.model, "quant": lambda r: r.quant})
+                  {"model": lambda r: r.model, "quant": lambda r: r.quant}, measured_recipe=moe)
 
 
 def full_board(predictor, estimators: Optional[list[Estimator]] = None, card: str = REFERENCE_CARD) -> dict:
     """Each estimator's full fine-tuning figures against the project's dry-run answers (see the
     module docstring), with slices by precision and by model size."""
     return _board(predictor, full_recipes(predictor.fit.dry_source), estimators, card,
-                  {"quant": lambda r: r.quant, "size": lambda r: size_band(r.model)})
+                  {"quant": lambda r: r.quant, "size": lambda r: size_band(r.model)}, measured_recipe=full_recipe_of)
 
 
-def _board(predictor, recipes: list[Recipe], estimators: Optional[list[Estimator]], card: str, slices: dict) -> dict:
+def measured_scores(ledger, est: Estimator, recipe_of_row) -> list[dict]:
+    """An estimator against the ledger's measured rows of a kind (``recipe_of_row`` reads a row's
+    recipe, None for another kind): each row's quantity the estimator claims, on the row's card."""
+    out = []
+    for m in ledger.measurements:
+        if m.kind not in ("probe", "real") or m.outcome.status != "ok" or not m.gpu or not m.model:
+            continue
+        r = recipe_of_row(m)
+        arch = load_arch(m.model) if r is not None and r.seq_len else None
+        ref = m.outcome.peak_reserved_mib if est.predicts == "reserved" else m.outcome.peak_allocated_mib
+        if arch is None or not ref:
+            continue
+        gpu = ledger.gpus.get(m.gpu)
+        e = est.estimate(arch, r, gpu_total_mib=gpu.total_mib if gpu else None)
+        if e is None:
+            continue
+        mib = e.bytes / MIB
+        out.append({"id": m.id, "gpu": m.gpu, "measured_mib": round(ref, 1), "estimate_mib": round(mib, 1),
+                    "error_pct": round((mib - ref) / ref * 100, 2)})
+    return out
+
+
+def _board(predictor, recipes: list[Recipe], estimators: Optional[list[Estimator]], card: str, slices: dict,
+           measured_recipe=None) -> dict:
     estimators = ESTIMATORS if estimators is None else estimators
     found = resolve_card(predictor.ledger, card)
     if found is None:
@@ -116,7 +142,11 @@ def _board(predictor, recipes: list[Recipe], estimators: Optional[list[Estimator
                            "reference_mib": round(ref, 1), "estimate_mib": round(mib, 1),
                            "error_pct": round((mib - ref) / ref * 100, 2)})
         errors = [r["error_pct"] for r in scored]
+        measured = measured_scores(predictor.ledger, est, measured_recipe) if available and measured_recipe else []
         out.append({"name": est.name, "predicts": est.predicts, "available": available, "n": len(scored),
+                    "measured": measured,
+                    "measured_median_abs_err_pct": round(statistics.median(abs(r["error_pct"]) for r in measured), 2)
+                    if measured else None,
                     "median_abs_err_pct": round(statistics.median(abs(e) for e in errors), 2) if errors else None,
                     "median_signed_err_pct": round(statistics.median(errors), 2) if errors else None,
                     "slices": {key: _medians(scored, key) for key in slices}, "rows": scored})
