@@ -139,6 +139,12 @@ def test_the_fit_tables_full_cells_are_the_predictors_answers(predictor):
     for c in cells:
         a = predictor.predict(recipe(c.seq_len, c.quant), c.gpu, entry=cards(predictor)[c.gpu], run="real")
         assert (c.verdict, c.mib, c.high_mib) == (a.verdict, a.real_allocated.mib, a.real_allocated.high_mib)
+    # Every answer at or above its own dry run (the interval's top), on every card the site shows.
+    from ledger.answer.fits import page_cards
+
+    for c in full_table(predictor, gpus=page_cards(predictor), models=[MODEL, "llama-3.2-1b"]):
+        fig = predictor.full.table.figure(recipe(c.seq_len, c.quant).replace(model=c.model), "adamw_torch")
+        assert c.high_mib >= fig.mib, c
     # A card of 80 GB fits every length a 24 GB card fits.
     by = {(c.gpu, c.quant, c.seq_len): c.verdict for c in cells}
     assert all(by[("h100-80gb", q, s)] == "fits" for (g, q, s), v in by.items() if g == "rtx-4090" and v == "fits")
