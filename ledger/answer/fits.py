@@ -208,8 +208,8 @@ def full_table(p: Predictor, gpus: Optional[list[str]] = None, models: Optional[
                optimizer: str = "adamw_torch") -> list[FullCell]:
     """Full fine-tuning's cells: every model with full fine-tuning dry runs (the grid's order), on
     ``gpus`` (default the site's, ``page_cards``), in ``FULL_QUANTS``, at each length the model
-    allows: ``Predictor.predict``'s answer for the training run, as ``vram fit --method full``
-    gives it."""
+    allows: ``Predictor.predict``'s answer for the training run (its figure and verdict,
+    ``FullAnswers.cell``, without the ``Answer`` around them), as ``vram fit --method full`` gives it."""
     from ledger.vocab.recipe import full_recipe
 
     all_cards = cards(p)
@@ -223,11 +223,11 @@ def full_table(p: Predictor, gpus: Optional[list[str]] = None, models: Optional[
             entry = all_cards.get(gpu)
             for quant in FULL_QUANTS:
                 for seq in model_lengths(model):
-                    a = p.predict(full_recipe(model=model, quant=quant, seq_len=seq, fixes="none", optimizer=optimizer),
-                                  gpu, entry=entry, run="real")
-                    fig = a.allocated
-                    out.append(FullCell(model, gpu, quant, seq, a.verdict, fig.mib if fig else None,
-                                        fig.high_mib if fig else None, a.method or "", tuple(a.evidence), optimizer))
+                    fig, method, _, ids, verdict, _, _, _ = p.full.cell(
+                        full_recipe(model=model, quant=quant, seq_len=seq, fixes="none", optimizer=optimizer),
+                        gpu, entry, "real")
+                    out.append(FullCell(model, gpu, quant, seq, verdict, fig.mib if fig else None,
+                                        fig.high_mib if fig else None, method or "", tuple(ids), optimizer))
     return out
 
 

@@ -99,10 +99,10 @@ class FullAnswers:
                 + self.p.dry_cal.family_note(recipe))
         return around(fig.mib + rem, width), "dry run", text, list(fig.ids), False
 
-    def judged(self, recipe: Recipe, gpu: str, entry: Optional[Gpu], run: Run, margin_mib: float,
-               budget_mib: Optional[float], full: bool):
-        """``Predictor._judged`` for a full fine-tune: the whole ``Answer`` (``full``) or the verdict
-        and the limit it was judged against."""
+    def cell(self, recipe: Recipe, gpu: str, entry: Optional[Gpu], run: Run, margin_mib: float = 0.0,
+             budget_mib: Optional[float] = None) -> tuple:
+        """The judged figure without the ``Answer`` around it (the fit table asks some 7,000):
+        (interval or None, method, text, evidence ids, verdict, limit low, limit high, its source)."""
         entry = entry or self.p.ledger.gpus.get(gpu)
         recipe = self.p.resolve_model(recipe, gpu)
         fig, method, text, ids, failed = self.figure(recipe, gpu, entry.vendor if entry else None, run)
@@ -110,20 +110,22 @@ class FullAnswers:
             low, high, lsrc = budget_mib, budget_mib, f"--budget-mib {budget_mib}"
         else:
             low, high, lsrc = self.p.card_limit(gpu, entry, run)
-        if failed:
-            verdict, why = "won't fit", text
-        elif full:
-            verdict, why = decide(fig, low, high, margin_mib)
-        else:
-            verdict = verdict_for(None if fig is None else fig.low_mib, None if fig is None else fig.high_mib,
-                                  low, high, margin_mib)
+        verdict = "won't fit" if failed else verdict_for(None if fig is None else fig.low_mib,
+                                                         None if fig is None else fig.high_mib, low, high, margin_mib)
+        return fig, method, text, ids, verdict, low, high, lsrc
+
+    def judged(self, recipe: Recipe, gpu: str, entry: Optional[Gpu], run: Run, margin_mib: float,
+               budget_mib: Optional[float], full: bool):
+        """``Predictor._judged`` for a full fine-tune: the whole ``Answer`` (``full``) or the verdict
+        and the limit it was judged against."""
+        fig, method, text, ids, verdict, low, high, lsrc = self.cell(recipe, gpu, entry, run, margin_mib, budget_mib)
         if not full:
             return verdict, low, high
-        if fig is None and not failed:
-            why = text
+        # The words of the verdict ``cell`` made (``decide`` applies the same rule), or why there is none.
+        why = text if fig is None else decide(fig, low, high, margin_mib)[1]
         ratio = self.p.reserved_ratio(gpu)
         reserved = None if fig is None or ratio is None else scale(fig, ratio[0], ratio[1], ratio[2])
-        shown = recipe.replace(optimizer=optimizer_of(recipe, run))
+        shown = self.p.resolve_model(recipe, gpu).replace(optimizer=optimizer_of(recipe, run))
         return Answer(gpu=gpu, card_source="budget" if budget_mib is not None else (
                           "ledger" if gpu in self.p.ledger.gpus else "card table"),
                       recipe=shown.memory_fields(), run=run, probe_allocated=fig if run == "probe" else None,

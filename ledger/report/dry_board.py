@@ -75,9 +75,8 @@ def moe_board(predictor, estimators: Optional[list[Estimator]] = None, card: str
     """Each estimator's MoE figures against the project's dry-run answers (see the module
     docstring): per estimator its rows, the median |error| and signed error, and slices by model
     and quant; and against any measured MoE row."""
-    def moe(m: Measurement) -> Optional[Recipe]:
-        arch = load_arch(m.model) if m.model else None
-        return recipe_of(m) if arch and arch.experts else None
+    def moe(m: Measurement, arch) -> Optional[Recipe]:
+        return recipe_of(m) if arch.experts else None
     return _board(predictor, moe_recipes(predictor.dry), estimators, card,
                   {"model": lambda r: r.model, "quant": lambda r: r.quant}, measured_recipe=moe)
 
@@ -86,20 +85,33 @@ def full_board(predictor, estimators: Optional[list[Estimator]] = None, card: st
     """Each estimator's full fine-tuning figures against the project's dry-run answers (see the
     module docstring), with slices by precision and by model size."""
     return _board(predictor, full_recipes(predictor.fit.dry_source), estimators, card,
-                  {"quant": lambda r: r.quant, "size": lambda r: size_band(r.model)}, measured_recipe=full_recipe_of)
+                  {"quant": lambda r: r.quant, "size": lambda r: size_band(r.model)}, measured_recipe=lambda m, arch: full_recipe_of(m) if m.finetune == "full" else None)
 
 
-def measured_scores(ledger, est: Estimator, recipe_of_row) -> list[dict]:
-    """An estimator against the ledger's measured rows of a kind (``recipe_of_row`` reads a row's
-    recipe, None for another kind): each row's quantity the estimator claims, on the row's card."""
+def measured_rows(ledger, recipe_of_row) -> list[tuple]:
+    """The ledger's measured rows of a kind (``recipe_of_row`` reads a row's recipe, None for
+    another kind) that an estimator can be asked about: (row, recipe, arch), each read once."""
     out = []
+    archs: dict = {}
     for m in ledger.measurements:
         if m.kind not in ("probe", "real") or m.outcome.status != "ok" or not m.gpu or not m.model:
             continue
-        r = recipe_of_row(m)
-        arch = load_arch(m.model) if r is not None and r.seq_len else None
+        if m.model not in archs:
+            archs[m.model] = load_arch(m.model)
+        arch = archs[m.model]
+        r = recipe_of_row(m, arch) if arch is not None else None
+        if r is not None and r.seq_len:
+            out.append((m, r, arch))
+    return out
+
+
+def measured_scores(ledger, est: Estimator, rows: list[tuple]) -> list[dict]:
+    """An estimator against measured rows (``measured_rows``): each row's quantity the estimator
+    claims, on the row's card."""
+    out = []
+    for m, r, arch in rows:
         ref = m.outcome.peak_reserved_mib if est.predicts == "reserved" else m.outcome.peak_allocated_mib
-        if arch is None or not ref:
+        if not ref:
             continue
         gpu = ledger.gpus.get(m.gpu)
         e = est.estimate(arch, r, gpu_total_mib=gpu.total_mib if gpu else None)
@@ -126,6 +138,7 @@ def _board(predictor, recipes: list[Recipe], estimators: Optional[list[Estimator
         rows.append((recipe, {"allocated": answer.real_allocated.mib,
                               "reserved": answer.reserved.mib if answer.reserved else None}))
     total = entry.total_mib
+    kind_rows = measured_rows(predictor.ledger, measured_recipe) if measured_recipe else []
     out = []
     for est in estimators:
         scored = []
@@ -142,7 +155,7 @@ def _board(predictor, recipes: list[Recipe], estimators: Optional[list[Estimator
                            "reference_mib": round(ref, 1), "estimate_mib": round(mib, 1),
                            "error_pct": round((mib - ref) / ref * 100, 2)})
         errors = [r["error_pct"] for r in scored]
-        measured = measured_scores(predictor.ledger, est, measured_recipe) if available and measured_recipe else []
+        measured = measured_scores(predictor.ledger, est, kind_rows) if available else []
         out.append({"name": est.name, "predicts": est.predicts, "available": available, "n": len(scored),
                     "measured": measured,
                     "measured_median_abs_err_pct": round(statistics.median(abs(r["error_pct"]) for r in measured), 2)
