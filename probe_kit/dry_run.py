@@ -262,9 +262,11 @@ def dry_run(cfg: ProbeConfig, *, multimodal: Optional[bool] = None, budget_mib: 
             "rss_growth_mib": (rss_bytes() - rss0) / MIB, "oom": raw["oom"], "depth": raw["depth"]}
 
 
-def _fake_step(cfg: ProbeConfig, config, budget_mib: Optional[float], marks: Optional[int] = None) -> dict:
+def _fake_step(cfg: ProbeConfig, config, budget_mib: Optional[float], marks: Optional[int] = None,
+               trace: bool = False) -> dict:
     """The model built from ``config`` under fake tensors, the recipe applied, the step run and
-    measured. With ``marks`` (the config's number of layers), each phase's peak too."""
+    measured. With ``marks`` (the config's number of layers), each phase's peak too; with
+    ``trace``, the device allocations and frees in order (``TrackerMeter.record_trace``)."""
     from transformers import AutoModelForCausalLM
 
     with fake_world():
@@ -273,7 +275,10 @@ def _fake_step(cfg: ProbeConfig, config, budget_mib: Optional[float], marks: Opt
         if cfg.quant == "4bit":
             stand_in_4bit(model, cfg.double_quant)
         meter = TrackerMeter(budget_mib)
+        if trace:
+            meter.record_trace()
         meter.register_module(model)
+        loaded_at = len(meter.trace) if trace else None
         after_load = meter.allocated_mib()
         oom = None
         with meter:
@@ -297,10 +302,24 @@ def _fake_step(cfg: ProbeConfig, config, budget_mib: Optional[float], marks: Opt
                 meter.mark("end")
             pre_step = figures.get("pre_step", meter.allocated_mib())
         peak = meter.peak_allocated_mib()
-    out = {"after_load_mib": after_load, "pre_step_mib": pre_step, "peak_mib": peak, "oom": oom}
+    out = {"after_load_mib": after_load, "pre_step_mib": pre_step, "peak_mib": peak, "oom": oom,
+           "trace": meter.trace, "loaded_at": loaded_at}
     if marks:
         out.update(phases=phase_peaks(meter.windows, meter.peak_bytes) if backward else None)
     return out
+
+
+def allocation_trace(cfg: ProbeConfig, workspace_mib: float = CUBLAS_WORKSPACE_MIB) -> tuple[list[int], dict]:
+    """The step's device allocations and frees in order, every layer run (a trace is not
+    extrapolated in depth): the weights as loaded, then the cuBLAS workspaces (``CUBLAS_HANDLES``
+    of ``workspace_mib``, made through the caching allocator when the step's first matmuls run, and
+    kept), then the recipe's preparation and the step. With the tracker's figures."""
+    config = load_config(cfg.model)
+    raw = _fake_step(cfg, config, None, trace=True)
+    trace, loaded = raw.pop("trace"), raw.pop("loaded_at")
+    made = sum(1 for e in trace[:loaded] if e >= 0)  # allocations before the workspaces keep their numbers
+    shifted = [e if e >= 0 or -e - 1 < made else e - CUBLAS_HANDLES for e in trace[loaded:]]
+    return trace[:loaded] + [int(round(workspace_mib * MIB))] * CUBLAS_HANDLES + shifted, raw
 
 
 def predict(cfg: ProbeConfig, *, gpu: Optional[str] = None, ledger: Optional[str] = None,
@@ -416,6 +435,15 @@ def main(argv=None) -> int:
     p.add_argument("--find-ceiling", metavar="AXIS", help="bisect AXIS (rank) for the largest whose verdict is fits")
     p.add_argument("--budget-mib", type=float, help="the memory to fit in, MiB (default: the card's limit)")
     p.add_argument("--id", help="measurement id")
+    p.add_argument("--simulate-allocator", action="store_true",
+                   help="also replay the step's allocations through a model of PyTorch's CUDA caching allocator "
+                        "(every layer run, its trace recorded; probe_kit/allocator.py): the simulated peak reserved, "
+                        "the largest free cached block at that peak, and the card size below which the step raises "
+                        "an OOM")
+    p.add_argument("--alloc-conf", metavar="CONF",
+                   help="PYTORCH_CUDA_ALLOC_CONF for the simulation (e.g. expandable_segments:True, "
+                        "max_split_size_mb:128, roundup_power2_divisions:4, garbage_collection_threshold:0.8); "
+                        "implies --simulate-allocator")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     args = p.parse_args(argv)
     args.random_weights = True
@@ -423,6 +451,7 @@ def main(argv=None) -> int:
 
     def work() -> None:
         cfg = config_from_args(args)
+        conf = _alloc_conf(args.alloc_conf)
         if args.find_ceiling:
             cfg.refuse_rank_search()
         predictor = _predictor(args.ledger)
@@ -456,6 +485,8 @@ def main(argv=None) -> int:
             else:
                 answer = predictor.judge_dry(cfg.recipe(), outcome["peak_allocated_mib"], gpu, entry=entry,
                                              budget_mib=args.budget_mib) if outcome["peak_allocated_mib"] else None
+            if args.simulate_allocator or args.alloc_conf:
+                breakdown["allocator"] = simulate_allocator(cfg, conf, args.alloc_conf or "")
             result["doc"] = {"measurement": m.model_dump(mode="json", exclude_none=True), "breakdown": breakdown,
                              "answer": answer.model_dump(mode="json") if answer else None}
             if args.append:
@@ -478,11 +509,45 @@ def main(argv=None) -> int:
         print(f"dry run: peak allocated {o.get('peak_allocated_mib')} MiB raw (tracker {b['tracker_peak_mib']} + "
               f"cuBLAS {b['cublas_workspace_mib']} + vision {b['vision_tower_mib']} MiB); after load "
               f"{o.get('after_load_mib')} MiB, pre-step {o.get('pre_step_mib')} MiB; {depth}; {b['seconds']} s")
+        sim = b.get("allocator")
+        if sim:
+            print(f"allocator simulated ({sim['conf'] or 'PyTorch defaults'}; {sim['events']} allocations and frees, "
+                  f"every layer): peak reserved {sim['peak_reserved_mib']} MiB for {sim['peak_allocated_mib']} MiB "
+                  f"allocated (x{sim['reserved_over_allocated']}), largest free cached block at that peak "
+                  f"{sim['largest_free_at_peak_mib']} MiB; an OOM on any card whose memory free for PyTorch is "
+                  f"{sim['oom_below_mib']} MiB or less")
         if a and (a["probe_allocated"] or a["real_allocated"]):
             iv = a["probe_allocated"] or a["real_allocated"]
             print(f"predicted peak allocated {iv['mib']} MiB ({iv['low_mib']}–{iv['high_mib']} MiB): {a['method_text']}")
             print(f"verdict{' on ' + a['gpu'] if a['gpu'] else ''}: {a['verdict']}: {a['why']}")
     return 0
+
+
+def _alloc_conf(text: Optional[str]):
+    from .allocator import AllocConf, AllocConfError
+
+    try:
+        return AllocConf.parse(text)
+    except AllocConfError as exc:
+        raise RecipeError(f"--alloc-conf: {exc}") from None
+
+
+def simulate_allocator(cfg: ProbeConfig, conf, text: str = "") -> dict:
+    """The step's allocation trace replayed through the caching allocator's model: peak reserved,
+    the largest free cached block at that peak, and (by bisection on the simulated device's
+    capacity, in 2 MiB steps) the largest memory free for PyTorch at which the step raises an
+    OOM. The figures are the caching allocator's alone: the CUDA context and other processes'
+    memory come on top."""
+    from .allocator import oom_capacity
+
+    t0 = time.process_time()
+    trace, _ = allocation_trace(cfg)
+    fails_at, sim = oom_capacity(trace, conf)
+    return {"conf": text, "events": len(trace), "peak_allocated_mib": round(sim.peak_allocated / MIB, 1),
+            "peak_reserved_mib": round(sim.peak_reserved / MIB, 1),
+            "reserved_over_allocated": round(sim.peak_reserved / sim.peak_allocated, 4) if sim.peak_allocated else None,
+            "largest_free_at_peak_mib": round(sim.largest_free_at_peak / MIB, 1), "segments": sim.segments,
+            "oom_below_mib": round(fails_at / MIB, 1), "cpu_s": round(time.process_time() - t0, 2)}
 
 
 def find_ceiling(cfg: ProbeConfig, predictor, *, gpu: Optional[str] = None, entry=None,

@@ -101,6 +101,12 @@ class TrackerMeter(TorchDispatchMode):
         #: Storages made in host RAM (``host()``): never counted, whatever op returns them later.
         self.host_storages: dict[int, weakref.ref] = {}
         self._on_host = False
+        #: With ``record_trace()``: the allocations and frees of counted storages in order, as
+        #: ``probe_kit.allocator.replay`` reads them (a size in bytes allocates; ``-(k + 1)`` frees
+        #: the k-th allocation), and each live storage's allocation number.
+        self.trace: Optional[list[int]] = None
+        self._trace_ids: dict[int, int] = {}
+        self._allocations = 0
 
     # -- bookkeeping ------------------------------------------------------------------
     def _add(self, t: torch.Tensor) -> int:
@@ -123,17 +129,41 @@ class TrackerMeter(TorchDispatchMode):
             return 0
         if entry is not None:  # the address was reused after a free we had not seen yet
             self.live_bytes -= entry[1]
-        size = round_block(st.nbytes())
+            self._traced_free(key)
+        nbytes = st.nbytes()
+        size = round_block(nbytes)
 
         def freed(ref: weakref.ref, key: int = key) -> None:
             current = self.live.get(key)
             if current is not None and current[0] is ref:
                 del self.live[key]
                 self.live_bytes -= current[1]
+                self._traced_free(key)
 
         self.live[key] = (weakref.ref(st, freed), size)
         self.live_bytes += size
+        if self.trace is not None and nbytes > 0:  # a zero-byte storage takes no block
+            self._trace_ids[key] = self._allocations
+            self._allocations += 1
+            self.trace.append(nbytes)
         return size
+
+    def record_trace(self) -> None:
+        """From now on, record the allocations and frees of counted storages in ``trace`` (the
+        storages counted already first, in the order they were counted)."""
+        self.trace, self._trace_ids, self._allocations = [], {}, 0
+        for key, (ref, _) in self.live.items():
+            st = ref()
+            if st is not None and st.nbytes() > 0:
+                self._trace_ids[key] = self._allocations
+                self._allocations += 1
+                self.trace.append(st.nbytes())
+
+    def _traced_free(self, key: int) -> None:
+        if self.trace is not None:
+            k = self._trace_ids.pop(key, None)
+            if k is not None:
+                self.trace.append(-(k + 1))
 
     def register(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count tensors that existed before tracking started (weights, buffers, quant state)."""
@@ -166,9 +196,11 @@ class TrackerMeter(TorchDispatchMode):
 
     def exclude(self, t: torch.Tensor) -> None:
         """Stop counting t's storage: it lives off the device (e.g. offloaded to host RAM)."""
-        entry = self.live.pop(t.untyped_storage()._cdata, None)
+        key = t.untyped_storage()._cdata
+        entry = self.live.pop(key, None)
         if entry is not None:
             self.live_bytes -= entry[1]
+            self._traced_free(key)
 
     def never_count(self, t: torch.Tensor) -> None:
         """``exclude`` t's storage for good: ops that write it in place later do not count it again

@@ -1,0 +1,138 @@
+"""probe_kit.allocator: the CUDA caching allocator's model, rule by rule as the source states them,
+and a dry run's recorded trace replayed through it (the replay's allocated bytes are the tracker's,
+to the byte)."""
+
+from __future__ import annotations
+
+import pytest
+
+from probe_kit.allocator import (
+    K_LARGE_BUFFER,
+    K_SMALL_BUFFER,
+    MIB,
+    AllocConf,
+    AllocConfError,
+    CachingAllocator,
+    OutOfMemory,
+    allocation_size,
+    oom_capacity,
+    replay,
+    round_size,
+)
+
+
+def test_rounding_and_segment_sizes():
+    d = AllocConf()
+    assert round_size(1, d) == 512 and round_size(513, d) == 1024 and round_size(4096, d) == 4096
+    four = AllocConf(roundup_power2_divisions=4)
+    # 1,200,000 lies between 2^20 and 2^21: divisions of 262,144 bytes
+    assert round_size(1_200_000, four) == 1_310_720 and round_size(2**20, four) == 2**20
+    assert round_size(1000, four) == 1024  # at most 512 x 4: plain 512-byte rounding
+    assert allocation_size(MIB) == K_SMALL_BUFFER and allocation_size(MIB + 1) == K_LARGE_BUFFER
+    assert allocation_size(10 * MIB) == 10 * MIB and allocation_size(11 * MIB + 1) == 12 * MIB
+
+
+def test_small_requests_share_a_2_mib_segment_and_large_ones_split_a_20_mib_one():
+    a = CachingAllocator()
+    x, y = a.malloc(1000), a.malloc(300_000)
+    assert a.reserved == K_SMALL_BUFFER and a.allocated == 1024 + 300_032 and x.segment is y.segment
+    z = a.malloc(3 * MIB)
+    assert a.reserved == K_SMALL_BUFFER + K_LARGE_BUFFER
+    w = a.malloc(5 * MIB)  # the 17 MiB left of the 20 MiB segment, best fit
+    assert a.reserved == K_SMALL_BUFFER + K_LARGE_BUFFER and w.segment is z.segment
+    big = a.malloc(50 * MIB + 7)  # its own segment, rounded up to 2 MiB
+    assert big.segment.size == 52 * MIB and big.size == 50 * MIB + 512  # more than 1 MiB left: split
+    assert a.reserved == K_SMALL_BUFFER + K_LARGE_BUFFER + 52 * MIB
+
+
+def test_a_large_block_is_not_split_when_at_most_1_mib_would_remain_and_frees_merge():
+    a = CachingAllocator()
+    b = a.malloc(12 * MIB)  # a 12 MiB segment
+    a.free(b)
+    c = a.malloc(11 * MIB + 512)  # 0.5 MiB would remain: handed the whole block
+    assert c.size == 12 * MIB and a.allocated == 12 * MIB
+    a.free(c)
+    d, e = a.malloc(4 * MIB), a.malloc(4 * MIB)  # two 4 MiB blocks from one 12 MiB segment
+    assert d.segment is e.segment and a.reserved == 12 * MIB
+    a.free(d)
+    a.free(e)  # merged back into one free 12 MiB block
+    assert a.pools[False].keys == [(12 * MIB, d.addr)]
+
+
+def test_max_split_size_keeps_oversize_blocks_whole_and_the_oom_path_releases_cached_blocks():
+    conf = AllocConf(max_split_size=40 * MIB)
+    a = CachingAllocator(conf, capacity=100 * MIB)
+    big = a.malloc(60 * MIB)
+    a.free(big)
+    small = a.malloc(8 * MIB)  # an oversize cached block is not handed to a smaller request
+    assert small.segment is not big.segment and a.reserved == 80 * MIB
+    again = a.malloc(50 * MIB)  # a larger request takes it only within 20 MiB of its size
+    assert again.segment is big.segment
+    a.free(again)
+    # 90 MiB cannot be reserved beside 80: the cached oversize block is released and it fits
+    huge = a.malloc(70 * MIB)
+    assert huge.size == 70 * MIB and a.reserved == 90 * MIB
+    with pytest.raises(OutOfMemory):
+        a.malloc(30 * MIB)
+
+
+def test_the_default_oom_path_releases_every_unsplit_cached_segment_then_raises():
+    a = CachingAllocator(capacity=64 * MIB)
+    blocks = [a.malloc(10 * MIB) for _ in range(4)]
+    for b in blocks:
+        a.free(b)
+    assert a.reserved == 40 * MIB
+    c = a.malloc(60 * MIB)  # does not fit beside the cache: the cache goes, then it does
+    assert a.reserved == 60 * MIB and c.size == 60 * MIB and a.stats.retries == 1
+    with pytest.raises(OutOfMemory):
+        a.malloc(10 * MIB)
+
+
+def test_expandable_segments_grow_one_segment_by_pages():
+    a = CachingAllocator(AllocConf(expandable_segments=True))
+    x = a.malloc(30 * MIB)
+    assert a.reserved == 40 * MIB  # two 20 MiB pages
+    y = a.malloc(5 * MIB)  # from the 10 MiB left at the end of the segment
+    assert a.reserved == 40 * MIB and y.segment is x.segment
+    a.free(x)
+    z = a.malloc(12 * MIB)  # any remainder of 512 bytes splits with expandable segments
+    assert z.size == 12 * MIB and z.segment is x.segment and a.reserved == 40 * MIB
+
+
+def test_alloc_conf_is_read_as_pytorch_reads_it_and_refused_in_one_line():
+    c = AllocConf.parse("expandable_segments:True, max_split_size_mb:128,roundup_power2_divisions:4")
+    assert c.expandable_segments and c.max_split_size == 128 * MIB and c.roundup_power2_divisions == 4
+    assert AllocConf.parse("") == AllocConf() and AllocConf.parse("backend:native") == AllocConf()
+    for bad, words in (("max_split_size_mb:10", "minimum of 20"), ("roundup_power2_divisions:3", "power of two"),
+                       ("expandable_segments:yes", "True or False"), ("colour:blue", "not a PYTORCH_CUDA_ALLOC_CONF"),
+                       ("garbage_collection_threshold:1.5", r"not in \(0, 1\)"), ("max_split_size_mb", "key:value")):
+        with pytest.raises(AllocConfError, match=words):
+            AllocConf.parse(bad)
+
+
+def test_the_oom_capacity_is_the_edge_where_a_replay_starts_to_fail():
+    trace = [30 * MIB, 8 * MIB, -1, 50 * MIB, 3 * MIB, -2, -4, 40 * MIB]
+    fails, free = oom_capacity(trace)
+    assert free.oom is None and free.peak_allocated <= free.peak_reserved
+    assert replay(trace, capacity=fails).oom is not None
+    assert replay(trace, capacity=fails + 2 * MIB).oom is None
+    assert free.peak_allocated <= fails + 2 * MIB <= free.peak_reserved + 2 * MIB
+
+
+def test_a_dry_runs_trace_replays_to_the_trackers_bytes():
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from probe_kit.dry_run import CUBLAS_HANDLES, allocation_trace
+    from probe_kit.recipe import ProbeConfig
+
+    cfg = ProbeConfig(model="tiny-llama", rank=8, quant="4bit", random_weights=True, seq_len=256, response_len=16,
+                      fixes=[])
+    trace, raw = allocation_trace(cfg, workspace_mib=8.0)
+    sim = replay(trace)
+    # Every storage the tracker counted, 512-byte rounded as both round: the same peak, plus the workspaces.
+    assert sim.peak_allocated == pytest.approx(raw["peak_mib"] * MIB + CUBLAS_HANDLES * 8 * MIB, abs=1)
+    assert sim.peak_reserved >= sim.peak_allocated and sim.oom is None
+    frees = [e for e in trace if e < 0]
+    assert len(set(frees)) == len(frees) and all(-e - 1 < sum(1 for x in trace if x >= 0) for e in frees)
+    expandable = replay(trace, AllocConf(expandable_segments=True))
+    assert expandable.peak_allocated == sim.peak_allocated
