@@ -12,6 +12,11 @@ today, the simulation's reserved / allocated with the probe's. The multimodal pr
 (loaded, never run) is one more allocation at load. Printed per row, then ``median_abs_err_pct``
 and ``max_abs_err_pct`` of peak reserved (the issue's targets: 2% median, 5% worst) and the
 replay's CPU time. ``--json``: one document.
+
+A second figure per row, for comparison only (it uses a fitted figure): the same replay with the
+card's remainder (measured peak allocated less the simulated one, the median over the card's other
+probes: leave-one-out) as one more allocation held from the step's start, since what the tracker
+cannot see is allocated memory the allocator places too.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, help="only the first N probes")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    from probe_kit.allocator import replay
+    from probe_kit.allocator import RESET_PEAK, replay
     from probe_kit.dry_run import allocation_trace, vision_mib
     from probe_kit.recipe import ProbeConfig, parse_fixes
 
@@ -47,6 +52,7 @@ def main() -> None:
             and m.outcome.peak_reserved_mib and m.outcome.peak_allocated_mib]
     rows = rows[: args.limit] if args.limit else rows
     out, errors, replay_s = [], [], []
+    traces = {}
     for m in rows:
         cfg = ProbeConfig(model="gemma-3-4b-it", random_weights=True, rank=m.lora.rank,
                           dropout=m.lora.dropout or 0.0, dora=bool(m.lora.dora), quant=m.quant, seq_len=m.seq_len,
@@ -54,10 +60,11 @@ def main() -> None:
         with contextlib.redirect_stdout(io.StringIO()):
             trace, raw = allocation_trace(cfg)
         vision = int(vision_mib(cfg.model, cfg.quant) * MIB)
-        trace = [vision] + [e if e >= 0 else e - 1 for e in trace]  # the tower first: allocation 0
+        trace = [vision] + [e if e >= 0 or e <= RESET_PEAK else e - 1 for e in trace]  # the tower: allocation 0
         t0 = time.process_time()
         sim = replay(trace)
         replay_s.append(time.process_time() - t0)
+        traces[m.id] = trace
         measured_r, measured_a = m.outcome.peak_reserved_mib, m.outcome.peak_allocated_mib
         reserved = sim.peak_reserved / MIB
         err = (reserved - measured_r) / measured_r * 100
@@ -73,7 +80,27 @@ def main() -> None:
             print(f"{m.id:<48} reserved {measured_r:>8.0f} sim {reserved:>8.1f} ({err:+6.2f}%)  ratio "
                   f"{row['measured_ratio']:.3f} sim {row['simulated_ratio']:.3f}  allocated {measured_a:>8.1f} "
                   f"sim {row['simulated_allocated_mib']:>8.1f}", flush=True)
+    with_rem = []
+    for row in out:
+        others = [r["measured_allocated_mib"] - r["simulated_allocated_mib"] for r in out
+                  if r["gpu"] == row["gpu"] and r["id"] != row["id"]]
+        rem = statistics.median(others) if others else 0.0
+        trace = traces[row["id"]]
+        at = trace.index(RESET_PEAK)
+        n = sum(1 for e in trace[:at] if e >= 0)
+        held = trace[:at] + [int(max(rem, 0) * MIB)] + [e if e >= 0 or e <= RESET_PEAK or -e - 1 < n else e - 1
+                                                         for e in trace[at:]]
+        sim = replay(held)
+        err = (sim.peak_reserved / MIB - row["measured_reserved_mib"]) / row["measured_reserved_mib"] * 100
+        row.update(remainder_mib=round(rem, 1), with_remainder_reserved_mib=round(sim.peak_reserved / MIB, 1),
+                   with_remainder_error_pct=round(err, 2))
+        with_rem.append(err)
+        if not args.json:
+            print(f"{row['id']:<48} with the card's remainder {rem:+.1f} MiB held: reserved "
+                  f"{sim.peak_reserved / MIB:.1f} ({err:+.2f}%)")
     doc = {"rows": out, "n": len(out),
+           "with_remainder_median_abs_err_pct": round(statistics.median(abs(e) for e in with_rem), 2) if with_rem
+           else None, "with_remainder_max_abs_err_pct": round(max(abs(e) for e in with_rem), 2) if with_rem else None,
            "median_abs_err_pct": round(statistics.median(abs(e) for e in errors), 2) if errors else None,
            "max_abs_err_pct": round(max(abs(e) for e in errors), 2) if errors else None,
            "median_signed_err_pct": round(statistics.median(errors), 2) if errors else None,
@@ -84,6 +111,9 @@ def main() -> None:
         print(f"peak reserved over {doc['n']} probes: median |error| {doc['median_abs_err_pct']}% (target 2%), worst "
               f"{doc['max_abs_err_pct']}% (target 5%), median signed {doc['median_signed_err_pct']}%; the longest "
               f"replay {doc['replay_cpu_s_max']} s of CPU (target 2 s)")
+        print(f"with each card's leave-one-out remainder held as one allocation (a fitted figure, for comparison): "
+              f"median |error| {doc['with_remainder_median_abs_err_pct']}%, worst "
+              f"{doc['with_remainder_max_abs_err_pct']}%")
 
 
 if __name__ == "__main__":

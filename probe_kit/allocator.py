@@ -53,6 +53,12 @@ K_LARGE_BUFFER = 20 * MIB
 K_MIN_LARGE_ALLOC = 10 * MIB
 K_ROUND_LARGE = 2 * MIB
 NO_LIMIT = 2**63
+#: Trace entries that are not an allocation or a free: ``torch.cuda.empty_cache()`` (every unsplit
+#: cached block back to the device, as peft's ``prepare_model_for_kbit_training`` does after its
+#: casts) and ``torch.cuda.reset_peak_memory_stats()`` (the peaks start again from what is held now,
+#: as the probe does before its step).
+EMPTY_CACHE = -(1 << 62)
+RESET_PEAK = EMPTY_CACHE + 1
 
 
 class AllocConfError(ValueError):
@@ -414,13 +420,20 @@ class CachingAllocator:
 
 def replay(trace: Iterable[int], conf: AllocConf = AllocConf(), capacity: int = NO_LIMIT) -> Replay:
     """Replay a trace: a non-negative entry allocates that many bytes (the k-th such entry is
-    allocation k), a negative entry ``-(k + 1)`` frees allocation k. Stops at the first OOM."""
+    allocation k), a negative entry ``-(k + 1)`` frees allocation k, ``EMPTY_CACHE`` and
+    ``RESET_PEAK`` do what their names say. Stops at the first OOM."""
     a = CachingAllocator(conf, capacity)
     live: dict[int, Block] = {}
     count = 0
     for i, e in enumerate(trace):
         a.stats.events = i
-        if e >= 0:
+        if e == EMPTY_CACHE:
+            a._release_cached()
+        elif e == RESET_PEAK:
+            a.stats.peak_allocated, a.stats.peak_reserved = a.allocated, a.reserved
+            a.stats.largest_free_at_peak = max((b.size for p in a.pools.values() for b in p.blocks.values()),
+                                               default=0)
+        elif e >= 0:
             try:
                 live[count] = a.malloc(e)
             except OutOfMemory as exc:

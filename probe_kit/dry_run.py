@@ -57,6 +57,7 @@ from ledger.core.paths import DEFAULT_LEDGER
 from ledger.vocab.recipe import fixes_key, fixes_value
 from ledger.core.models import MAX_MIB, Environment, Measurement, Outcome, Provenance
 
+from .allocator import EMPTY_CACHE, RESET_PEAK
 from .depth import depth_plan, extrapolate, phase_marks, phase_peaks, with_layers
 from .meters import MIB, TrackerMeter
 from .probe_vram import add_recipe_options, config_from_args, probe_id, rss_bytes, run_cli, versions
@@ -283,9 +284,14 @@ def _fake_step(cfg: ProbeConfig, config, budget_mib: Optional[float], marks: Opt
         oom = None
         with meter:
             model = prepare(model, cfg)
+            if cfg.quant == "4bit" and cfg.method == "lora":
+                # On a card, peft's prepare_model_for_kbit_training empties the allocator's cache
+                # after its casts (auto_clear_cache); a fake run has no CUDA to call.
+                meter.trace_event(EMPTY_CACHE)
             checkpointing_as_asked(model, cfg)
             ids = synthetic_batch(cfg, model.get_input_embeddings().num_embeddings, torch.device("cpu"))
             meter.reset_peak()
+            meter.trace_event(RESET_PEAK)  # the probe resets the card's peak statistics here
             figures = {}
 
             def warmed() -> None:  # before the measured step: with an optimizer, its state is made
@@ -318,7 +324,7 @@ def allocation_trace(cfg: ProbeConfig, workspace_mib: float = CUBLAS_WORKSPACE_M
     raw = _fake_step(cfg, config, None, trace=True)
     trace, loaded = raw.pop("trace"), raw.pop("loaded_at")
     made = sum(1 for e in trace[:loaded] if e >= 0)  # allocations before the workspaces keep their numbers
-    shifted = [e if e >= 0 or -e - 1 < made else e - CUBLAS_HANDLES for e in trace[loaded:]]
+    shifted = [e if e >= 0 or e <= RESET_PEAK or -e - 1 < made else e - CUBLAS_HANDLES for e in trace[loaded:]]
     return trace[:loaded] + [int(round(workspace_mib * MIB))] * CUBLAS_HANDLES + shifted, raw
 
 

@@ -159,6 +159,12 @@ class TrackerMeter(TorchDispatchMode):
                 self._allocations += 1
                 self.trace.append(st.nbytes())
 
+    def trace_event(self, code: int) -> None:
+        """Record an allocator event that is neither an allocation nor a free (``probe_kit.
+        allocator.EMPTY_CACHE``, ``RESET_PEAK``) where the step makes it."""
+        if self.trace is not None:
+            self.trace.append(code)
+
     def _traced_free(self, key: int) -> None:
         if self.trace is not None:
             k = self._trace_ids.pop(key, None)

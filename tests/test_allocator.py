@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 
 from probe_kit.allocator import (
+    EMPTY_CACHE,
+    RESET_PEAK,
     K_LARGE_BUFFER,
     K_SMALL_BUFFER,
     MIB,
@@ -132,7 +134,16 @@ def test_a_dry_runs_trace_replays_to_the_trackers_bytes():
     # Every storage the tracker counted, 512-byte rounded as both round: the same peak, plus the workspaces.
     assert sim.peak_allocated == pytest.approx(raw["peak_mib"] * MIB + CUBLAS_HANDLES * 8 * MIB, abs=1)
     assert sim.peak_reserved >= sim.peak_allocated and sim.oom is None
-    frees = [e for e in trace if e < 0]
+    assert trace.count(EMPTY_CACHE) == 1 and trace.count(RESET_PEAK) == 1  # peft's empty_cache, the probe's reset
+    frees = [e for e in trace if RESET_PEAK < e < 0]
     assert len(set(frees)) == len(frees) and all(-e - 1 < sum(1 for x in trace if x >= 0) for e in frees)
     expandable = replay(trace, AllocConf(expandable_segments=True))
     assert expandable.peak_allocated == sim.peak_allocated
+
+
+def test_empty_cache_and_a_peak_reset_in_a_trace():
+    trace = [30 * MIB, 50 * MIB, -1, EMPTY_CACHE, RESET_PEAK, 4 * MIB]
+    r = replay(trace)
+    # 30 MiB freed and released by empty_cache; from the reset on: 50 MiB + a 20 MiB segment for 4 MiB
+    assert r.peak_reserved == 70 * MIB and r.peak_allocated == 54 * MIB
+    assert replay(trace[:3]).peak_reserved == 80 * MIB
