@@ -175,6 +175,7 @@ class Segment:
     size: int  # bytes reserved (mapped) by this segment
     small: bool
     expandable: bool = False
+    end: int = 0  # an expandable segment: the address its next pages are mapped at
 
 
 class Pool:
@@ -306,8 +307,9 @@ class CachingAllocator:
         grow = (size - have + page - 1) // page * page
         if self.reserved + grow > self.capacity:
             return None
-        if seg is None:
-            seg = self.expandable[small] = Segment(0, small, expandable=True)
+        if seg is None:  # its own range of addresses, as the source reserves the device's whole memory
+            seg = self.expandable[small] = Segment(0, small, expandable=True, end=self.next_addr)
+            self.next_addr += 1 << 48
             self.stats.segments += 1
         seg.size += grow
         self.reserved += grow
@@ -315,12 +317,13 @@ class CachingAllocator:
         if tail is not None:
             pool.remove(tail)
             tail.size += grow
+            seg.end += grow
             return tail
         last = self._last_block(seg)
-        b = Block(grow, self.next_addr, small, seg, prev=last)
+        b = Block(grow, seg.end, small, seg, prev=last)
         if last is not None:
             last.next = b
-        self.next_addr += grow
+        seg.end += grow
         return b
 
     def _last_block(self, seg: Segment) -> Optional[Block]:

@@ -538,16 +538,17 @@ def _alloc_conf(text: Optional[str]):
         raise RecipeError(f"--alloc-conf: {exc}") from None
 
 
-def simulate_allocator(cfg: ProbeConfig, conf, text: str = "") -> dict:
+def simulate_allocator(cfg: ProbeConfig, conf, text: str = "", trace: Optional[list[int]] = None) -> dict:
     """The step's allocation trace replayed through the caching allocator's model: peak reserved,
     the largest free cached block at that peak, and (by bisection on the simulated device's
     capacity, in 2 MiB steps) the largest memory free for PyTorch at which the step raises an
-    OOM. The figures are the caching allocator's alone: the CUDA context and other processes'
+    OOM. ``trace``: the step's, made already (``allocation_trace``). The figures are the caching allocator's alone: the CUDA context and other processes'
     memory come on top."""
     from .allocator import oom_capacity
 
     t0 = time.process_time()
-    trace, _ = allocation_trace(cfg)
+    if trace is None:
+        trace, _ = allocation_trace(cfg)
     fails_at, sim = oom_capacity(trace, conf)
     return {"conf": text, "events": len(trace), "peak_allocated_mib": round(sim.peak_allocated / MIB, 1),
             "peak_reserved_mib": round(sim.peak_reserved / MIB, 1),

@@ -147,3 +147,29 @@ def test_empty_cache_and_a_peak_reset_in_a_trace():
     # 30 MiB freed and released by empty_cache; from the reset on: 50 MiB + a 20 MiB segment for 4 MiB
     assert r.peak_reserved == 70 * MIB and r.peak_allocated == 54 * MIB
     assert replay(trace[:3]).peak_reserved == 80 * MIB
+
+
+def test_expandable_segments_replay_a_trace_that_grows_frees_and_grows_again():
+    trace = [30 * MIB, 5 * MIB, 8192, -1, 12 * MIB, 50 * MIB, -2, 8192, -5, 70 * MIB, -3, 600_000, -4]
+    a = replay(trace, AllocConf(expandable_segments=True))
+    b = replay(trace)
+    assert a.oom is None and b.oom is None and a.peak_allocated == b.peak_allocated
+    assert a.peak_reserved % (2 * MIB) == 0 and a.peak_reserved >= a.peak_allocated
+
+
+def test_estimate_says_what_an_alloc_conf_changes(capsys):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from ledger import cli
+    from ledger.cli.estimate import _allocator_lines
+    from ledger.vocab.recipe import Recipe
+
+    lines = _allocator_lines(Recipe(model="tiny-llama", rank=8, quant="bf16", seq_len=256, fixes="none",
+                                    optimizer="adamw_torch"), "expandable_segments:True")
+    assert "PyTorch's defaults: peak reserved" in lines[1] and "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in lines[2]
+    assert "MiB reserved, the OOM point" in lines[3]
+    capsys.readouterr()
+    base = ["estimate", "--model", "qwen2.5-0.5b", "--rank", "8", "--seq-len", "512", "--no-compute"]
+    assert cli.main(base + ["--alloc-conf", "max_split_size_mb:2"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == "--alloc-conf: max_split_size_mb: 2 is below the allocator's minimum of 20"

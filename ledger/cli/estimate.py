@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import textwrap
 
 from ledger.storage import store
@@ -29,6 +30,11 @@ def add_estimate_options(p: argparse.ArgumentParser) -> None:
     add_dry_runs_option(p)
     add_compute_option(p)
     add_json_option(p)
+    p.add_argument("--alloc-conf", metavar="CONF",
+                   help="also simulate PyTorch's CUDA caching allocator on the step's allocations (a dry run of every "
+                        "layer, on the CPU; needs torch) with this PYTORCH_CUDA_ALLOC_CONF beside the defaults, e.g. "
+                        "expandable_segments:True: what it changes in peak reserved and in the memory below which the "
+                        "step raises an OOM")
     p.add_argument("--verbose", action="store_true", help="every part of how the answer was made (by default the "
                    "first two: its basis and its interval; --json has them all)")
 
@@ -41,6 +47,13 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     thumb) with the quantity it claims to predict, and the ledger's nearest measured row (on the
     requested card when it has one). How each fares against the ledger is on the estimator page."""
     require_model(args.model)
+    if args.alloc_conf:  # refused before any work
+        from probe_kit.allocator import AllocConf, AllocConfError
+
+        try:
+            AllocConf.parse(args.alloc_conf)
+        except AllocConfError as exc:
+            raise UserError(Issue("--alloc-conf", "", str(exc))) from None
     arch = load_arch(args.model)
     if args.method == "lora" and args.rank is not None and args.rank <= 0:
         raise UserError(Issue("--rank", "", f"must be > 0, got {args.rank}"))
@@ -118,12 +131,56 @@ def cmd_estimate(args: argparse.Namespace) -> int:
             continue
         rng = f" (range {f['low_mib']:,.0f}–{f['high_mib']:,.0f} MiB)" if f["low_mib"] else ""
         print(f"  {f['estimator']:>15}: {f['estimate_mib']:>9,.1f} MiB {f['predicts']}{rng}")
+    if args.alloc_conf:
+        for line in _allocator_lines(question, args.alloc_conf):
+            print(line)
     if near is not None:
         n = doc["nearest_measurement"]
         print(f"  nearest measured: {n['id']} ({n['kind']}, {n['gpu']}, r{n['rank']}, {n['seq_len']} tokens): "
               f"{n['peak_allocated_mib']:,.1f} MiB allocated"
               + (f", {n['peak_reserved_mib']:,.1f} MiB reserved" if n["peak_reserved_mib"] else ""))
     return 0
+
+
+def _allocator_lines(recipe, conf_text: str) -> list[str]:
+    """The step's allocation trace replayed through the caching allocator's model with PyTorch's
+    defaults and with ``conf_text`` (``probe_kit.dry_run.simulate_allocator``), as lines."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        raise UserError(Issue("--alloc-conf", "", "the allocator's simulation runs a dry run, which needs torch: "
+                              "install the probe extra (pip install -e '.[probe]')"))
+    from probe_kit.allocator import AllocConf, AllocConfError
+    from probe_kit.dry_run import allocation_trace, simulate_allocator
+    from probe_kit.recipe import ProbeConfig, RecipeError
+    from ledger.vocab.recipe import parse_fixes
+
+    try:
+        conf = AllocConf.parse(conf_text)
+    except AllocConfError as exc:
+        raise UserError(Issue("--alloc-conf", "", str(exc))) from None
+    full = recipe.method == "full"
+    try:
+        cfg = ProbeConfig(model=recipe.model, method=recipe.method, rank=None if full else recipe.rank,
+                          quant=recipe.quant, dropout=(recipe.dropout_rate or 0.1) if recipe.dropout else 0.0,
+                          dora=recipe.dora, seq_len=recipe.seq_len,
+                          response_len=recipe.response_len or min(256, recipe.seq_len - 1),
+                          fixes=parse_fixes(recipe.fixes), batch_size=recipe.batch,
+                          gradient_checkpointing=recipe.checkpointing, optimizer=recipe.optimizer,
+                          random_weights=True, **({} if full else {"target_modules": list(recipe.targets)}))
+    except RecipeError as exc:
+        raise UserError(Issue("--alloc-conf", "", str(exc))) from None
+    print("simulating the caching allocator: a dry run of every layer on the CPU (seconds to minutes)...",
+          file=sys.stderr, flush=True)
+    trace, _ = allocation_trace(cfg)
+    base, asked = simulate_allocator(cfg, AllocConf(), "", trace), simulate_allocator(cfg, conf, conf_text, trace)
+    out = ["  the caching allocator, simulated (the step's allocations replayed; the card's context on top):"]
+    for sim, what in ((base, "PyTorch's defaults"), (asked, f"PYTORCH_CUDA_ALLOC_CONF={conf_text}")):
+        out.append(f"    {what}: peak reserved {sim['peak_reserved_mib']:,.1f} MiB for {sim['peak_allocated_mib']:,.1f} "
+                   f"MiB allocated; an OOM with {sim['oom_below_mib']:,.1f} MiB or less free for PyTorch")
+    out.append(f"    {conf_text}: {asked['peak_reserved_mib'] - base['peak_reserved_mib']:+,.1f} MiB reserved, the OOM "
+               f"point {asked['oom_below_mib'] - base['oom_below_mib']:+,.1f} MiB")
+    return out
 
 
 #: Columns an answer's lines are wrapped to.
