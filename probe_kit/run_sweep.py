@@ -1,7 +1,7 @@
 """A sweep: many probes, each in a fresh subprocess, appended to the ledger as each finishes.
 
     python -m probe_kit.run_sweep SWEEP.toml --ledger L [--shard K/N] [--resume] [--list]
-                                   [--find-ceiling rank]
+                                   [--find-ceiling rank] [--ray [ADDRESS]]
 
 A sweep file has ``[sweep]`` (name, device, timeout_s, gpu), ``[base]`` (probe options),
 ``[axes]`` (lists: the grid is their product) and ``[[points]]`` (explicit points over the
@@ -14,7 +14,9 @@ wrong is reported before anything runs. ``--resume`` skips points whose id (deri
 configuration) is already in the ledger (without it, a sweep whose points are there already stops
 before probing anything); SIGINT or SIGTERM, foreground or background, ends the running probe
 unrecorded and exits 128 + the signal with one line naming ``--resume``; ``--shard K/N`` takes every N-th point from the K-th,
-so N machines split a sweep without overlap (then ``vram merge`` their ledgers).
+so N machines split a sweep without overlap (then ``vram merge`` their ledgers). ``--ray [ADDRESS]``
+runs every point as a task on a Ray cluster instead (probe_kit.cluster): one card per probe, this
+process the ledger's one writer.
 A sweep with ``device = "dry"`` runs the dry run (``probe_kit.dry_run``: the real step under fake
 tensors, no card) for each point, in this process, and appends rows of kind dry_run (default
 ledger: ledger/dry-runs.json); everything else (``--resume``, ``--shard``, signals) is the same.
@@ -56,7 +58,11 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 #: Sweep options that are not probe options.
-SWEEP_KEYS = {"name", "device", "timeout_s", "gpu", "host_ram_cap_gib"}
+SWEEP_KEYS = {"name", "device", "timeout_s", "gpu", "host_ram_cap_gib", "ray_resources"}
+#: Options of one point that are not probe options: the card it is for (its ledger key) and, on a
+#: Ray cluster, the resources its task needs (``{"RTX_4090" = 1}``: a node started with that
+#: resource; see probe_kit.cluster).
+POINT_KEYS = {"gpu", "ray_resources"}
 BOOL_FLAGS = {"rslora", "dora", "random_weights", "no_double_quant", "no_gradient_checkpointing"}
 PROBE_KEYS = {"model", "rank", "alpha", "rslora", "dropout", "dora", "quant", "no_double_quant", "seq_len",
               "response_len", "fixes", "logits_to_keep", "mlp_chunk", "target_modules", "random_weights", "seed",
@@ -70,6 +76,10 @@ class Point:
     config: ProbeConfig
     id: str
     where: str
+    #: The card's ledger key this point is for (default: the sweep's ``gpu``; none: the card's name).
+    gpu: Optional[str] = None
+    #: Ray resources its task needs besides one card or one CPU (default: the sweep's).
+    resources: dict = field(default_factory=dict)
 
     def flags(self) -> list[str]:
         out: list[str] = []
@@ -94,6 +104,7 @@ class Sweep:
     gpu: Optional[str]
     host_ram_cap_gib: Optional[float]
     axes: dict[str, list]
+    resources: dict
     base: dict
     points: list[Point] = field(default_factory=list)
 
@@ -101,7 +112,7 @@ class Sweep:
 def _config(options: dict, where: str) -> ProbeConfig:
     unknown = sorted(set(options) - PROBE_KEYS)
     if unknown:
-        raise UserError(Issue(where, unknown[0], f"unknown option (known: {', '.join(sorted(PROBE_KEYS))})"))
+        raise UserError(Issue(where, unknown[0], f"unknown option (known: {', '.join(sorted(PROBE_KEYS | POINT_KEYS))})"))
     kw = {k: v for k, v in options.items()
           if k not in ("no_double_quant", "fixes", "target_modules", "no_gradient_checkpointing", "optim")}
     try:
@@ -141,6 +152,7 @@ def load_sweep(path: str) -> Sweep:
         path=path, name=str(head.get("name", Path(path).stem)), device=str(head.get("device", "cuda")),
         timeout_s=float(head.get("timeout_s", 1800)), gpu=head.get("gpu"),
         host_ram_cap_gib=head.get("host_ram_cap_gib"), axes=axes, base=base,
+        resources=_resources(head.get("ray_resources", {}), path, "sweep.ray_resources"),
     )
     combos: list[tuple[dict, str]] = []
     if axes:
@@ -153,22 +165,45 @@ def load_sweep(path: str) -> Sweep:
         combos.append((dict(base), f"{path}:base"))
     seen: dict[str, str] = {}
     for index, (options, where) in enumerate(combos):
+        options = dict(options)
+        gpu = options.pop("gpu", None) or sweep.gpu
+        resources = {**sweep.resources, **_resources(options.pop("ray_resources", {}), where, "ray_resources")}
         cfg = _config(options, where)
         if sweep.device == "dry":
             from probe_kit.dry_run import dry_id
 
-            if sweep.gpu:
-                raise UserError(Issue(path, "sweep.gpu", "a dry-run sweep has no card (its rows hold for every card)"))
+            if gpu:
+                raise UserError(Issue(path, "sweep.gpu" if sweep.gpu else f"{where}.gpu",
+                                      "a dry-run sweep has no card (its rows hold for every card)"))
             pid = dry_id(cfg)
         else:
-            pid = probe_id(cfg, sweep.device.split(":")[0], sweep.gpu)
+            pid = probe_id(cfg, sweep.device.split(":")[0], gpu)
         if pid in seen:
             continue  # the same configuration twice (e.g. a point repeating a grid cell)
         seen[pid] = where
-        sweep.points.append(Point(index=len(sweep.points), options=options, config=cfg, id=pid, where=where))
+        sweep.points.append(Point(index=len(sweep.points), options=options, config=cfg, id=pid, where=where,
+                                  gpu=gpu, resources=resources))
     if not sweep.points:
         raise UserError(Issue(path, "", "no points: give [base] with [axes] and/or [[points]]"))
     return sweep
+
+
+def _resources(value, where: str, key: str) -> dict:
+    """Ray resources a task needs, as a sweep file gives them: a table of names to positive amounts."""
+    if not isinstance(value, dict) or not all(
+            isinstance(k, str) and k and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+            for k, v in value.items()):
+        raise UserError(Issue(where, key, "must be a table of resource names to positive amounts, e.g. "
+                              '{ RTX_4090 = 1 }'))
+    if {"CPU", "GPU"} & set(value):
+        raise UserError(Issue(where, key, "CPU and GPU are set by the sweep (one card per probe, one CPU per dry "
+                              "run); name custom resources or an accelerator_type:NAME"))
+    return dict(value)
+
+
+def for_point(sweep: Sweep, point: Point) -> Sweep:
+    """The sweep as one of its points runs: its card is the point's."""
+    return sweep if point.gpu == sweep.gpu else replace(sweep, gpu=point.gpu)
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -333,10 +368,14 @@ class DryRows:
         self.ledger = ledger
         self.every_s = every_s
         self.pending: list[Measurement] = []
+        self.gpus: dict[str, Gpu] = {}
         self.last = time.monotonic()
 
-    def add(self, m: Measurement) -> None:
+    def add(self, m: Measurement, gpus: Optional[dict[str, Gpu]] = None) -> None:
+        """Queue a row (with the entries of the cards it names, added where the ledger lacks them)."""
         self.pending.append(m)
+        for key, gpu in (gpus or {}).items():
+            self.gpus.setdefault(key, gpu)
         if time.monotonic() - self.last >= self.every_s:
             self.flush()
 
@@ -344,18 +383,27 @@ class DryRows:
         """Append what is pending. A row another writer recorded meanwhile (the same point, an
         overlapping shard) is left as that writer wrote it."""
         rows, self.pending = self.pending, []
+        gpus, self.gpus = self.gpus, {}
         self.last = time.monotonic()
         if not rows:
             return
         try:
-            store.append(self.ledger, rows, create=True)
+            store.append(self.ledger, rows, gpus_if_missing=gpus or None, create=True)
         except UserError:
             there = {m.id for m in store.load(self.ledger).measurements}
             left = [m for m in rows if m.id not in there]
             if len(left) == len(rows):
                 raise
             if left:
-                store.append(self.ledger, left, create=True)
+                store.append(self.ledger, left, gpus_if_missing=gpus or None, create=True)
+
+
+def crashed_dry_row(point: Point, sweep: Sweep, why: str) -> Measurement:
+    """A dry run that could not finish, as a row: status crashed, with why."""
+    return point.config.measurement(id=point.id, kind="dry_run", outcome=Outcome(status="crashed", result_text=why),
+                                    environment=Environment(device="fake cpu", meter="tracker"),
+                                    provenance=Provenance(source=f"probe_kit.run_sweep {sweep.path} ({point.where})",
+                                                          measured_on=dt.date.today(), inferred=True, notes=[why]))
 
 
 def run_dry_point(point: Point, sweep: Sweep, ledger: str, rows: Optional[DryRows] = None) -> Result:
@@ -379,16 +427,87 @@ def run_dry_point(point: Point, sweep: Sweep, ledger: str, rows: Optional[DryRow
         raise
     except Exception as exc:  # a library that cannot build or step this model: recorded, the sweep goes on
         why = f"the dry run failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        m = point.config.measurement(id=point.id, kind="dry_run", outcome=Outcome(status="crashed", result_text=why),
-                                     environment=Environment(device="fake cpu", meter="tracker"),
-                                     provenance=Provenance(source=f"probe_kit.run_sweep {sweep.path} ({point.where})",
-                                                           measured_on=dt.date.today(), inferred=True, notes=[why]))
-        batch.add(m)
+        batch.add(crashed_dry_row(point, sweep, why))
         return Result(point, "crashed", time.perf_counter() - t0, message=why)
     m = measurement(cfg, outcome, breakdown, None, point.id)
     m.provenance.source = f"probe_kit.run_sweep {sweep.path} ({point.where}): dry run under fake tensors"
     batch.add(m)
     return Result(point, m.outcome.status, time.perf_counter() - t0, breakdown["seconds"])
+
+
+# -- on a Ray cluster (probe_kit.cluster): each point a task, this process the one writer -------
+
+
+class _Collect:
+    """Rows a task made, kept for the driver (a task never writes the ledger)."""
+
+    def __init__(self) -> None:
+        self.pending: list[Measurement] = []
+
+    def add(self, m: Measurement, gpus=None) -> None:
+        self.pending.append(m)
+
+
+def _node() -> str:
+    """The machine a task ran on, by its address in the cluster (its host name outside Ray)."""
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # outside a Ray worker (a test calling the task's body directly)
+        import socket
+
+        return socket.gethostname()
+
+
+def dry_task(point: Point, sweep: Sweep) -> dict:
+    """One dry run on a worker: its row made there (the worker's library versions), returned."""
+    rows = _Collect()
+    r = run_dry_point(point, sweep, "", rows)
+    return {"status": r.status, "seconds": r.seconds, "step_s": r.step_s, "message": r.message, "node": _node(),
+            "rows": [m.model_dump_json() for m in rows.pending], "gpus": {}}
+
+
+def probe_task(point: Point, sweep: Sweep) -> dict:
+    """One probe on a worker, in a fresh process on the card Ray gave the task, into a ledger of
+    the worker's own; its rows and card entry returned (a crashed child's row too, filed under the
+    card the worker read)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="vram-probe-") as tmp:
+        ledger = str(Path(tmp, "ledger.json"))
+        r = run_point(point, for_point(sweep, point), ledger)
+        rows: list[str] = []
+        gpus: dict[str, str] = {}
+        if Path(ledger).exists():
+            lg = store.load(ledger)
+            rows = [m.model_dump_json() for m in lg.measurements]
+            gpus = {k: g.model_dump_json() for k, g in lg.gpus.items()}
+    return {"status": r.status, "seconds": r.seconds, "step_s": r.step_s, "message": r.message, "node": _node(),
+            "rows": rows, "gpus": gpus}
+
+
+
+def ray_crashed(sweep: Sweep) -> Callable[[Point, str], Measurement]:
+    """The row of a point whose Ray worker kept dying (the card unknown: no worker lived to read it)."""
+    def crashed(point: Point, why: str) -> Measurement:
+        if sweep.device == "dry":
+            return crashed_dry_row(point, sweep, why)
+        return crashed_measurement(point, for_point(sweep, point), why, "")
+    return crashed
+
+
+def run_on_cluster(cluster, points: list[Point], sweep: Sweep, rows: DryRows,
+                   on_result: Callable[[Point, Result], None]) -> None:
+    """The points as Ray tasks (dry_task / probe_task); their rows written by ``rows`` here."""
+    def done(p: Point, out: dict) -> None:
+        message = out["message"]
+        if sweep.device != "dry" and out.get("node"):
+            message = f"{message}; on {out['node']}" if message else f"on {out['node']}"
+        on_result(p, Result(p, out["status"], out["seconds"], out["step_s"], message))
+
+    cluster.run_many(dry_task if sweep.device == "dry" else probe_task, points, sweep, ray_crashed(sweep), rows.add,
+                     done)
 
 
 def ceiling_groups(sweep: Sweep, axis: str) -> list[list[Point]]:
@@ -446,6 +565,19 @@ def main(argv=None) -> int:
                     "predictor's ceiling for the sweep's card; none: plain bisection)")
     ap.add_argument("--timeout", type=float, help="seconds per probe (default: the sweep's timeout_s or 1800)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
+                    help="run each point as a Ray task (the optional extra: pip install -e '.[ray]'): a probe on one "
+                         "card of the cluster, a dry run on one CPU; this process is the ledger's one writer. Without "
+                         "ADDRESS a Ray instance is started on this machine for the run; 'auto' joins the one "
+                         "`ray start` runs here; HOST:PORT or ray://HOST:10001 a remote cluster")
+    ap.add_argument("--ray-cpus", type=int, metavar="N",
+                    help="with --ray and no address: the CPUs the local Ray instance offers (default: every core)")
+    ap.add_argument("--retries", type=int, default=None, metavar="N",
+                    help="with --ray: times a point whose worker died in the middle of it is run again before it "
+                         "is recorded as crashed (default 2)")
+    ap.add_argument("--write-every", type=float, default=30.0, metavar="SECONDS",
+                    help="a dry-run sweep appends its finished rows together at most this often (default 30; "
+                         "a killed sweep loses at most that much work, which --resume runs again)")
     args = ap.parse_args(argv)
     try:
         sweep = load_sweep(args.sweep)
@@ -458,6 +590,25 @@ def main(argv=None) -> int:
             args.ledger = shown(DEFAULT_LEDGER)
         if args.timeout:
             sweep.timeout_s = args.timeout
+        cluster = None
+        if args.ray is None:
+            for flag, value in (("--ray-cpus", args.ray_cpus), ("--retries", args.retries)):
+                if value is not None:
+                    raise UserError(Issue(flag, "", "only with --ray"))
+        else:
+            from .cluster import DEFAULT_RETRIES, Cluster, require_ray
+
+            if args.ray_cpus is not None and (args.ray or args.ray_cpus < 1):
+                raise UserError(Issue("--ray-cpus", "", "needs --ray without an address (a cluster's CPUs are its "
+                                      "own), and N >= 1"))
+            if args.retries is not None and args.retries < 0:
+                raise UserError(Issue("--retries", "", f"must be 0 or more, got {args.retries}"))
+            if not args.list:
+                require_ray()
+            cluster = Cluster(address=args.ray or None, cpus=args.ray_cpus,
+                              retries=DEFAULT_RETRIES if args.retries is None else args.retries)
+        if args.write_every < 0:
+            raise UserError(Issue("--write-every", "", f"must be 0 or more seconds, got {args.write_every:g}"))
         points = sweep.points
         if args.shard:
             points = shard(points, *parse_shard(args.shard))
@@ -478,7 +629,8 @@ def main(argv=None) -> int:
                                           f"ledger already (first: {present[0]}): run again with --resume to skip "
                                           "them"))
         return run_sweep(sweep, points, ledger=args.ledger, done=done, ceiling_axis=args.find_ceiling,
-                         progress=not args.no_progress, start_rank=args.start_rank)
+                         progress=not args.no_progress, start_rank=args.start_rank, cluster=cluster,
+                         write_every=args.write_every)
     except UserError as exc:
         for issue in exc.issues:
             print(str(issue), file=sys.stderr)
@@ -514,15 +666,25 @@ def fits(status: str, point: Point) -> bool:
 
 
 def run_sweep(sweep: Sweep, points: list[Point], *, ledger: str, done: dict[str, str],
-              ceiling_axis: Optional[str] = None, progress: bool = True, start_rank: Optional[int] = None) -> int:
+              ceiling_axis: Optional[str] = None, progress: bool = True, start_rank: Optional[int] = None,
+              cluster=None, write_every: float = 30.0) -> int:
     """Run the points (or bisect ``ceiling_axis`` within each group of them), appending to
-    ``ledger``; points in ``done`` are skipped. Returns the exit code."""
+    ``ledger``; points in ``done`` are skipped. With ``cluster`` (``probe_kit.cluster.Cluster``)
+    each point runs as a Ray task and this process appends what comes back. Returns the exit code."""
     from tqdm import tqdm
 
     results: list[Result] = []
     bar = tqdm(total=len(points), unit="probe", disable=not progress, file=sys.stderr, dynamic_ncols=True)
     running: dict[str, Point] = {}
-    rows = DryRows(ledger)
+    # A probe run here writes its own row; one run on a cluster comes back to be written at once.
+    rows = DryRows(ledger, every_s=write_every if sweep.device == "dry" else 0.0)
+    t_start = time.perf_counter()
+
+    def record(p: Point, r: Result) -> None:
+        results.append(r)
+        bar.update(1)
+        if r.status not in ("skipped",):
+            bar.write(f"{p.id}: {r.status}" + (f" ({r.message})" if r.message else ""))
 
     def run(p: Point) -> Result:
         if p.id in done:
@@ -530,15 +692,22 @@ def run_sweep(sweep: Sweep, points: list[Point], *, ledger: str, done: dict[str,
         else:
             bar.set_postfix_str(p.config.label())
             running["point"] = p
-            r = run_dry_point(p, sweep, ledger, rows) if sweep.device == "dry" else run_point(p, sweep, ledger)
+            if cluster is not None:
+                found: list[Result] = []
+                run_on_cluster(cluster, [p], sweep, rows, lambda _, res: found.append(res))
+                r = found[0]
+            elif sweep.device == "dry":
+                r = run_dry_point(p, sweep, ledger, rows)
+            else:
+                r = run_point(p, for_point(sweep, p), ledger)
             running.pop("point")
-        results.append(r)
-        bar.update(1)
-        if r.status not in ("skipped",):
-            bar.write(f"{p.id}: {r.status}" + (f" ({r.message})" if r.message else ""))
+        record(p, r)
         return r
 
     try:
+        if cluster is not None:
+            cluster.connect()
+            print(f"run_sweep: on Ray ({cluster.describe()}); this process writes {ledger}", file=sys.stderr)
         with _stop_on_signals():
             if ceiling_axis:
                 for group in ceiling_groups(sweep, ceiling_axis):
@@ -558,6 +727,12 @@ def run_sweep(sweep: Sweep, points: list[Point], *, ledger: str, done: dict[str,
                     print(f"ceiling: rank {best.config.rank if best else 'none'} of {ranks} "
                           f"({probes} probes; plain bisection takes at most {limit}; started from {source}"
                           + (", confirmed" if confirmed else "") + ")")
+            elif cluster is not None:
+                for p in points:
+                    if p.id in done:
+                        run(p)
+                bar.set_postfix_str("on Ray")
+                run_on_cluster(cluster, [p for p in points if p.id not in done], sweep, rows, record)
             else:
                 for p in points:
                     run(p)
@@ -571,6 +746,8 @@ def run_sweep(sweep: Sweep, points: list[Point], *, ledger: str, done: dict[str,
             kept = Path(ledger).exists() and any(m.id == point.id for m in store.load(ledger).measurements)
             where = (f" during {point.id} (" + ("it had finished and is recorded" if kept else "stopped, not recorded")
                      + ")")
+        elif cluster is not None and cluster.in_flight:
+            where = f" ({cluster.in_flight} points queued or running on Ray cancelled, not recorded)"
         print(f"run_sweep: stopped by {exc}{where}; {recorded} points recorded in {ledger} by this run. "
               "Run the same command with --resume to continue.", file=sys.stderr)
         return 128 + exc.signum
@@ -578,14 +755,18 @@ def run_sweep(sweep: Sweep, points: list[Point], *, ledger: str, done: dict[str,
         with contextlib.suppress(Exception):  # what finished is recorded, whatever stopped the sweep
             rows.flush()
         raise
+    finally:
+        if cluster is not None:
+            cluster.close()
     bar.close()
     rows.flush()
     ran = [r for r in results if r.status != "skipped"]
     step_total = sum(r.step_s or 0 for r in ran)
-    wall = sum(r.seconds for r in ran)
+    wall = sum(r.seconds for r in ran) if cluster is None else time.perf_counter() - t_start
     counts = {s: sum(1 for r in results if r.status == s) for s in sorted({r.status for r in results})}
     print(f"{len(results)} points: " + ", ".join(f"{v} {k}" for k, v in counts.items())
-          + f"; wall {wall:.1f} s, step time {step_total:.1f} s", file=sys.stderr)
+          + f"; wall {wall:.1f} s" + (" on Ray" if cluster is not None else "") + f", step time {step_total:.1f} s",
+          file=sys.stderr)
     return 1 if counts.get("error") else 0
 
 
