@@ -705,7 +705,7 @@ def run_sweep(sweep: Sweep, points: list[Point], *, ledger: str, done: dict[str,
         return r
 
     try:
-        if cluster is not None:
+        if cluster is not None and any(p.id not in done for p in points):
             cluster.connect()
             print(f"run_sweep: on Ray ({cluster.describe()}); this process writes {ledger}", file=sys.stderr)
         with _stop_on_signals():

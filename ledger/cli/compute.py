@@ -43,6 +43,10 @@ def add_compute_option(p: argparse.ArgumentParser) -> None:
                    help="never run dry runs: a model or length without dry-run rows is answered 'unknown' (by "
                         "default the few dry runs the answer needs are run on the CPU, with a time estimate first, "
                         "and kept in --cache)")
+    p.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
+                   help="run those dry runs as tasks on a Ray cluster (the optional extra: pip install -e '.[ray]'): "
+                        "without ADDRESS on a Ray instance started on this machine, 'auto' the one `ray start` runs "
+                        "here, HOST:PORT a remote one")
 
 
 def config_sha(path: Path) -> str:
@@ -163,7 +167,7 @@ def _terms(layers: int, seq_len: int) -> list[float]:
 
 
 def compute_points(points: list[dict], label: str, cache: Optional[str], *, no_compute: bool = False,
-                   shards: Optional[int] = None) -> None:
+                   shards: Optional[int] = None, ray: Optional[str] = None) -> None:
     """Run these dry runs (a dry-run sweep appending to the cache's rows), with a time estimate
     first and the sweep's progress on stderr; ``no_compute`` refuses with what would run. The
     points are shared among ``shards`` processes (default: one per core, at most two per point
@@ -176,10 +180,16 @@ def compute_points(points: list[dict], label: str, cache: Optional[str], *, no_c
         raise UserError(Issue("--compute", "", f"{label} needs {len(points)} dry runs, which need {', '.join(missing)}: "
                               "install the probe extra (pip install -e '.[probe]'), or answer from the shipped rows "
                               "alone with --no-compute"))
+    if ray is not None and importlib.util.find_spec("ray") is None and not no_compute:
+        raise UserError(Issue("--ray", "", "needs Ray, an optional extra: pip install -e '.[ray]'"))
     _drop_crashed(target)
     shards = max(1, min(shards or os.cpu_count() or 1, len(points) // 2 or 1))
+    if ray is not None:  # one driver; the cluster shares the points among its workers
+        shards = 1
     secs = seconds_for(points)
     guess = f"about {secs / shards:.0f} s" if secs else "time unknown"
+    if ray is not None and secs:
+        guess = f"about {secs:.0f} s of CPU, shared among the Ray cluster's workers"
     if no_compute:
         raise UserError(Issue("--no-compute", "", f"{label} needs {len(points)} dry runs not computed yet ({guess} on "
                               "the CPU): run again without --no-compute"))
@@ -191,6 +201,8 @@ def compute_points(points: list[dict], label: str, cache: Optional[str], *, no_c
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(sweep_toml(points, f"dry-{model_name(label) or 'model'}"))
         argv = [sys.executable, "-m", "probe_kit.run_sweep", path, "--resume", "--ledger", str(target)]
+        if ray is not None:
+            argv += ["--ray", ray] if ray else ["--ray"]
         try:  # the sweep's progress goes to our stderr (its stdout too: ours is for the answer)
             out = sys.stderr.fileno()
         except (AttributeError, OSError, ValueError):  # a stream with no file (captured in a library call)
@@ -253,7 +265,7 @@ def ensure_dry_runs(args: argparse.Namespace, predictor, recipe: Recipe) -> bool
                              "real" if getattr(args, "real", True) else "probe")
         if points:
             compute_points(points, f"{model_name(model)} full fine-tuning at {recipe.seq_len} tokens", args.cache,
-                           no_compute=args.no_compute)
+                           no_compute=args.no_compute, ray=getattr(args, "ray", None))
         return bool(points)
     one, _ = answerable(recipe)  # LoRA on fewer projections: the dry runs of those projections
     if one is None:
@@ -268,5 +280,6 @@ def ensure_dry_runs(args: argparse.Namespace, predictor, recipe: Recipe) -> bool
     if args.no_compute and one.targets != ALL_LINEAR:  # answered by the all-7 figure, an upper bound
         return ensure_dry_runs(args, predictor, recipe.replace(targets=ALL_LINEAR))
     batch = f"micro-batch {one.batch} x " if one.batch != 1 else ""
-    compute_points(points, f"{model_name(model)} at {batch}{one.seq_len} tokens", args.cache, no_compute=args.no_compute)
+    compute_points(points, f"{model_name(model)} at {batch}{one.seq_len} tokens", args.cache, no_compute=args.no_compute,
+                   ray=getattr(args, "ray", None))
     return True

@@ -191,7 +191,8 @@ def _full_table(args: argparse.Namespace, ledger, gpu: str, entry) -> int:
                   for pt in full_points(p, recipe(q, f, s), rows_model)
                   if s not in p.full.table.lengths(recipe(q, f, s), optimizer)]
         if points:
-            compute_points(points, f"{name}'s full fine-tuning table", args.cache, no_compute=args.no_compute)
+            compute_points(points, f"{name}'s full fine-tuning table", args.cache, no_compute=args.no_compute,
+                           ray=args.ray)
             p = predictor_for(args, ledger)
     answers = {(q, f, s): p.predict(recipe(q, f, s), gpu, entry=entry, run="real", budget_mib=args.budget_mib)
                for q in quants for f in fixes for s in lengths}
@@ -258,7 +259,8 @@ def _compute(args: argparse.Namespace, quants: list[str], fixes: list[str]) -> N
     if not points:
         print(f"every grid point of {model_name(args.model)} is computed already", file=sys.stderr)
         return
-    compute_points(points, f"{model_name(args.model)}'s fit table", args.cache, no_compute=args.no_compute)
+    compute_points(points, f"{model_name(args.model)}'s fit table", args.cache, no_compute=args.no_compute,
+                           ray=args.ray)
 
 
 def _point_key(p) -> tuple:
