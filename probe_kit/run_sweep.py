@@ -450,14 +450,12 @@ class _Collect:
 
 def _node() -> str:
     """The machine a task ran on, by its address in the cluster (its host name outside Ray)."""
-    try:
-        import ray
-
+    ray = sys.modules.get("ray")  # a task's worker has it; nothing else imports it for this
+    if ray is not None and ray.is_initialized():
         return ray.util.get_node_ip_address()
-    except Exception:  # outside a Ray worker (a test calling the task's body directly)
-        import socket
+    import socket
 
-        return socket.gethostname()
+    return socket.gethostname()
 
 
 def dry_task(point: Point, sweep: Sweep) -> dict:
