@@ -52,6 +52,25 @@ def require_ray():
     return ray
 
 
+def reach(address: Optional[str], timeout_s: float = 10.0) -> None:
+    """A HOST:PORT address answers on its port, or one line says it does not (Ray itself would
+    retry a head that is not there for minutes). ``auto``, ``ray://`` addresses and none are
+    left to Ray."""
+    if not address or address == "auto" or "://" in address:
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise UserError(Issue("--ray", address, "an address is HOST:PORT (the head's GCS port, 6379 by default), "
+                              "ray://HOST:PORT or auto"))
+    import socket
+
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise UserError(Issue("--ray", address, f"no Ray head answers there ({exc.strerror or exc}); start one "
+                              "with `ray start --head`, or give its address")) from None
+
+
 @dataclass
 class Cluster:
     """A connection to Ray and how the sweep's tasks ask it for resources."""
@@ -70,6 +89,7 @@ class Cluster:
         import logging
 
         kw = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
+        reach(self.address)
         try:
             if self.address:
                 ray.init(address=self.address, **kw)

@@ -74,6 +74,22 @@ def test_ray_flags_are_checked_before_anything_runs(tmp_path, capsys, args, mess
     assert not ledger.exists()
 
 
+@pytest.mark.parametrize("address, message", [
+    ("127.0.0.1:{port}", "no Ray head answers there"),
+    ("nonsense", "an address is HOST:PORT"),
+])
+def test_an_address_with_no_ray_head_is_one_line(tmp_path, capsys, address, message):
+    pytest.importorskip("ray")  # the cluster's fixture reads Ray's settings again after this import
+    with socket.socket() as s:  # a port bound by nobody's listener: refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = address.format(port=port)
+    t0 = time.monotonic()
+    assert run_sweep.main([write(tmp_path), "--ledger", str(tmp_path / "d.json"), "--no-progress", "--ray", address]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"--ray:{address}: {message}") and time.monotonic() - t0 < 15
+
+
 def test_points_name_their_card_and_the_resources_their_task_needs(tmp_path):
     path = tmp_path / "gpu.toml"
     path.write_text(textwrap.dedent("""
@@ -172,7 +188,12 @@ def cluster():
            "RAY_AUTH_TOKEN_PATH": str(token)}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    import ray  # read with this environment
+    import ray
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    # A Ray imported earlier in this process (another test) read its settings then: read them again.
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
     head = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
                              "--node-ip-address", "127.0.0.1", "--num-cpus", "2", "--num-gpus", "0", "--port",
