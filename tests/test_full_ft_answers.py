@@ -6,6 +6,7 @@ modes. No torch: the committed dry-run rows answer."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 
 import pytest
@@ -361,7 +362,10 @@ def test_a_prediction_of_a_full_fine_tune_is_stored_with_its_dry_runs_and_scored
     lora_run = next(m for m in ledger.measurements if m.kind == "real" and m.outcome.peak_allocated_mib)
     lora_run = lora_run.model_copy(update={"id": "lora-run", "gpu": "rtx-4090", "model": MODEL, "quant": "bf16",
                                            "seq_len": 2048})
-    full_run = base.model_copy(update={"id": "full-run", "kind": "real", "gpu": "rtx-4090"})
+    # A real run scores a prediction only if measured on or after the day it was made (today).
+    full_run = base.model_copy(update={"id": "full-run", "kind": "real", "gpu": "rtx-4090",
+                                       "provenance": base.provenance.model_copy(
+                                           update={"measured_on": dt.date.fromisoformat(pred["made_on"])})})
     ledger.measurements += [lora_run]
     assert score_predictions(ledger).scored == []  # a LoRA run never scores a full fine-tune's prediction
     ledger.measurements += [full_run]
