@@ -270,7 +270,10 @@ def _fake_step(cfg: ProbeConfig, config, budget_mib: Optional[float], marks: Opt
     ``trace``, the device allocations and frees in order (``TrackerMeter.record_trace``)."""
     from transformers import AutoModelForCausalLM
 
-    with fake_world():
+    from .distributed import fake_group, shard
+
+    group = fake_group(cfg.gpus) if cfg.gpus > 1 else contextlib.nullcontext()
+    with group as mesh, fake_world():
         torch.manual_seed(cfg.seed)
         model = AutoModelForCausalLM.from_config(config, dtype=weights_dtype(cfg))
         if cfg.quant == "4bit":
@@ -284,12 +287,15 @@ def _fake_step(cfg: ProbeConfig, config, budget_mib: Optional[float], marks: Opt
         oom = None
         with meter:
             model = prepare(model, cfg)
-            if cfg.quant == "4bit" and cfg.method == "lora":
+            if cfg.quant == "4bit" and cfg.method == "lora" and not cfg.sharded:
                 # On a card, peft's prepare_model_for_kbit_training empties the allocator's cache
                 # after its casts (auto_clear_cache); a fake run has no CUDA to call.
                 meter.trace_event(EMPTY_CACHE)
             checkpointing_as_asked(model, cfg)
             ids = synthetic_batch(cfg, model.get_input_embeddings().num_embeddings, torch.device("cpu"))
+            if mesh is not None:  # one rank: what it holds of the model once the strategy has it
+                model = shard(model, cfg.strategy, mesh, fake=True)
+                after_load = meter.allocated_mib()
             meter.reset_peak()
             meter.trace_event(RESET_PEAK)  # the probe resets the card's peak statistics here
             figures = {}
@@ -395,6 +401,8 @@ def dry_id(cfg: ProbeConfig) -> str:
         parts.append("nockpt")
     if cfg.optimizer:
         parts.append(cfg.optimizer.replace("_", ""))
+    if cfg.gpus > 1:
+        parts.append(f"{cfg.gpus}gpus-{cfg.strategy}")
     parts.append(digest)
     return "-".join(parts)
 
@@ -525,7 +533,12 @@ def main(argv=None) -> int:
         if a and (a["probe_allocated"] or a["real_allocated"]):
             iv = a["probe_allocated"] or a["real_allocated"]
             print(f"predicted peak allocated {iv['mib']} MiB ({iv['low_mib']}–{iv['high_mib']} MiB): {a['method_text']}")
-            print(f"verdict{' on ' + a['gpu'] if a['gpu'] else ''}: {a['verdict']}: {a['why']}")
+            ranks = doc["measurement"].get("world_size")
+            each = f" (each of {ranks} GPUs, {doc['measurement']['strategy']}: one rank's step)" if ranks else ""
+            print(f"verdict{' on ' + a['gpu'] if a['gpu'] else ''}{each}: {a['verdict']}: {a['why']}")
+            if ranks:
+                print("not in the figure: the collectives' own buffers outside PyTorch's allocator (NCCL's, on the "
+                      "card), which a card's measured overhead holds only for one GPU")
     return 0
 
 

@@ -12,7 +12,8 @@
   bitsandbytes ``quant_state`` tensors, which are neither parameters nor buffers) are
   registered explicitly. Deterministic run to run; used on CPU and under fake tensors. With a
   budget it raises ``torch.OutOfMemoryError`` (in the CUDA message form) when live bytes would
-  exceed it, so the OOM path runs end to end without a GPU.
+  exceed it, so the OOM path runs end to end without a GPU. Storages resized in place (FSDP's
+  unsharded parameters) and the tensors inside wrapper subclasses (``DTensor``) are counted.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import weakref
 from typing import Iterable, Iterator, Optional, Protocol
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 MIB = 2**20
@@ -111,10 +112,20 @@ class TrackerMeter(TorchDispatchMode):
     # -- bookkeeping ------------------------------------------------------------------
     def _add(self, t: torch.Tensor) -> int:
         """Start counting t's storage if it is new; return the bytes added. A weak reference to
-        the storage object (one Python object per live storage) drops it the moment it is freed."""
+        the storage object (one Python object per live storage) drops it the moment it is freed.
+        A wrapper subclass (a ``DTensor``: FSDP2's sharded parameters and their gradients and
+        optimizer state) owns no memory of its own: the tensors it wraps are counted, which its
+        own dispatch makes where this mode does not see them."""
         if t.is_meta:  # a placeholder with a size and no memory (a model built on the meta device)
             return 0
+        if is_traceable_wrapper_subclass(t):
+            names, _ = t.__tensor_flatten__()
+            inner = (getattr(t, name) for name in names)
+            return sum(self._add(x) for x in inner if isinstance(x, torch.Tensor))
         st = t.untyped_storage()
+        return self._count(st, st.nbytes())
+
+    def _count(self, st: torch.UntypedStorage, nbytes: int) -> int:
         key = st._cdata
         if self.host_storages:
             ref = self.host_storages.get(key)
@@ -130,7 +141,6 @@ class TrackerMeter(TorchDispatchMode):
         if entry is not None:  # the address was reused after a free we had not seen yet
             self.live_bytes -= entry[1]
             self._traced_free(key)
-        nbytes = st.nbytes()
         size = round_block(nbytes)
 
         def freed(ref: weakref.ref, key: int = key) -> None:
@@ -170,6 +180,39 @@ class TrackerMeter(TorchDispatchMode):
             k = self._trace_ids.pop(key, None)
             if k is not None:
                 self.trace.append(-(k + 1))
+
+    def _resized(self, st: torch.UntypedStorage, nbytes: int) -> None:
+        """A storage resized in place (FSDP frees an unsharded parameter's memory with
+        ``resize_(0)`` and allocates it again with ``resize_(n)``, outside the dispatcher): the
+        old block is freed and a block of the new size allocated, as the allocator does."""
+        key = st._cdata
+        ref = self.host_storages.get(key)
+        if self._on_host or (ref is not None and ref() is st):
+            return
+        entry = self.live.get(key)
+        if entry is not None and entry[0]() is st:
+            del self.live[key]
+            self.live_bytes -= entry[1]
+            self._traced_free(key)
+        added = self._count(st, nbytes) if nbytes > 0 else 0
+        self._raise_peak(added)
+
+    def __enter__(self):
+        # ``UntypedStorage.resize_`` does not go through the dispatcher: followed while active.
+        resize, meter = torch.UntypedStorage.resize_, self
+
+        def resize_(st, size):
+            out = resize(st, size)
+            meter._resized(st, int(size))
+            return out
+
+        self._resize = resize
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
 
     def register(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count tensors that existed before tracking started (weights, buffers, quant state)."""
@@ -227,6 +270,10 @@ class TrackerMeter(TorchDispatchMode):
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
                     added += self._add(t)
+        self._raise_peak(added)
+        return out
+
+    def _raise_peak(self, added: int) -> None:
         live = self.live_bytes
         if live > self.window_peak:  # never above peak_bytes: both are raised here, reset together
             self.window_peak = live
@@ -234,7 +281,6 @@ class TrackerMeter(TorchDispatchMode):
                 if self.budget is not None and live > self.budget:
                     self._raise_oom(added)
                 self.peak_bytes = live
-        return out
 
     def _raise_oom(self, tried: int) -> None:
         held = self.live_bytes - tried

@@ -275,6 +275,10 @@ def run_probe(
     """Run one probe and return its Measurement (and, on a GPU, the card's ledger entry)."""
     import torch
 
+    if cfg.gpus > 1:
+        raise RecipeError(f"--gpus {cfg.gpus}: a probe measures one card's step; a rank of a multi-GPU run is "
+                          "answered by the dry run (python -m probe_kit.dry_run ... --gpus N --strategy S)")
+
     from .meters import AllocatorMeter, TrackerMeter
     from .recipe import build_model, checkpointing_as_asked, offload, prepare, step_offloader, synthetic_batch, \
         train_step
@@ -423,6 +427,11 @@ def add_recipe_options(p: argparse.ArgumentParser) -> None:
                    help="step this optimizer (a TrainingArguments name: " + ", ".join(OPTIMIZERS) + "): the "
                         "steady state is measured, an optimizer step first so its state exists (default: no "
                         "optimizer step, a one-step probe)")
+    p.add_argument("--gpus", type=int, default=1,
+                   help="GPUs of one data-parallel or sharded run (default 1); the figures are one rank's")
+    p.add_argument("--strategy", metavar="NAME",
+                   help="how --gpus N split the model: ddp (every GPU holds it whole), fsdp (FSDP2 fully_shard, "
+                        "FULL_SHARD) or fsdp-shard-grad-op (SHARD_GRAD_OP), as accelerate and the Trainer launch them")
 
 
 def config_from_args(args: argparse.Namespace) -> ProbeConfig:
@@ -433,6 +442,7 @@ def config_from_args(args: argparse.Namespace) -> ProbeConfig:
         logits_to_keep=args.logits_to_keep, double_quant=not args.no_double_quant, mlp_chunk=args.mlp_chunk,
         random_weights=args.random_weights, seed=args.seed, batch_size=args.batch_size,
         gradient_checkpointing=not args.no_gradient_checkpointing, optimizer=args.optim,
+        gpus=args.gpus, strategy=args.strategy,
     )
     if args.target_modules:
         kwargs["target_modules"] = [t.strip() for t in args.target_modules.split(",") if t.strip()]

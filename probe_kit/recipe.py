@@ -90,6 +90,10 @@ class ProbeConfig:
     optimizer: Optional[str] = None
     #: "lora" (an adapter of ``rank``) or "full" (every weight trainable, no adapter).
     method: str = "lora"
+    #: GPUs of one data-parallel or sharded run, and how they split the model
+    #: (``probe_kit.distributed.STRATEGIES``); the step measured is one rank's.
+    gpus: int = 1
+    strategy: Optional[str] = None
 
     def label(self) -> str:
         """The recipe in a few words, every axis that changes memory named: 'gemma-3-4b-it 4bit r96
@@ -101,7 +105,13 @@ class ProbeConfig:
                 + (f" batch {self.batch_size} x" if self.batch_size != 1 else "")
                 + f" {self.seq_len} tokens fixes {fixes}"
                 + ("" if self.gradient_checkpointing else " no checkpointing")
-                + (f" {self.optimizer}" if self.optimizer else ""))
+                + (f" {self.optimizer}" if self.optimizer else "")
+                + (f" on {self.gpus} GPUs ({self.strategy})" if self.gpus > 1 else ""))
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the model is split over several GPUs (an FSDP strategy)."""
+        return self.gpus > 1 and (self.strategy or "").startswith("fsdp")
 
     def __post_init__(self) -> None:
         if self.method not in ("lora", "full"):
@@ -131,6 +141,9 @@ class ProbeConfig:
         clash = ledger_recipe.fixes_clash(self.fixes)
         if clash:
             raise RecipeError(clash)
+        from .distributed import check
+
+        check(self.gpus, self.strategy)
 
     def _full_only(self) -> None:
         """Full fine-tuning trains every weight: no adapter flags, no 4-bit weights."""
@@ -155,7 +168,7 @@ class ProbeConfig:
         ids stay what they were."""
         key = asdict(self)
         for name, default in (("batch_size", 1), ("gradient_checkpointing", True), ("optimizer", None),
-                              ("method", "lora")):
+                              ("method", "lora"), ("gpus", 1), ("strategy", None)):
             if key[name] == default:
                 del key[name]
         return key
@@ -197,7 +210,8 @@ class ProbeConfig:
             optimizer=self.optimizer, gradient_checkpointing=None if self.gradient_checkpointing else False,
             memory_fixes=ledger_recipe.fixes_value(self.fixes),
             logits_to_keep=self.keep if "logits_to_keep" in self.fixes else None,
-            config_text=json.dumps(self.key(), sort_keys=True), finetune="full" if full else None, **fields,
+            config_text=json.dumps(self.key(), sort_keys=True), finetune="full" if full else None,
+            world_size=self.gpus if self.gpus > 1 else None, strategy=self.strategy, **fields,
         )
 
 
@@ -395,7 +409,10 @@ def prepare(model: torch.nn.Module, cfg: ProbeConfig) -> torch.nn.Module:
     # checkpoints, out of an offloader's reach. (The stock step's peak is the same either way.)
     ckpt = {"use_reentrant": "activation_offloading" not in cfg.fixes}
     on = cfg.gradient_checkpointing
-    if cfg.quant == "4bit":
+    # Sharded QLoRA (TRL's SFTTrainer when the 4-bit weights' storage is set for FSDP) skips
+    # prepare_model_for_kbit_training: no fp32 cast of the unquantised weights, checkpointing and
+    # input gradients enabled as for bf16 weights.
+    if cfg.quant == "4bit" and not cfg.sharded:
         with _deprecated_checkpointing_names():  # peft still calls transformers' older names
             model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=on,
                                                     gradient_checkpointing_kwargs=ckpt)

@@ -66,7 +66,7 @@ POINT_KEYS = {"gpu", "ray_resources"}
 BOOL_FLAGS = {"rslora", "dora", "random_weights", "no_double_quant", "no_gradient_checkpointing"}
 PROBE_KEYS = {"model", "rank", "alpha", "rslora", "dropout", "dora", "quant", "no_double_quant", "seq_len",
               "response_len", "fixes", "logits_to_keep", "mlp_chunk", "target_modules", "random_weights", "seed",
-              "batch_size", "no_gradient_checkpointing", "optim", "method"}
+              "batch_size", "no_gradient_checkpointing", "optim", "method", "gpus", "strategy"}
 
 
 @dataclass

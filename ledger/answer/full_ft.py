@@ -25,6 +25,7 @@ from typing import Optional
 from ledger.core.answers import Answer, Run, decide, interval, around, scale, verdict_for
 from ledger.core.models import Gpu
 from ledger.fit.full_table import FullTable, full_key, row_key
+from ledger.fit.peaks import one_gpu
 from ledger.vocab.optimizers import STOCK_OPTIMIZER
 from ledger.vocab.recipe import Recipe
 
@@ -50,7 +51,7 @@ class FullAnswers:
         an OOM, id)."""
         found: dict = {}
         for m in self.p.ledger.measurements:
-            if (m.finetune != "full" or m.kind not in ("probe", "real") or not m.gpu or not m.seq_len
+            if (m.finetune != "full" or m.kind not in ("probe", "real") or not m.gpu or not m.seq_len or not one_gpu(m)
                     or m.outcome.status not in ("ok", "oom") or m.id in self.p.fit.exclude
                     or (self.p.fit.as_of is not None and m.provenance.measured_on is not None
                         and m.provenance.measured_on > self.p.fit.as_of)):

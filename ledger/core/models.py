@@ -343,6 +343,15 @@ class RecipeFields(_Model):
         None, gt=0, le=MAX_TOKENS, description="Positions the lm_head computes logits for."
     )
     dataset: Optional[Dataset] = Field(None, description="Training data.")
+    world_size: Optional[int] = Field(
+        None, ge=1, le=1024,
+        description="GPUs the step ran on (ranks of one data-parallel or sharded run); the figures are one rank's. "
+                    "null: one GPU.",
+    )
+    strategy: Optional[Literal["ddp", "fsdp", "fsdp-shard-grad-op"]] = Field(
+        None, description="How the ranks split the model: 'ddp' (every rank holds it whole), 'fsdp' (FSDP2 "
+                          "fully_shard, FULL_SHARD), 'fsdp-shard-grad-op' (reshard_after_forward off); null: one GPU.",
+    )
 
 
 class Measurement(RecipeFields):

@@ -64,7 +64,8 @@ class FullTable:
     def __init__(self, rows: list[Measurement]):
         self.rows: dict[FullKey, dict[int, tuple[Optional[float], str, Optional[float]]]] = defaultdict(dict)
         for m in rows:
-            if m.kind != "dry_run" or m.finetune != "full" or not m.seq_len or m.outcome.status not in ("ok", "oom"):
+            if (m.kind != "dry_run" or m.finetune != "full" or not m.seq_len or m.outcome.status not in ("ok", "oom")
+                    or (m.world_size or 1) != 1):  # a rank of a sharded run is not one GPU's step
                 continue
             peak = m.outcome.peak_allocated_mib if m.outcome.status == "ok" else None
             if m.outcome.status == "ok" and peak is None:

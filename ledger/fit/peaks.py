@@ -39,13 +39,20 @@ def modelled(m: Measurement) -> bool:
     preflight of a batch of 4 with its AdamW step, stays in the ledger as evidence and on the site,
     but is no point of the peak model, the pairs, the card limits or the dry-run table."""
     return ((m.batch_size or 1) == 1 and m.gradient_checkpointing is not False
-            and (m.optimizer is None or m.kind == "real") and m.finetune != "full")
+            and (m.optimizer is None or m.kind == "real") and m.finetune != "full" and one_gpu(m))
+
+
+def one_gpu(m: Measurement) -> bool:
+    """Whether a row is one GPU's step: a rank of a multi-GPU run (``world_size`` above 1) is kept
+    apart from every one-GPU fit and table (its figures are a shard's)."""
+    return (m.world_size or 1) == 1
 
 
 def dry_readable(m: Measurement) -> bool:
     """Whether the dry-run table can read a dry-run row: no optimizer step, with gradient
-    checkpointing on or off and any micro-batch (the table keeps each apart: ``DryTable.table``)."""
-    return m.optimizer is None
+    checkpointing on or off and any micro-batch (the table keeps each apart: ``DryTable.table``), on
+    one GPU."""
+    return m.optimizer is None and one_gpu(m)
 
 
 def before(ms: list[Measurement], as_of: Optional[dt.date], exclude: Iterable[str] = ()) -> list[Measurement]:

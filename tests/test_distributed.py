@@ -1,0 +1,135 @@
+"""Past one card: one rank's step of a DDP or FSDP run, by the dry run (fake tensors, torch's fake
+process group) against real processes over gloo on the CPU, both measured by the tracker meter."""
+
+import json
+
+import pytest
+import torch
+
+from ledger.core.models import Measurement
+from ledger.fit.peaks import dry_readable, modelled
+from probe_kit.distributed import real_run
+from probe_kit.dry_run import _fake_step
+from probe_kit.meters import TrackerMeter
+from probe_kit.recipe import ProbeConfig, RecipeError, load_config
+
+
+def _cfg(model, quant, strategy, gpus, optimizer=None):
+    full = quant == "full"
+    return ProbeConfig(model=model, rank=None if full else 8, method="full" if full else "lora",
+                       quant="bf16" if full else quant, seq_len=256, response_len=32, fixes=[], random_weights=True,
+                       gpus=gpus, strategy=strategy, optimizer=optimizer)
+
+
+# Several model families, both weights' precisions and full fine-tuning, every strategy, 2 and 4
+# ranks, with and without an optimizer step: each a few seconds of CPU.
+CASES = [
+    ("tiny-llama", "bf16", "ddp", 2, None),
+    ("tiny-llama", "4bit", "fsdp", 2, "adamw_torch"),
+    ("tiny-qwen2", "4bit", "fsdp", 4, "adamw_torch"),
+    ("tiny-qwen2", "bf16", "fsdp-shard-grad-op", 4, None),
+    ("tiny-gemma3", "bf16", "ddp", 4, "adamw_torch"),
+    ("tiny-llama", "full", "fsdp", 2, "adamw_torch"),
+    ("tiny-qwen3moe", "bf16", "fsdp", 2, None),
+]
+
+
+@pytest.mark.parametrize("model,quant,strategy,gpus,optimizer", CASES)
+def test_one_ranks_dry_run_is_the_real_gloo_runs_every_rank(model, quant, strategy, gpus, optimizer):
+    cfg = _cfg(model, quant, strategy, gpus, optimizer)
+    fake = _fake_step(cfg, load_config(model), None)
+    real = real_run(cfg, strategy, gpus)
+    assert len(real) == gpus
+    for rank in real:  # target: within 1%; measured equal
+        assert abs(fake["peak_mib"] - rank["peak_mib"]) <= 0.01 * rank["peak_mib"], (fake["peak_mib"], rank)
+        assert abs(fake["pre_step_mib"] - rank["pre_step_mib"]) <= 0.01 * rank["pre_step_mib"]
+
+
+def test_sharding_divides_what_each_rank_holds():
+    """FSDP holds about 1/N of the weights per rank (the units' padding aside); DDP holds them whole,
+    and its gradient buckets, made when it wraps the model, as large again in a full fine-tune."""
+    one = _fake_step(_cfg("tiny-llama", "full", None, 1, None), load_config("tiny-llama"), None)
+    held = {}
+    for strategy, gpus in (("ddp", 2), ("fsdp", 2), ("fsdp", 4)):
+        held[strategy, gpus] = _fake_step(_cfg("tiny-llama", "full", strategy, gpus, None),
+                                          load_config("tiny-llama"), None)["after_load_mib"]
+    assert held["ddp", 2] == pytest.approx(2 * one["after_load_mib"], rel=0.01)
+    assert held["fsdp", 2] == pytest.approx(one["after_load_mib"] / 2, rel=0.02)
+    assert held["fsdp", 4] == pytest.approx(one["after_load_mib"] / 4, rel=0.04)
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"gpus": 0}, "--gpus must be at least 1, got 0"),
+    ({"gpus": 2}, "--gpus 2 needs --strategy (ddp | fsdp | fsdp-shard-grad-op)"),
+    ({"strategy": "fsdp"}, "--strategy fsdp needs --gpus 2 or more"),
+    ({"gpus": 2, "strategy": "zero3"}, "DeepSpeed's ZeRO stages are not modelled yet"),
+    ({"gpus": 2, "strategy": "fdsp"}, "--strategy must be one of ddp, fsdp, fsdp-shard-grad-op, got 'fdsp'"),
+])
+def test_a_world_no_run_has_is_one_line(kw, message):
+    with pytest.raises(RecipeError, match=None) as err:
+        ProbeConfig(model="tiny-llama", rank=8, **kw)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--gpus", "0"], "dry_run: --gpus must be at least 1, got 0"),
+    (["--strategy", "ddp"], "dry_run: --strategy ddp needs --gpus 2 or more"),
+])
+def test_the_dry_runs_command_refuses_a_bad_world_in_one_line(capsys, argv, message):
+    from probe_kit.dry_run import main
+
+    assert main(["--model", "tiny-llama", "--rank", "8", *argv]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(message) and len(err.splitlines()) == 1
+
+
+def test_a_probe_of_several_gpus_points_to_the_dry_run():
+    from probe_kit.probe_vram import run_probe
+
+    with pytest.raises(RecipeError, match="a probe measures one card's step"):
+        run_probe(_cfg("tiny-llama", "bf16", "ddp", 2), device="cpu")
+
+
+def test_a_ranks_row_records_its_world_and_is_kept_out_of_one_gpu_fits(capsys):
+    from probe_kit.dry_run import main
+
+    assert main(["--model", "tiny-llama", "--rank", "8", "--seq-len", "256", "--response-len", "32",
+                 "--gpus", "2", "--strategy", "fsdp", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    row = Measurement.model_validate(doc["measurement"])
+    assert (row.world_size, row.strategy) == (2, "fsdp") and "2gpus-fsdp" in row.id
+    assert not modelled(row) and not dry_readable(row)
+    one = row.model_copy(update={"world_size": None, "strategy": None})
+    assert modelled(one) and dry_readable(one)
+
+
+def test_a_resized_storage_is_freed_and_allocated_again():
+    """FSDP frees a gathered parameter with resize_(0) and makes it again with resize_(n),
+    outside the dispatcher: the tracker follows both."""
+    meter = TrackerMeter()
+    with meter:
+        t = torch.empty(1024, dtype=torch.float32)
+        assert meter.allocated_mib() * 2**20 == 4096
+        t.untyped_storage().resize_(0)
+        assert meter.allocated_mib() == 0
+        t.untyped_storage().resize_(8192)
+        assert meter.live_bytes == 8192 and meter.peak_bytes == 8192
+    assert torch.UntypedStorage.resize_ is not None and meter.live_bytes == 8192
+
+
+def test_a_dtensors_local_shard_is_counted_once():
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard
+
+    from probe_kit.distributed import fake_group
+
+    with fake_group(2) as mesh:
+        meter = TrackerMeter()
+        with meter:
+            local = torch.empty(512, dtype=torch.float32)
+            d = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+            e = d * 2  # the local product is made inside DTensor's own dispatch
+        assert meter.live_bytes == 2 * 2048, meter.live
+        assert dist.get_world_size() == 2
+        del e, d
+    assert not dist.is_initialized()
