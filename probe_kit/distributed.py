@@ -15,8 +15,8 @@ The strategies, as accelerate and the Trainer launch them:
 The dry run runs one rank's step under fake tensors with torch's fake process group (``fake``
 backend: collectives that move no data) of ``world_size`` ranks: the sharded parameters, the
 gathered units and their prefetch, the buckets and the reduce-scatter outputs are what the real
-code allocates. ``real_step`` runs the same step in real processes over gloo on the CPU, which is
-what the dry run is checked against (``tests/test_distributed.py``).
+code allocates. ``probe_kit.gloo_run`` runs the same step in real processes over gloo on the CPU,
+which is what the dry run is checked against (``tests/test_distributed.py``).
 
 QLoRA under FSDP: the stock recipe sets ``bnb_4bit_quant_storage`` to the compute dtype so that
 FSDP can flatten the packed 4-bit weights beside the rest; the bytes are the same as the packed
@@ -31,34 +31,11 @@ part of what the card's measured overhead holds).
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
 
 from .recipe import RecipeError
-
-#: The strategies a multi-GPU recipe may name (``--strategy``).
-STRATEGIES = ("ddp", "fsdp", "fsdp-shard-grad-op")
-#: The largest number of ranks a recipe may name.
-MAX_GPUS = 1024
-
-
-def check(gpus: int, strategy: Optional[str]) -> None:
-    """One line for a world size or strategy no run can have."""
-    if gpus < 1:
-        raise RecipeError(f"--gpus must be at least 1, got {gpus}")
-    if gpus > MAX_GPUS:
-        raise RecipeError(f"--gpus must be at most {MAX_GPUS}, got {gpus}")
-    if strategy is not None and strategy not in STRATEGIES:
-        extra = " (DeepSpeed's ZeRO stages are not modelled yet)" if strategy.startswith("zero") else ""
-        raise RecipeError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}{extra}")
-    if strategy is not None and gpus == 1:
-        raise RecipeError(f"--strategy {strategy} needs --gpus 2 or more (one card runs the plain step)")
-    if gpus > 1 and strategy is None:
-        raise RecipeError(f"--gpus {gpus} needs --strategy ({' | '.join(STRATEGIES)})")
-
 
 @contextlib.contextmanager
 def fake_group(world_size: int) -> Iterator[object]:
@@ -138,64 +115,3 @@ def _in_place_allreduce(state, bucket):
     future: torch.futures.Future = torch.futures.Future()
     future.set_result(buffer)
     return future
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def real_step(rank: int, world_size: int, port: int, cfg, strategy: str, out) -> None:
-    """One rank of a real run over gloo on the CPU (``torch.multiprocessing.spawn``'s target): the
-    model built with random weights (4-bit: the dry run's stand-in, real tensors), the recipe, the
-    strategy, and the probe's step, measured by the tracker meter; puts (rank, figures) on ``out``."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from transformers import AutoModelForCausalLM
-
-    from .dry_run import stand_in_4bit
-    from .meters import TrackerMeter
-    from .recipe import checkpointing_as_asked, load_config, prepare, synthetic_batch, train_step, weights_dtype
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        mesh = init_device_mesh("cpu", (world_size,))
-        torch.manual_seed(cfg.seed)
-        model = AutoModelForCausalLM.from_config(load_config(cfg.model), dtype=weights_dtype(cfg))
-        if cfg.quant == "4bit":
-            stand_in_4bit(model, cfg.double_quant)
-        vocab = model.get_input_embeddings().num_embeddings
-        meter = TrackerMeter()
-        meter.register_module(model)
-        with meter:
-            model = prepare(model, cfg)
-            checkpointing_as_asked(model, cfg)
-            model = shard(model, strategy, mesh, fake=False)
-            after_load = meter.allocated_mib()  # what the rank holds once the strategy has the model
-            ids = synthetic_batch(cfg, vocab, torch.device("cpu"))
-            meter.reset_peak()
-            figures = {}
-
-            def warmed() -> None:
-                figures["pre_step"] = meter.allocated_mib()
-
-            train_step(model, ids, cfg, fake=False, warmed=warmed)
-        out.put((rank, {"after_load_mib": after_load, "pre_step_mib": figures.get("pre_step"),
-                        "peak_mib": meter.peak_allocated_mib()}))
-    finally:
-        dist.destroy_process_group()
-
-
-def real_run(cfg, strategy: str, world_size: int) -> list[dict]:
-    """Every rank's figures of a real gloo run of ``world_size`` CPU processes, in rank order."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.start_processes(real_step, args=(world_size, free_port(), cfg, strategy, queue), nprocs=world_size,
-                       join=True, start_method="spawn")
-    got = dict(queue.get() for _ in range(world_size))
-    return [got[r] for r in range(world_size)]

@@ -61,6 +61,27 @@ def parse_fixes(text: str) -> list[str]:
         raise RecipeError(str(exc)) from None
 
 
+#: The strategies a multi-GPU recipe may name (``--strategy``).
+STRATEGIES = ("ddp", "fsdp", "fsdp-shard-grad-op")
+#: The largest number of ranks a recipe may name.
+MAX_GPUS = 1024
+
+
+def check_world(gpus: int, strategy: Optional[str]) -> None:
+    """One line for a world size or strategy no run can have."""
+    if gpus < 1:
+        raise RecipeError(f"--gpus must be at least 1, got {gpus}")
+    if gpus > MAX_GPUS:
+        raise RecipeError(f"--gpus must be at most {MAX_GPUS}, got {gpus}")
+    if strategy is not None and strategy not in STRATEGIES:
+        extra = " (DeepSpeed's ZeRO stages are not modelled yet)" if strategy.startswith("zero") else ""
+        raise RecipeError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}{extra}")
+    if strategy is not None and gpus == 1:
+        raise RecipeError(f"--strategy {strategy} needs --gpus 2 or more (one card runs the plain step)")
+    if gpus > 1 and strategy is None:
+        raise RecipeError(f"--gpus {gpus} needs --strategy ({' | '.join(STRATEGIES)})")
+
+
 @dataclass
 class ProbeConfig:
     """Everything that decides a probe's memory."""
@@ -91,7 +112,7 @@ class ProbeConfig:
     #: "lora" (an adapter of ``rank``) or "full" (every weight trainable, no adapter).
     method: str = "lora"
     #: GPUs of one data-parallel or sharded run, and how they split the model
-    #: (``probe_kit.distributed.STRATEGIES``); the step measured is one rank's.
+    #: (``STRATEGIES``; ``probe_kit.distributed`` runs them); the step measured is one rank's.
     gpus: int = 1
     strategy: Optional[str] = None
 
@@ -141,9 +162,7 @@ class ProbeConfig:
         clash = ledger_recipe.fixes_clash(self.fixes)
         if clash:
             raise RecipeError(clash)
-        from .distributed import check
-
-        check(self.gpus, self.strategy)
+        check_world(self.gpus, self.strategy)
 
     def _full_only(self) -> None:
         """Full fine-tuning trains every weight: no adapter flags, no 4-bit weights."""

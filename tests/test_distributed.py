@@ -8,7 +8,7 @@ import torch
 
 from ledger.core.models import Measurement
 from ledger.fit.peaks import dry_readable, modelled
-from probe_kit.distributed import real_run
+from probe_kit.gloo_run import real_run
 from probe_kit.dry_run import _fake_step
 from probe_kit.meters import TrackerMeter
 from probe_kit.recipe import ProbeConfig, RecipeError, load_config
@@ -43,6 +43,7 @@ def test_one_ranks_dry_run_is_the_real_gloo_runs_every_rank(model, quant, strate
     for rank in real:  # target: within 1%; measured equal
         assert abs(fake["peak_mib"] - rank["peak_mib"]) <= 0.01 * rank["peak_mib"], (fake["peak_mib"], rank)
         assert abs(fake["pre_step_mib"] - rank["pre_step_mib"]) <= 0.01 * rank["pre_step_mib"]
+        assert abs(fake["after_load_mib"] - rank["after_load_mib"]) <= 0.01 * rank["after_load_mib"]
 
 
 def test_sharding_divides_what_each_rank_holds():

@@ -15,7 +15,9 @@ Physics, each rule a property of the instruments, not of this ledger:
   host's RAM (Windows' shared GPU memory, the amdgpu GTT): ``MAX_SPILL_MIB`` past the card total
   is a unit mistake, not a spill;
 - a full fine-tuning row (``finetune: full``) trains every weight: no LoRA settings, and no 4-bit
-  weights (they cannot be trained).
+  weights (they cannot be trained);
+- a rank of a multi-GPU run names both its world (``world_size`` of 2 or more) and its strategy;
+  one GPU has neither.
 """
 
 from __future__ import annotations
@@ -104,6 +106,12 @@ def measurement_issues(ledger: Ledger, m: Measurement, where: str, name: str, to
                     "LoRA settings")
     if m.finetune == "full" and m.quant == "4bit":
         yield Issue(name, f"{where}.quant", "a full fine-tuning row cannot have 4-bit weights: they are not trainable")
+    if (m.world_size or 1) > 1 and m.strategy is None:
+        yield Issue(name, f"{where}.strategy", f"a rank of a {m.world_size}-GPU run names its strategy (ddp, fsdp, "
+                    "fsdp-shard-grad-op)")
+    if m.strategy is not None and (m.world_size or 1) == 1:
+        yield Issue(name, f"{where}.world_size", f"strategy {m.strategy} is a multi-GPU run's: world_size must be 2 "
+                    "or more")
     if _future(m.provenance.measured_on, today):
         yield Issue(name, f"{where}.provenance.measured_on", f"{m.provenance.measured_on} is in the future "
                     f"(today is {today})")
