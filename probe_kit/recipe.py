@@ -62,24 +62,14 @@ def parse_fixes(text: str) -> list[str]:
 
 
 #: The strategies a multi-GPU recipe may name (``--strategy``).
-STRATEGIES = ("ddp", "fsdp", "fsdp-shard-grad-op")
-#: The largest number of ranks a recipe may name.
-MAX_GPUS = 1024
+STRATEGIES = ledger_recipe.STRATEGIES
 
 
 def check_world(gpus: int, strategy: Optional[str]) -> None:
     """One line for a world size or strategy no run can have."""
-    if gpus < 1:
-        raise RecipeError(f"--gpus must be at least 1, got {gpus}")
-    if gpus > MAX_GPUS:
-        raise RecipeError(f"--gpus must be at most {MAX_GPUS}, got {gpus}")
-    if strategy is not None and strategy not in STRATEGIES:
-        extra = " (DeepSpeed's ZeRO stages are not modelled yet)" if strategy.startswith("zero") else ""
-        raise RecipeError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}{extra}")
-    if strategy is not None and gpus == 1:
-        raise RecipeError(f"--strategy {strategy} needs --gpus 2 or more (one card runs the plain step)")
-    if gpus > 1 and strategy is None:
-        raise RecipeError(f"--gpus {gpus} needs --strategy ({' | '.join(STRATEGIES)})")
+    problem = ledger_recipe.world_problem(gpus, strategy)
+    if problem:
+        raise RecipeError(problem)
 
 
 @dataclass
@@ -200,14 +190,15 @@ class ProbeConfig:
         if self.method == "full":
             return ledger_recipe.full_recipe(model=self.model, quant=self.quant, seq_len=self.seq_len, fixes=fixes,
                                              response_len=self.response_len, optimizer=self.optimizer,
-                                             batch=self.batch_size, checkpointing=self.gradient_checkpointing)
+                                             batch=self.batch_size, checkpointing=self.gradient_checkpointing,
+                                             gpus=self.gpus, strategy=self.strategy)
         return ledger_recipe.Recipe(
             model=self.model, rank=self.rank, quant=self.quant, dropout=self.dropout > 0, dora=self.dora,
             seq_len=self.seq_len, fixes=fixes,
             response_len=self.response_len, optimizer=self.optimizer, batch=self.batch_size,
             checkpointing=self.gradient_checkpointing, targets=ledger_recipe.targets_of_row(list(self.target_modules)),
             dropout_rate=self.dropout, alpha=self.alpha if self.alpha is not None else float(self.rank),
-            rslora=self.rslora)
+            rslora=self.rslora, gpus=self.gpus, strategy=self.strategy)
 
     def refuse_rank_search(self) -> None:
         """A one-line error for a rank search of a full fine-tune (it has no rank)."""

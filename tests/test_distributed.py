@@ -134,3 +134,64 @@ def test_a_dtensors_local_shard_is_counted_once():
         assert dist.get_world_size() == 2
         del e, d
     assert not dist.is_initialized()
+
+
+def _estimate(capsys, *argv):
+    from ledger import cli
+
+    code = cli.main(["estimate", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_vram_estimate_answers_each_gpu_from_one_dry_run_of_the_world_and_reuses_it(tmp_path, capsys):
+    cache = str(tmp_path / "cache")
+    argv = ["--model", "tiny-llama", "--rank", "8", "--seq-len", "256", "--gpus", "2", "--strategy", "fsdp",
+            "--gpu", "rtx-4090", "--cache", cache]
+    code, out, err = _estimate(capsys, *argv, "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["recipe"]["gpus"] == 2 and doc["recipe"]["strategy"] == "fsdp" and doc["per_gpu"]
+    assert doc["optimizer_in_step"] == "adamw_torch"  # a training run: the optimizer's state is sharded too
+    a = doc["answer"]
+    assert a["method"] == "dry run" and a["verdict"] == "fits" and a["recipe"]["gpus"] == 2
+    assert a["probe_allocated"]["mib"] > doc["rank_dry_peak_mib"]  # the card's remainder on top
+    assert "computing 1 dry runs" in err
+    # The rank's row is the one the dry run records; a second answer reuses it.
+    cfg = _cfg("tiny-llama", "4bit", "fsdp", 2, "adamw_torch")
+    cfg.response_len = 255
+    fake = _fake_step(cfg, load_config("tiny-llama"), None)
+    assert doc["rank_dry_peak_mib"] == pytest.approx(fake["peak_mib"] + 16.25, abs=0.1)  # + 2 cuBLAS workspaces
+    code, out, err = _estimate(capsys, *argv)
+    assert code == 0 and "computing" not in err
+    first = out.splitlines()[0]
+    assert first.startswith("tiny-llama") and first.endswith("on each of 2 GPUs (fsdp), per GPU")
+    assert "FITS: each GPU peaks at" in out and "NCCL" in out
+
+
+@pytest.mark.parametrize("argv,where", [
+    (["--gpus", "0"], "--gpus: must be at least 1, got 0"),
+    (["--gpus", "4"], "--gpus: 4 needs --strategy"),
+    (["--strategy", "ddp"], "--strategy: ddp needs --gpus 2 or more"),
+    (["--gpus", "2", "--strategy", "zero2"], "DeepSpeed's ZeRO stages are not modelled yet"),
+])
+def test_vram_estimate_refuses_a_bad_world_in_one_line(capsys, tmp_path, argv, where):
+    code, out, err = _estimate(capsys, "--model", "tiny-llama", "--rank", "8", "--seq-len", "256",
+                               "--cache", str(tmp_path), *argv)
+    assert code == 1 and out == "" and where in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "dry-runs.json").exists()
+
+
+def test_the_checks_refuse_a_world_without_its_strategy_and_a_strategy_on_one_gpu():
+    import datetime as dt
+
+    from ledger.core.checks import measurement_issues
+    from ledger.core.models import Ledger
+
+    ledger = Ledger(schema_version=1)
+    row = Measurement(id="r", kind="dry_run", model="tiny-llama", world_size=4)
+    issues = list(measurement_issues(ledger, row, "measurements[0]", "l.json", dt.date.today()))
+    assert [i.location for i in issues] == ["measurements[0].strategy"]
+    row = Measurement(id="r", kind="dry_run", model="tiny-llama", strategy="ddp")
+    issues = list(measurement_issues(ledger, row, "measurements[0]", "l.json", dt.date.today()))
+    assert [i.location for i in issues] == ["measurements[0].world_size"]

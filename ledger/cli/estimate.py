@@ -15,6 +15,7 @@ from ledger.fit.response_span import answerable
 from .question import (BUDGET_CARD, add_card_option, add_dry_runs_option, card_from, predictor_for, recipe_from,
                         require_model)
 from .compute import add_compute_option, ensure_dry_runs
+from .world import add_world_options, estimate_ranks, print_ranks, world_of
 from .options import (Command, add_batch_option, add_json_option, add_ledger_option, add_method_option,
                       add_optimizer_option, add_recipe_options, add_run_option, dump_json)
 
@@ -29,6 +30,7 @@ def add_estimate_options(p: argparse.ArgumentParser) -> None:
     add_ledger_option(p)
     add_dry_runs_option(p)
     add_compute_option(p)
+    add_world_options(p)
     add_json_option(p)
     p.add_argument("--alloc-conf", metavar="CONF",
                    help="also simulate PyTorch's CUDA caching allocator on the step's allocations (a dry run of every "
@@ -62,6 +64,18 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     card = capacity_mib(entry) if entry is not None else None
     predictor = predictor_for(args, ledger)
     question = recipe_from(args, args.rank)
+    gpus, strategy = world_of(args)
+    if gpus > 1:  # one rank of a multi-GPU run: answered by a dry run of that world alone
+        if args.alloc_conf:
+            raise UserError(Issue("--alloc-conf", "", "the allocator's simulation is one GPU's (without --gpus)"))
+        question = question.replace(gpus=gpus, strategy=strategy)
+        doc = {"model": arch.name, "params": arch.total_params, "recipe": question.memory_fields(), "gpu": gpu,
+               "card_mib": card, **estimate_ranks(args, predictor, question, gpu, entry)}
+        if args.json:
+            dump_json(doc)
+        else:
+            print_ranks(doc, _headline(args, arch, question, question.optimizer or "adamw_torch", gpu))
+        return 0
     if ensure_dry_runs(args, predictor, question):
         predictor = predictor_for(args, ledger)
     fixes, optimizer = question.fixes, question.optimizer if args.real else None
@@ -87,21 +101,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         dump_json(doc)
         return 0
     # The first line names the whole recipe the answer is for.
-    print(f"{arch.name} ({arch.total_params / 1e9:.2f}B params), "
-          + ("full fine-tuning (every weight trained), " if full else "")
-          + f"{args.quant}" + ("" if full else f", r{args.rank}") + f", {args.seq_len} tokens"
-          + (f", dropout {args.dropout:g}" if args.dropout else "") + (", DoRA" if args.dora else "")
-          + f", batch {args.batch_size}" + (", no gradient checkpointing" if args.no_gradient_checkpointing else
-                                             ", gradient checkpointing")
-          + ("" if full else f", LoRA on {args.target_modules}") + f", memory fixes {fixes}"
-          + (" (the program's preset)" if fixes == "all" else " (stock)" if fixes == "none" else "")
-          + ((f", {optimizer}" if optimizer else ", optimizer state as in the program's measured runs") if args.real
-             else ", a one-step probe (no optimizer step; without --probe: a training run)")
-          + (f", on {gpu}" if gpu and gpu != BUDGET_CARD else "")
-          + (f", judged against --budget-mib {args.budget_mib:g} MiB of peak allocated (no CUDA context or allocator "
-             "overhead taken off)" if args.budget_mib is not None else "")
-          + (" (--response-len ignored: without logits_to_keep every position's logits are made)"
-             if args.response_len is not None and not keeps_logits(fixes) else ""))
+    print(_headline(args, arch, question, optimizer, gpu))
     if answer is not None and answer.allocated is not None:
         iv = answer.allocated
         what = "a training run" if args.real else "a one-step probe"
@@ -140,6 +140,27 @@ def cmd_estimate(args: argparse.Namespace) -> int:
               f"{n['peak_allocated_mib']:,.1f} MiB allocated"
               + (f", {n['peak_reserved_mib']:,.1f} MiB reserved" if n["peak_reserved_mib"] else ""))
     return 0
+
+
+def _headline(args: argparse.Namespace, arch, question, optimizer, gpu) -> str:
+    """The whole recipe an answer is for, in one line."""
+    full, fixes = question.method == "full", question.fixes
+    return (f"{arch.name} ({arch.total_params / 1e9:.2f}B params), "
+          + ("full fine-tuning (every weight trained), " if full else "")
+          + f"{args.quant}" + ("" if full else f", r{args.rank}") + f", {args.seq_len} tokens"
+          + (f", dropout {args.dropout:g}" if args.dropout else "") + (", DoRA" if args.dora else "")
+          + f", batch {args.batch_size}" + (", no gradient checkpointing" if args.no_gradient_checkpointing else
+                                             ", gradient checkpointing")
+          + ("" if full else f", LoRA on {args.target_modules}") + f", memory fixes {fixes}"
+          + (" (the program's preset)" if fixes == "all" else " (stock)" if fixes == "none" else "")
+          + ((f", {optimizer}" if optimizer else ", optimizer state as in the program's measured runs") if args.real
+             else ", a one-step probe (no optimizer step; without --probe: a training run)")
+          + (f", on {gpu}" if gpu and gpu != BUDGET_CARD else "")
+          + (f", judged against --budget-mib {args.budget_mib:g} MiB of peak allocated (no CUDA context or allocator "
+             "overhead taken off)" if args.budget_mib is not None else "")
+          + (" (--response-len ignored: without logits_to_keep every position's logits are made)"
+             if args.response_len is not None and not keeps_logits(fixes) else "")
+          + (f", on each of {question.gpus} GPUs ({question.strategy}), per GPU" if question.gpus > 1 else ""))
 
 
 def _allocator_lines(recipe, conf_text: str) -> list[str]:

@@ -249,6 +249,11 @@ class Recipe:
     #: adapter: ``rank`` is ``FULL_RANK``, no dropout or DoRA, weights bf16 or fp32 master weights
     #: under bf16 autocast). Answered by ``ledger.answer.full_ft`` from dry runs of it alone.
     method: str = "lora"
+    #: GPUs of one data-parallel or sharded run and how they split the model (``STRATEGIES``): an
+    #: answer for more than one is one rank's, from a dry run of that very world (``world_size``
+    #: rows are kept out of every one-GPU fit).
+    gpus: int = 1
+    strategy: Optional[str] = None
     #: Named so the recipe is whole, but no memory depends on them, so two recipes that differ only
     #: here are the same question: the dropout rate (any rate above 0 keeps the same masks), lora_alpha
     #: and rsLoRA (they scale the update, not the tensors).
@@ -272,7 +277,10 @@ class Recipe:
 
     def memory_fields(self) -> dict:
         """The fields memory depends on, by name (what an answer records as its recipe)."""
-        return {name: getattr(self, name) for name in _MEMORY_FIELDS}
+        out = {name: getattr(self, name) for name in _MEMORY_FIELDS}
+        if self.gpus == 1:  # one GPU: as every answer recorded it before the axis
+            del out["gpus"], out["strategy"]
+        return out
 
     def span(self) -> Optional[int]:
         """The response length where it changes memory: only the logits_to_keep fix keeps logits for
@@ -280,6 +288,10 @@ class Recipe:
         return self.response_len if keeps_logits(self.fixes) else None
 
     def describe(self) -> str:
+        world = f" on each of {self.gpus} GPUs ({self.strategy})" if self.gpus > 1 else ""
+        return self._describe() + world
+
+    def _describe(self) -> str:
         if self.method == "full":
             return (f"{self.model or 'the model'} full fine-tuning {self.quant}"
                     + (f" {self.seq_len} tokens" if self.seq_len else "")
@@ -292,6 +304,29 @@ class Recipe:
                 + ("" if self.checkpointing else " no checkpointing")
                 + ("" if self.targets == ALL_LINEAR else f" LoRA on {','.join(self.targets)}")
                 + f" fixes {self.fixes}" + (f" {self.optimizer}" if self.optimizer else ""))
+
+
+#: How the GPUs of a multi-GPU recipe split the model, as accelerate and the Trainer launch them:
+#: DDP (each holds it whole), FSDP2's fully_shard with FULL_SHARD, and with SHARD_GRAD_OP.
+STRATEGIES = ("ddp", "fsdp", "fsdp-shard-grad-op")
+#: The most GPUs a recipe may name (the schema's bound on ``world_size``).
+MAX_GPUS = 1024
+
+
+def world_problem(gpus: int, strategy: Optional[str]) -> Optional[str]:
+    """What is wrong with a world size and strategy, in one line (None: a world a run can have)."""
+    if gpus < 1:
+        return f"--gpus must be at least 1, got {gpus}"
+    if gpus > MAX_GPUS:
+        return f"--gpus must be at most {MAX_GPUS}, got {gpus}"
+    if strategy is not None and strategy not in STRATEGIES:
+        extra = " (DeepSpeed's ZeRO stages are not modelled yet)" if strategy.lower().startswith("zero") else ""
+        return f"--strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}{extra}"
+    if strategy is not None and gpus == 1:
+        return f"--strategy {strategy} needs --gpus 2 or more (one GPU runs the plain step)"
+    if gpus > 1 and strategy is None:
+        return f"--gpus {gpus} needs --strategy ({' | '.join(STRATEGIES)})"
+    return None
 
 
 #: A full fine-tuning recipe's rank: it has no adapter.
@@ -310,7 +345,8 @@ def full_recipe_of(m: Measurement) -> Optional[Recipe]:
         return None
     return full_recipe(model=m.model, quant=m.quant or "bf16", seq_len=seq_len_of(m), fixes=fixes_key(m.memory_fixes),
                        response_len=m.response_len, optimizer=m.optimizer, batch=m.batch_size or 1,
-                       checkpointing=m.gradient_checkpointing is not False)
+                       checkpointing=m.gradient_checkpointing is not False, gpus=m.world_size or 1,
+                       strategy=m.strategy)
 
 
 #: Recipe's fields that memory depends on (those its equality compares), in order.
@@ -331,7 +367,8 @@ def _recipe_of(m: Measurement) -> Optional[Recipe]:
                   dora=bool(lora.dora), seq_len=seq_len_of(m), fixes=fixes_key(m.memory_fixes),
                   response_len=m.response_len, optimizer=m.optimizer, batch=m.batch_size or 1,
                   checkpointing=m.gradient_checkpointing is not False, targets=targets_of_row(lora.target_modules),
-                  method="lora", dropout_rate=lora.dropout, alpha=lora.alpha, rslora=bool(lora.rslora))
+                  method="lora", gpus=m.world_size or 1, strategy=m.strategy, dropout_rate=lora.dropout,
+                  alpha=lora.alpha, rslora=bool(lora.rslora))
 
 
 def _whole(**values) -> Recipe:
