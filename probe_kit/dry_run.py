@@ -478,6 +478,8 @@ def main(argv=None) -> int:
             if found is None:
                 raise RecipeError(f"--gpu: unknown gpu {args.gpu!r} (known: {', '.join(known_card_names(predictor.ledger))})")
             gpu, entry = found[0], found[1]
+            if entry.vendor == "apple" and cfg.gpus > 1:
+                raise RecipeError(f"--gpus {cfg.gpus}: {gpu} is a Mac, one GPU sharing the unified memory")
         if args.append and not args.ledger:
             raise RecipeError("--append needs --ledger")
         multimodal = False if args.text_only else None

@@ -24,7 +24,7 @@ def test_the_table_covers_the_cards_people_fine_tune_on_each_with_its_source():
     assert len(table) >= 30
     by_size: dict[int, list[str]] = {}
     for key, card in table.items():
-        assert card.source and card.gpu.total_mib and card.gpu.vendor in ("nvidia", "amd")
+        assert card.source and card.gpu.total_mib and card.gpu.vendor in ("nvidia", "amd", "apple")
         # Every figure names where it comes from: a public page, the ledger, or the derivation rule.
         assert re.search(r"github\.com/|specification|the ledger|--gpu-mib rule", card.source), key
         if card.gpu.usable_gib_torch:
@@ -146,3 +146,38 @@ def test_a_card_name_that_is_not_one_card_is_refused_with_its_candidates(typed, 
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("--gpu: ") and says in err
     assert "a10," not in err  # no list of every card
+
+
+def test_macs_are_in_the_table_by_unified_memory_from_16_to_192_gb():
+    macs = {k: c.gpu for k, c in card_table().items() if c.gpu.vendor == "apple"}
+    sizes = sorted(round(g.total_mib / 1024) for g in macs.values())
+    assert sizes[0] == 16 and sizes[-1] == 192 and {24, 32, 36, 48, 64, 96, 128} <= set(sizes)
+    assert all(not derives_usable(g) for g in macs.values())  # no CUDA rule: Metal's working set
+
+
+def test_a_mac_is_judged_against_metals_working_set_and_says_the_memory_is_shared(predictor):
+    from ledger.vocab.cards import MPS_WORKING_SET
+
+    mac = card_table()["mac-16gb"].gpu
+    low, high, source = predictor.card_limit("mac-16gb", mac, "probe")
+    assert low <= 16384 * MPS_WORKING_SET[0] and high <= 16384 * MPS_WORKING_SET[1]
+    assert "Metal's recommended working set" in source and "unified memory: the OS and other apps share it" in source
+    assert "CUDA context" not in source
+
+
+def test_vram_estimate_on_a_mac_names_the_shared_memory_and_refuses_several_gpus(capsys):
+    code = cli.main(["estimate", "--model", "qwen2.5-0.5b", "--rank", "16", "--seq-len", "2048", "--gpu", "Mac 16GB",
+                     "--no-compute"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "on mac-16gb" in out.splitlines()[0] and "the OS and other apps share it" in out
+    code = cli.main(["estimate", "--model", "qwen2.5-0.5b", "--rank", "16", "--seq-len", "2048", "--gpu", "mac-64gb",
+                     "--gpus", "2", "--strategy", "ddp"])
+    out, err = capsys.readouterr()
+    assert code == 1 and out == "" and err.startswith("--gpus: mac-64gb is a Mac") and len(err.splitlines()) == 1
+
+
+def test_vram_cards_lists_a_macs_memory_as_unified(capsys):
+    assert cli.main(["cards"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("mac-32gb"))
+    assert "unified 32768.0 MiB, shared with the OS and apps" in line

@@ -171,7 +171,7 @@ def cmd_cards(args: argparse.Namespace) -> int:
     """The cards --gpu accepts: the ledger's (limit measured there) and the common cards of the
     card table (ledger/cards.json: total MiB, what PyTorch reports as usable, where that figure
     comes from), each with the effective limit for peak allocated the predictor judges against."""
-    from ledger.vocab.cards import card_table, derives_usable, usable_ratio
+    from ledger.vocab.cards import card_table, derives_usable, is_mac, usable_ratio
 
     ledger = store.load(args.ledger)
     p = predictor_for(args, ledger)
@@ -185,7 +185,7 @@ def cmd_cards(args: argparse.Namespace) -> int:
             usable, high_usable = usable_ratio().usable_mib(entry.total_mib)
         rows.append({"key": key, "name": entry.name, "aliases": list(entry.aliases), "total_mib": entry.total_mib,
                      "usable_mib": usable, "usable_high_mib": high_usable, "usable_derived": derives_usable(entry),
-                     "in_ledger": key in ledger.gpus, "limit_low_mib": low,
+                     "unified": is_mac(entry), "in_ledger": key in ledger.gpus, "limit_low_mib": low,
                      "limit_high_mib": high, "limit_source": source,
                      "usable_source": None if key in ledger.gpus else table[key].source})
     if args.json:
@@ -193,9 +193,10 @@ def cmd_cards(args: argparse.Namespace) -> int:
         return 0
     width = max(len(r["key"]) for r in rows)
     for r in rows:
-        usable = (f"{r['usable_mib']}–{r['usable_high_mib']} MiB (from its total)" if r["usable_derived"]
-                  else f"{r['usable_mib']} MiB")
-        print(f"{r['key']:<{width}}  {r['name']:<32} usable {usable}; limit {r['limit_low_mib']}–"
+        usable = (f"usable {r['usable_mib']}–{r['usable_high_mib']} MiB (from its total)" if r["usable_derived"]
+                  else f"unified {r['usable_mib']} MiB, shared with the OS and apps" if r["unified"]
+                  else f"usable {r['usable_mib']} MiB")
+        print(f"{r['key']:<{width}}  {r['name']:<32} {usable}; limit {r['limit_low_mib']}–"
               f"{r['limit_high_mib']} MiB allocated ({'measured in the ledger' if r['in_ledger'] else 'derived'})")
     print(f"\n{len(rows)} cards. Another card: --gpu-mib TOTAL (the total nvidia-smi shows), usable derived as for "
           f"the cards above marked 'from its total': {usable_ratio().describe()}.")

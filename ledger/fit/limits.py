@@ -10,7 +10,7 @@ from functools import cached_property
 from typing import Literal, Optional
 
 from .calibration import Limit
-from ledger.vocab.cards import derives_usable, usable_ratio
+from ledger.vocab.cards import UNIFIED_NOTE, MPS_WORKING_SET, derives_usable, is_mac, mps_working_set_mib, usable_ratio
 from .ledger_fit import LedgerFit
 from ledger.core.models import Gpu
 from ledger.vocab.recipe import capacity_mib
@@ -44,6 +44,8 @@ class CardLimits:
             return lim.low_mib, lim.high_mib, (f"{gpu}'s {lim.kind} limit: largest peak that fit {lim.low_mib} MiB "
                                                f"({lim.fit_id}), smallest that did not {lim.high_mib} MiB "
                                                f"({lim.exceeded_id or 'the card'})")
+        if is_mac(entry) and entry.total_mib:
+            return self._mac_limit(entry)
         usable = capacity_mib(entry)
         if usable is None:
             return None, None, "no limit known for this card: give --budget-mib"
@@ -62,6 +64,20 @@ class CardLimits:
             f"{basis} less the CUDA context ({d['context_low_mib']:.0f}–{d['context_high_mib']:.0f} MiB), over "
             f"reserved/allocated ({d['ratio_low']:.3f}–{d['ratio_high']:.3f}), as measured on "
             f"{', '.join(self.overheads['cards'])}")
+
+    def _mac_limit(self, entry: Gpu) -> tuple[Optional[float], Optional[float], str]:
+        """A Mac: Metal's recommended working set (``MPS_WORKING_SET`` of its unified memory), over
+        the reserved/allocated ratio measured on the ledger's cards (the MPS allocator caches in
+        heaps too; not measured on a Mac), with no CUDA context."""
+        low_set, high_set = mps_working_set_mib(entry)
+        d = self.derive_rule()
+        low, high = (low_set / d["ratio_high"], high_set / d["ratio_low"]) if d else (low_set, high_set)
+        ratio = (f", over reserved/allocated ({d['ratio_low']:.3f}–{d['ratio_high']:.3f}) as measured on "
+                 f"{', '.join(self.overheads['cards'])}" if d else "")
+        return round(low, 1), round(high, 1), (
+            f"Metal's recommended working set, {low_set:g}–{high_set:g} MiB of {entry.total_mib:g} MiB "
+            f"({MPS_WORKING_SET[0]:.0%}–{MPS_WORKING_SET[1]:.0%}; --budget-mib with torch.mps.recommended_max_memory() "
+            f"for your Mac's own){ratio}; {UNIFIED_NOTE}")
 
     @cached_property
     def overheads(self) -> dict:

@@ -64,6 +64,26 @@ def usable_ratio() -> UsableRatio:
     return UsableRatio(min(ratios), max(ratios), tuple(k for k, _ in pairs))
 
 
+#: Metal's ``recommendedMaxWorkingSetSize`` over a Mac's unified memory: what the GPU may hold
+#: before macOS pages the rest out. Metal device logs print it (a 16 GB Mac: 11,453 MB, 0.70; 32 and
+#: 36 GB Macs: 0.82) and PyTorch's MPSAllocator.h calls it "typically 75% of total system memory".
+#: The MPS allocator itself raises an out-of-memory error only at ``PYTORCH_MPS_HIGH_WATERMARK_RATIO``
+#: (default 1.7) times it, past the physical memory: on a Mac the working set is the limit, and
+#: the OS and every other app share the same memory.
+MPS_WORKING_SET = (0.70, 0.82)
+#: Said with every answer for a Mac.
+UNIFIED_NOTE = "unified memory: the OS and other apps share it"
+
+
+def mps_working_set_mib(entry: Gpu) -> tuple[float, float]:
+    """(low, high) of a Mac's recommended working set, MiB, from its unified memory."""
+    return round(entry.total_mib * MPS_WORKING_SET[0], 1), round(entry.total_mib * MPS_WORKING_SET[1], 1)
+
+
+def is_mac(entry: Optional[Gpu]) -> bool:
+    return entry is not None and entry.vendor == "apple"
+
+
 def derives_usable(entry: Optional[Gpu]) -> bool:
     """A CUDA card whose usable memory no PyTorch report gives: derived from its total by the rule
     (ROCm reports a card's whole memory, so an AMD card's total is what PyTorch sees)."""
