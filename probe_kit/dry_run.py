@@ -292,11 +292,10 @@ def _fake_step(cfg: ProbeConfig, config, budget_mib: Optional[float], marks: Opt
                 # after its casts (auto_clear_cache); a fake run has no CUDA to call.
                 meter.trace_event(EMPTY_CACHE)
             checkpointing_as_asked(model, cfg)
-            vocab = model.get_input_embeddings().num_embeddings
-            if mesh is not None:  # one rank: what it holds of the model once the strategy has it
+            ids = synthetic_batch(cfg, model.get_input_embeddings().num_embeddings, torch.device("cpu"))
+            if mesh is not None:  # one rank: what it holds of the model once the strategy has it (and the batch)
                 model = shard(model, cfg.strategy, mesh, fake=True)
                 after_load = meter.allocated_mib()
-            ids = synthetic_batch(cfg, vocab, torch.device("cpu"))
             meter.reset_peak()
             meter.trace_event(RESET_PEAK)  # the probe resets the card's peak statistics here
             figures = {}

@@ -53,9 +53,9 @@ def real_step(rank: int, world_size: int, port: int, cfg, strategy: str, out) ->
         with meter:
             model = prepare(model, cfg)
             checkpointing_as_asked(model, cfg)
-            model = shard(model, strategy, mesh, fake=False)
-            after_load = meter.allocated_mib()  # what the rank holds once the strategy has the model
             ids = synthetic_batch(cfg, vocab, torch.device("cpu"))
+            model = shard(model, strategy, mesh, fake=False)
+            after_load = meter.allocated_mib()  # what the rank holds once the strategy has the model (and the batch)
             meter.reset_peak()
             figures = {}
 

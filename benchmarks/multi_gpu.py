@@ -1,0 +1,113 @@
+"""One rank of a multi-GPU run: the dry run against real gloo runs, and a 70B rank's cost.
+
+    python benchmarks/multi_gpu.py [--json] [--big llama-3.3-70b]
+
+1. Accuracy: for tiny configs of several model families, every strategy, 2 and 4 ranks, 4-bit,
+   bf16 and full fine-tuning, with and without an optimizer step: the dry run of rank 0 (fake
+   tensors, torch's fake process group) against every rank of a real run of CPU processes over
+   gloo, both measured by the tracker meter. Prints the largest |error| of peak, pre-step and
+   after-load over all ranks (target: 1%).
+2. Cost: the dry run of one rank of a 70B QLoRA run under FSDP on 2 GPUs (2,048 tokens, the stock
+   recipe), its process CPU seconds (target: 60 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import sys
+import time
+
+from probe_kit.dry_run import _fake_step, dry_run
+from probe_kit.gloo_run import real_run
+from probe_kit.recipe import ProbeConfig, load_config
+
+#: (model, weights, strategy, ranks, optimizer): what the accuracy table covers.
+CASES = [
+    ("tiny-llama", "bf16", "ddp", 2, None),
+    ("tiny-llama", "4bit", "ddp", 2, "adamw_torch"),
+    ("tiny-llama", "4bit", "fsdp", 2, "adamw_torch"),
+    ("tiny-llama", "bf16", "fsdp-shard-grad-op", 2, None),
+    ("tiny-llama", "full", "fsdp", 2, "adamw_torch"),
+    ("tiny-qwen2", "4bit", "fsdp", 4, "adamw_torch"),
+    ("tiny-qwen2", "bf16", "fsdp-shard-grad-op", 4, None),
+    ("tiny-gemma3", "bf16", "ddp", 4, "adamw_torch"),
+    ("tiny-gemma3", "4bit", "fsdp", 4, None),
+    ("tiny-qwen3moe", "bf16", "fsdp", 2, None),
+    ("tiny-mixtral", "full", "ddp", 2, "adamw_torch"),
+]
+
+
+def config(model: str, weights: str, strategy: str, gpus: int, optimizer) -> ProbeConfig:
+    full = weights == "full"
+    return ProbeConfig(model=model, rank=None if full else 8, method="full" if full else "lora",
+                       quant="bf16" if full else weights, seq_len=256, response_len=32, fixes=[], random_weights=True,
+                       gpus=gpus, strategy=strategy, optimizer=optimizer)
+
+
+def fake_rank(cfg: ProbeConfig) -> dict:
+    with contextlib.redirect_stderr(io.StringIO()):
+        raw = _fake_step(cfg, load_config(cfg.model), None)
+    return {k: raw[k] for k in ("after_load_mib", "pre_step_mib", "peak_mib")}
+
+
+def accuracy() -> list[dict]:
+    """Each dry run in a fresh process, as each rank of the real run is: a process allocates a few
+    KiB once, on its first step (transformers' caches), which a second step in it does not."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    out = []
+    for case in CASES:
+        cfg = config(*case)
+        with ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn")) as pool:
+            fake = pool.submit(fake_rank, cfg).result()
+        with contextlib.redirect_stderr(io.StringIO()):
+            real = real_run(cfg, cfg.strategy, cfg.gpus)
+        errs = {key: max(abs(fake[f"{key}_mib"] - r[f"{key}_mib"]) / r[f"{key}_mib"] * 100 for r in real)
+                for key in ("peak", "pre_step", "after_load")}
+        out.append({"case": " ".join(str(x) for x in case if x), "fake_peak_mib": round(fake["peak_mib"], 4),
+                    "real_peak_mib": [round(r["peak_mib"], 4) for r in real],
+                    **{f"{k}_abs_err_pct": round(v, 4) for k, v in errs.items()}})
+        print(f"{out[-1]['case']:<45} dry {fake['peak_mib']:9.3f} MiB  real {min(out[-1]['real_peak_mib']):9.3f}–"
+              f"{max(out[-1]['real_peak_mib']):9.3f} MiB  |err| peak {errs['peak']:.3f}% pre-step "
+              f"{errs['pre_step']:.3f}% after-load {errs['after_load']:.3f}%", file=sys.stderr, flush=True)
+    return out
+
+
+def cost(model: str) -> dict:
+    cfg = ProbeConfig(model=model, rank=16, quant="4bit", seq_len=2048, response_len=256, fixes=[],
+                      random_weights=True, gpus=2, strategy="fsdp")
+    t0, c0 = time.perf_counter(), time.process_time()
+    with contextlib.redirect_stderr(io.StringIO()):
+        raw = dry_run(cfg)
+    return {"model": model, "recipe": cfg.label(), "cpu_s": round(time.process_time() - c0, 2),
+            "wall_s": round(time.perf_counter() - t0, 2), "rank_peak_mib": round(raw["peak_mib"], 1),
+            "rank_after_load_mib": round(raw["after_load_mib"], 1), "depth": raw["depth"]["method"]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--big", default="llama-3.3-70b", help="the model of the cost check (default llama-3.3-70b)")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    args = p.parse_args(argv)
+    rows = accuracy()
+    big = cost(args.big)
+    doc = {"cases": rows, "max_peak_abs_err_pct": max(r["peak_abs_err_pct"] for r in rows),
+           "max_pre_step_abs_err_pct": max(r["pre_step_abs_err_pct"] for r in rows),
+           "max_after_load_abs_err_pct": max(r["after_load_abs_err_pct"] for r in rows), "cost": big}
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print(f"dry run of a rank vs real gloo runs, {len(rows)} cases: max |error| peak "
+              f"{doc['max_peak_abs_err_pct']}%, pre-step {doc['max_pre_step_abs_err_pct']}%, after-load "
+              f"{doc['max_after_load_abs_err_pct']}% (target 1%)")
+        print(f"{big['recipe']}: {big['cpu_s']} s CPU ({big['wall_s']} s wall; depth {big['depth']}), rank peak "
+              f"{big['rank_peak_mib']} MiB, after load {big['rank_after_load_mib']} MiB (target 60 s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
