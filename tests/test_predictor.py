@@ -30,7 +30,7 @@ def p(ledger):
 
 def test_the_card_table_is_valid_and_resolves_names(ledger):
     table = card_table()
-    assert len(table) >= 8 and {c.gpu.vendor for c in table.values()} == {"nvidia", "amd"}
+    assert len(table) >= 8 and {c.gpu.vendor for c in table.values()} == {"nvidia", "amd", "apple"}
     for key, card in table.items():
         assert card.source and card.gpu.total_mib > 0
         usable = (card.gpu.usable_gib_torch or 0) * 1024
