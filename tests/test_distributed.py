@@ -83,7 +83,7 @@ def test_a_probe_of_several_gpus_points_to_the_dry_run():
     from probe_kit.probe_vram import run_probe
 
     with pytest.raises(RecipeError, match="a probe measures one card's step"):
-        run_probe(_cfg("tiny-llama", "bf16", "ddp", 2), device="cpu")
+        run_probe(_cfg("tiny-llama", "bf16", "ddp", 2, None), device="cpu")
 
 
 def test_a_ranks_row_records_its_world_and_is_kept_out_of_one_gpu_fits(capsys):
