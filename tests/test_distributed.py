@@ -190,3 +190,26 @@ def test_the_checks_refuse_a_world_without_its_strategy_and_a_strategy_on_one_gp
     row = Measurement(id="r", kind="dry_run", model="tiny-llama", strategy="ddp")
     issues = list(measurement_issues(ledger, row, "measurements[0]", "l.json", dt.date.today()))
     assert [i.location for i in issues] == ["measurements[0].world_size"]
+
+
+def test_vram_ceiling_per_gpu_derives_every_rank_from_two_dry_runs_of_the_world(tmp_path, capsys):
+    from ledger import cli
+
+    argv = ["ceiling", "--model", "tiny-llama", "--seq-len", "256", "--budget-mib", "300", "--gpus", "2",
+            "--strategy", "fsdp", "--cache", str(tmp_path / "cache")]
+    assert cli.main([*argv, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["per_gpu"] and doc["gpus"] == 2 and len(doc["dry_runs"]) == 2
+    assert all("2gpus-fsdp" in i for i in doc["dry_runs"]) and doc["mib_per_rank"] > 0
+    peaks = {r["rank"]: r["dry_mib"] for r in doc["ranks"]}
+    # Affine in rank between the two dry runs, and the verdicts fall as the rank grows.
+    assert peaks[64] - peaks[8] == pytest.approx(56 * doc["mib_per_rank"], abs=0.2)
+    order = {"fits": 0, "tight": 1, "won't fit": 2}
+    verdicts = [order[r["verdict"]] for r in doc["ranks"]]
+    assert verdicts == sorted(verdicts)
+    fits, tight = doc["fits_rank"], doc["tight_rank"]
+    assert 8 <= fits < tight < 512  # a budget between the ranks' peaks: all three verdicts
+    assert all(r["verdict"] == "fits" for r in doc["ranks"] if r["rank"] <= fits)
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "on each of 2 GPUs (fsdp)" in out.splitlines()[0] and "NCCL" in out

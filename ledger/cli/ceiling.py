@@ -10,6 +10,8 @@ from ledger.storage import store
 from ledger.core.errors import Issue, UserError
 from .options import (Command, add_batch_option, add_json_option, add_ledger_option, add_method_option,
                       add_optimizer_option, add_recipe_options, add_run_option, dump_json)
+from ledger.vocab.cards import is_mac
+from .world import add_world_options, ceiling_ranks, print_rank_ceiling, world_of
 from .question import (BUDGET_CARD, add_card_option, add_dry_runs_option, card_from, predictor_for, recipe_from,
                        require_model)
 
@@ -34,6 +36,7 @@ def add_ceiling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step", type=int, default=8, help="rank step (default 8)")
     p.add_argument("--max-rank", type=int, default=512, help="largest rank searched (default 512)")
     p.add_argument("--margin-mib", type=float, default=0.0, help="stay this far under the limit, MiB (default 0)")
+    add_world_options(p)
     add_json_option(p)
 
 
@@ -64,9 +67,26 @@ def cmd_ceiling(args: argparse.Namespace) -> int:
     ledger = store.load(args.ledger)
     require_model(args.model, ledger)
     gpu, entry = card_from(args, ledger)
+    if (args.rank is not None or full) and getattr(args, "gpus", 1) > 1:
+        raise UserError(Issue("--gpus", "", "with several GPUs `vram ceiling` answers the largest LoRA rank at "
+                              "--seq-len (a length ceiling per GPU is not searched yet: `vram estimate --gpus N` "
+                              "answers one length)"))
     if args.rank is not None or full:
         return _length_ceiling(args, ledger, gpu, entry)
     recipe = recipe_from(args)
+    gpus, strategy = world_of(args)
+    if gpus > 1:  # one rank of a multi-GPU run: dry runs of that world alone
+        if is_mac(entry):
+            raise UserError(Issue("--gpus", "", f"{gpu} is a Mac: its one GPU shares the unified memory"))
+        recipe = recipe.replace(gpus=gpus, strategy=strategy)
+        doc = ceiling_ranks(args, predictor_for(args, ledger), recipe, gpu, entry)
+        if args.json:
+            dump_json(doc)
+        else:
+            where = f"{'a budget' if gpu == BUDGET_CARD else gpu} at {args.seq_len} tokens" + _budget_text(args)
+            print_rank_ceiling(doc, recipe.replace(optimizer=recipe.optimizer or "adamw_torch") if args.real
+                               else recipe, "a training run" if args.real else "a one-step probe", where)
+        return 0
     from .compute import ensure_dry_runs
 
     predictor = predictor_for(args, ledger)

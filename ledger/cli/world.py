@@ -79,18 +79,82 @@ def find_row(rows, recipe: Recipe):
     return found
 
 
+def rank_rows(args: argparse.Namespace, recipes: list[Recipe], run: str) -> list:
+    """Each recipe's rank dry-run row: from the cache, the missing ones computed into it together
+    (``--no-compute`` refuses)."""
+    model_rows = model_for_rows(args.model, args.cache)
+    points = [rank_point(r, model_rows, run) for r in recipes]
+    wanted = [_point_recipe(r, p) for r, p in zip(recipes, points)]
+    cached = load_dry_runs(cache=args.cache)
+    missing = [p for p, w in zip(points, wanted) if find_row(cached, w) is None]
+    if missing:
+        label = f"{model_name(args.model)} on each of {recipes[0].gpus} GPUs ({recipes[0].strategy})"
+        compute_points(missing, label, args.cache, no_compute=args.no_compute, ray=getattr(args, "ray", None))
+        cached = load_dry_runs(cache=args.cache)
+    rows = [find_row(cached, w) for w in wanted]
+    if any(row is None for row in rows):
+        raise UserError(Issue("--gpus", "", "a rank's dry run did not record a row (see above)"))
+    return rows
+
+
 def rank_row(args: argparse.Namespace, recipe: Recipe, run: str):
-    """The rank's dry-run row: from the cache, else computed into it (``--no-compute`` refuses)."""
-    point = rank_point(recipe, model_for_rows(args.model, args.cache), run)
-    wanted = _point_recipe(recipe, point)
-    row = find_row(load_dry_runs(cache=args.cache), wanted)
-    if row is None:
-        label = f"{model_name(args.model)} on each of {recipe.gpus} GPUs ({recipe.strategy})"
-        compute_points([point], label, args.cache, no_compute=args.no_compute, ray=getattr(args, "ray", None))
-        row = find_row(load_dry_runs(cache=args.cache), wanted)
-    if row is None:
-        raise UserError(Issue("--gpus", "", "the rank's dry run did not record a row (see above)"))
-    return row
+    """The rank's dry-run row (``rank_rows`` of one recipe)."""
+    return rank_rows(args, [recipe], run)[0]
+
+
+#: The ranks a per-GPU rank ceiling is dry-run at: every rank between is derived, a rank's step
+#: being affine in the LoRA rank (qwen2.5-0.5b under FSDP on 2 GPUs, 1,024 tokens, AdamW: 3.234
+#: MiB per rank from rank 8 to 64, 64 to 128 and 128 to 256 alike).
+CEILING_RANKS = (8, 64)
+
+
+def ceiling_ranks(args: argparse.Namespace, predictor, recipe: Recipe, gpu: Optional[str], entry) -> dict:
+    """The largest rank (a multiple of ``args.step``) whose per-GPU verdict is "fits", and the
+    largest that is at worst "tight", from dry runs of the world at ``CEILING_RANKS``."""
+    run = "real" if args.real else "probe"
+    a, b = CEILING_RANKS
+    rows = rank_rows(args, [recipe.replace(rank=a), recipe.replace(rank=b)], run)
+    if any(r.outcome.status != "ok" or r.outcome.peak_allocated_mib is None for r in rows):
+        raise UserError(Issue("--gpus", "", f"the rank's dry run at rank {a} or {b} did not finish ok: "
+                              f"{rows[0].id}, {rows[1].id}"))
+    pa, pb = (r.outcome.peak_allocated_mib for r in rows)
+    slope = (pb - pa) / (b - a)
+    ranks, fits, tight = [], None, None
+    for rank in range(args.step, args.max_rank + 1, args.step):
+        raw = pa + slope * (rank - a)
+        answer = predictor.judge_dry(recipe.replace(rank=rank), raw, gpu, entry=entry, margin_mib=args.margin_mib,
+                                     budget_mib=args.budget_mib, derived=rank not in CEILING_RANKS)
+        iv = answer.probe_allocated
+        ranks.append({"rank": rank, "verdict": answer.verdict, "mib": iv.mib, "high_mib": iv.high_mib,
+                      "dry_mib": round(raw, 1)})
+        if answer.verdict == "fits":
+            fits = rank
+        if answer.verdict != "won't fit":
+            tight = rank
+        limit = f"{answer.limit_low_mib}–{answer.limit_high_mib} MiB allocated ({answer.limit_source})"
+    return {"gpus": recipe.gpus, "strategy": recipe.strategy, "per_gpu": True, "seq_len": recipe.seq_len,
+            "fits_rank": fits, "tight_rank": tight, "limit": limit, "dry_runs": [r.id for r in rows],
+            "mib_per_rank": round(slope, 4), "ranks": ranks, "not_counted": NOT_COUNTED}
+
+
+def print_rank_ceiling(doc: dict, recipe: Recipe, what: str, where: str, width: int = 100) -> None:
+    print(f"for {what} of {recipe.replace(rank=0).describe().replace(' r0', '')}")
+    each = f"each of {doc['gpus']} GPUs ({doc['strategy']})"
+    if doc["fits_rank"] is None:
+        head = f"no rank fits {what} on {each} for sure" + (f"; up to rank {doc['tight_rank']} is tight"
+                                                             if doc["tight_rank"] else "")
+    else:
+        head = f"rank {doc['fits_rank']} fits {what} on {each}" + (
+            "" if doc["tight_rank"] == doc["fits_rank"] else f"; up to rank {doc['tight_rank']} is tight")
+    print(textwrap.fill(f"{head}, {where} ({doc['limit']})", width, subsequent_indent="  "))
+    shown = {doc["fits_rank"], doc["tight_rank"]}
+    first_over = next((r["rank"] for r in doc["ranks"] if r["verdict"] == "won't fit"), None)
+    for r in doc["ranks"]:
+        if r["rank"] in shown or r["rank"] == first_over:
+            print(f"  r{r['rank']}: {r['verdict']}, {r['mib']} MiB per GPU (up to {r['high_mib']} MiB) by dry run of "
+                  f"one rank, {doc['mib_per_rank']} MiB per LoRA rank between [{', '.join(doc['dry_runs'])}]")
+    print(textwrap.fill(doc["not_counted"], width, initial_indent="  ", subsequent_indent="    "))
+    sys.stdout.flush()
 
 
 def estimate_ranks(args: argparse.Namespace, predictor, recipe: Recipe, gpu: Optional[str], entry) -> dict:
