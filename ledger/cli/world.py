@@ -122,8 +122,10 @@ def ceiling_ranks(args: argparse.Namespace, predictor, recipe: Recipe, gpu: Opti
     ranks, fits, tight = [], None, None
     for rank in range(args.step, args.max_rank + 1, args.step):
         raw = pa + slope * (rank - a)
+        # Between the two dry runs a figure is bounded by them (the step is affine and grows with the
+        # rank); past the second it is extrapolated: the derivation's error widens its interval.
         answer = predictor.judge_dry(recipe.replace(rank=rank), raw, gpu, entry=entry, margin_mib=args.margin_mib,
-                                     budget_mib=args.budget_mib, derived=rank not in CEILING_RANKS)
+                                     budget_mib=args.budget_mib, derived=rank > b)
         iv = answer.probe_allocated
         ranks.append({"rank": rank, "verdict": answer.verdict, "mib": iv.mib, "high_mib": iv.high_mib,
                       "dry_mib": round(raw, 1)})
