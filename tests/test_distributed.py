@@ -213,3 +213,20 @@ def test_vram_ceiling_per_gpu_derives_every_rank_from_two_dry_runs_of_the_world(
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "on each of 2 GPUs (fsdp)" in out.splitlines()[0] and "NCCL" in out
+
+
+def test_vram_fit_per_gpu_is_a_rank_per_length_from_the_worlds_dry_runs(tmp_path, capsys):
+    from ledger import cli
+
+    argv = ["fit", "--model", "tiny-llama", "--budget-mib", "300", "--gpus", "2", "--strategy", "ddp",
+            "--cache", str(tmp_path / "cache")]
+    assert cli.main([*argv, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    (table,) = doc["tables"].values()
+    assert doc["per_gpu"] and [d["seq_len"] for d in table] == [512, 2048]  # tiny-llama's context is 2,048
+    assert all(len(d["dry_runs"]) == 2 and all("2gpus-ddp" in i for i in d["dry_runs"]) for d in table)
+    assert cli.main(argv) == 0  # the second time from the cache
+    out, err = capsys.readouterr()
+    assert "computing" not in err and "on each of 2" in out.splitlines()[0]
+    code = cli.main(["fit", "--model", "tiny-llama", "--gpu", "mac-64gb", "--gpus", "2", "--strategy", "ddp"])
+    assert code == 1 and "is a Mac" in capsys.readouterr().err

@@ -14,6 +14,7 @@ from ledger.vocab.optimizers import optimizer_for
 from ledger.vocab.recipe import Recipe, fixes_key, fixes_value, parse_fixes
 from .question import add_card_option, add_dry_runs_option, card_from, dry_rows, predictor_for, require_model
 from .compute import add_compute_option, compute_points, model_for_rows
+from .world import add_world_options, cell_label, fit_ranks, world_of
 from .options import Command, add_json_option, add_ledger_option, add_method_option, add_optimizer_option, dump_json
 
 
@@ -42,6 +43,7 @@ def add_fit_options(p: argparse.ArgumentParser) -> None:
     add_compute_option(p)
     add_ledger_option(p)
     add_dry_runs_option(p)
+    add_world_options(p)
     add_json_option(p)
 
 
@@ -56,6 +58,9 @@ def cmd_fit(args: argparse.Namespace) -> int:
     ledger = store.load(args.ledger)
     require_model(args.model, ledger)
     gpu, entry = card_from(args, ledger)
+    gpus, strategy = world_of(args)
+    if gpus > 1:
+        return _world_table(args, ledger, gpu, entry, gpus, strategy)
     if args.method == "full":
         return _full_table(args, ledger, gpu, entry)
     if "fp32" in (args.quant or []):
@@ -275,3 +280,50 @@ def _point_key(p) -> tuple:
 
 COMMANDS = [Command("fit", "one model's fit table on one card: the largest rank whose training run fits at each length",
                     add_fit_options, cmd_fit)]
+
+
+def _world_table(args: argparse.Namespace, ledger, gpu: str, entry, gpus: int, strategy: str) -> int:
+    """``vram fit --gpus N --strategy S``: the largest LoRA rank per GPU at each length, the stock
+    recipe of each asked quant (plain adapter), from two dry runs of the world a length (computed
+    into the cache: two per length, seconds each for a tiny model, some for a 70B)."""
+    import argparse as _argparse
+
+    from ledger.vocab.cards import is_mac
+
+    if args.method == "full":
+        raise UserError(Issue("--gpus", "", "the per-GPU table is LoRA's (ranks): a full fine-tune on several GPUs "
+                              "is answered one length at a time by `vram estimate --method full --gpus N`"))
+    if is_mac(entry):
+        raise UserError(Issue("--gpus", "", f"{gpu} is a Mac: its one GPU shares the unified memory"))
+    if args.batch_size <= 0:
+        raise UserError(Issue("--batch-size", "", f"must be > 0, got {args.batch_size}"))
+    quants = args.quant or ["4bit"]
+    if "fp32" in quants:
+        raise UserError(Issue("--quant", "", "fp32 master weights are a full fine-tuning precision"))
+    fixes = _fixes_key((args.fixes or ["none"])[0])
+    name = model_name(args.model)
+    p = predictor_for(args, ledger)
+    lengths = model_lengths(args.model)
+    ask = _argparse.Namespace(**{**vars(args), "real": True, "step": 8, "max_rank": 512, "margin_mib": 0.0})
+    tables = {}
+    for q in quants:
+        recipe = Recipe(model=args.model, rank=8, quant=q, fixes=fixes, batch=args.batch_size,
+                        checkpointing=not args.no_gradient_checkpointing,
+                        optimizer=args.optim or optimizer_for(fixes, None), gpus=gpus, strategy=strategy)
+        tables[q] = fit_ranks(ask, p, recipe, lengths, gpu, entry)
+    if args.json:
+        dump_json({"model": name, "gpu": gpu, "gpus": gpus, "strategy": strategy, "per_gpu": True,
+                   "tables": tables})
+        return 0
+    first = next(iter(tables.values()))[0]
+    print(f"{name} on each of {gpus} {gpu} ({strategy}): the largest LoRA rank per GPU whose training run fits "
+          f"(tight: the interval reaches past the limit); limit {first['limit']}")
+    for q, docs in tables.items():
+        print(f"\n{q}, {run_words(fixes, optimizer_for(fixes, args.optim))}, plain adapter")
+        print(f"  {'tokens':>7}  per GPU")
+        for d in docs:
+            print(f"  {d['seq_len']:>7}  {cell_label(d)}")
+    print(f"\n{first['not_counted']}; each length from two dry runs of one rank (ranks 8 and 64), a rank's step "
+          "being affine in the LoRA rank")
+    return 0
+

@@ -65,7 +65,8 @@ def rank_point(recipe: Recipe, model_rows: str, run: str) -> dict:
 
 
 def _point_recipe(recipe: Recipe, point: dict) -> Recipe:
-    return recipe.replace(response_len=point["response_len"], optimizer=point.get("optim"))
+    # The row names the model as the point does (a user's config: its copy in the cache).
+    return recipe.replace(model=point["model"], response_len=point["response_len"], optimizer=point.get("optim"))
 
 
 def find_row(rows, recipe: Recipe):
@@ -108,12 +109,15 @@ def rank_row(args: argparse.Namespace, recipe: Recipe, run: str):
 CEILING_RANKS = (8, 64)
 
 
-def ceiling_ranks(args: argparse.Namespace, predictor, recipe: Recipe, gpu: Optional[str], entry) -> dict:
+def ceiling_ranks(args: argparse.Namespace, predictor, recipe: Recipe, gpu: Optional[str], entry,
+                  rows: Optional[list] = None) -> dict:
     """The largest rank (a multiple of ``args.step``) whose per-GPU verdict is "fits", and the
-    largest that is at worst "tight", from dry runs of the world at ``CEILING_RANKS``."""
+    largest that is at worst "tight", from dry runs of the world at ``CEILING_RANKS`` (``rows``:
+    those two, found already)."""
     run = "real" if args.real else "probe"
     a, b = CEILING_RANKS
-    rows = rank_rows(args, [recipe.replace(rank=a), recipe.replace(rank=b)], run)
+    if rows is None:
+        rows = rank_rows(args, [recipe.replace(rank=a), recipe.replace(rank=b)], run)
     if any(r.outcome.status != "ok" or r.outcome.peak_allocated_mib is None for r in rows):
         raise UserError(Issue("--gpus", "", f"the rank's dry run at rank {a} or {b} did not finish ok: "
                               f"{rows[0].id}, {rows[1].id}"))
@@ -196,3 +200,22 @@ def print_ranks(doc: dict, headline: str, width: int = 100) -> None:
                                 subsequent_indent="      "))
     print(textwrap.fill(doc["not_counted"], width, initial_indent="    ", subsequent_indent="      "))
     sys.stdout.flush()
+
+
+def fit_ranks(args: argparse.Namespace, predictor, recipe: Recipe, lengths: list[int], gpu: Optional[str],
+              entry) -> list[dict]:
+    """``ceiling_ranks`` at every length: the per-GPU rank table of one recipe (its dry runs, two a
+    length, computed together)."""
+    a, b = CEILING_RANKS
+    at = [recipe.replace(seq_len=n, rank=r) for n in lengths for r in (a, b)]
+    rows = rank_rows(args, at, "real" if args.real else "probe")
+    return [ceiling_ranks(args, predictor, recipe.replace(seq_len=n), gpu, entry, rows[2 * i:2 * i + 2])
+            for i, n in enumerate(lengths)]
+
+
+def cell_label(doc: dict) -> str:
+    """A cell of the per-GPU table as the fit table writes one: '264 (tight ≤ 312)', 'none'."""
+    fits, tight = doc["fits_rank"], doc["tight_rank"]
+    if fits is None:
+        return "none" if tight is None else f"none (tight ≤ {tight})"
+    return f"{fits}" if tight == fits else f"{fits} (tight ≤ {tight})"
