@@ -9,6 +9,11 @@
    after-load over all ranks (target: 1%).
 2. Cost: the dry run of one rank of a 70B QLoRA run under FSDP on 2 GPUs (2,048 tokens, the stock
    recipe), its process CPU seconds (target: 60 s).
+3. With ``--unsloth``: Unsloth Studio's multi-GPU rule (each GPU past the first adds 85% of its free
+   memory to one pool that its one-GPU estimate must fit in) against the per-GPU answer of
+   ``vram estimate --gpus N --strategy fsdp`` (the rank's dry run, calibrated), 7B to 72B QLoRA
+   r16 at 2,048 tokens on 2, 4 and 8 RTX 4090s: its share per GPU (the estimate over 1 + 0.85 (N - 1))
+   against the rank's figure, and where the two verdicts differ.
 """
 
 from __future__ import annotations
@@ -88,9 +93,56 @@ def cost(model: str) -> dict:
             "rank_after_load_mib": round(raw["after_load_mib"], 1), "depth": raw["depth"]["method"]}
 
 
+#: The models and GPU counts Unsloth Studio's multi-GPU rule is scored on.
+UNSLOTH_MODELS = ("qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "llama-3.3-70b", "qwen2.5-72b")
+UNSLOTH_GPUS = (2, 4, 8)
+UNSLOTH_CARD = "rtx-4090"
+
+
+def unsloth(cache: str) -> dict:
+    """Unsloth Studio's 85% rule against the dry runs of one rank under FSDP (module docstring)."""
+    from ledger import cli
+    from ledger.report.estimators import UnslothStudio
+    from ledger.vocab.cards import card_table
+    from ledger.vocab.model_configs import load_arch
+    from ledger.vocab.recipe import Recipe, capacity_mib
+
+    usable = capacity_mib(card_table()[UNSLOTH_CARD].gpu)
+    rows = []
+    for model in UNSLOTH_MODELS:
+        recipe = Recipe(model=model, rank=16, quant="4bit", seq_len=2048, fixes="none")
+        one_gpu = UnslothStudio().estimate(load_arch(model), recipe).mib
+        for n in UNSLOTH_GPUS:
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+                code = cli.main(["estimate", "--model", model, "--rank", "16", "--seq-len", "2048", "--gpu",
+                                 UNSLOTH_CARD, "--gpus", str(n), "--strategy", "fsdp", "--cache", cache, "--json"])
+            if code:
+                raise SystemExit(f"vram estimate exited {code} for {model} on {n} GPUs")
+            a = json.loads(out.getvalue())["answer"]
+            mine = a["probe_allocated"]["mib"]
+            share = one_gpu / (1 + 0.85 * (n - 1))
+            theirs = "fits" if one_gpu <= usable * (1 + 0.85 * (n - 1)) else "won't fit"
+            rows.append({"model": model, "gpus": n, "unsloth_one_gpu_mib": round(one_gpu, 1),
+                         "unsloth_share_mib": round(share, 1), "dry_run_per_gpu_mib": mine,
+                         "share_err_pct": round((share - mine) / mine * 100, 1), "unsloth_verdict": theirs,
+                         "dry_run_verdict": a["verdict"]})
+            print(f"{model:<14} x{n}: Unsloth {one_gpu:9.1f} MiB in all, {share:8.1f} MiB a GPU ({theirs}); dry run "
+                  f"{mine:8.1f} MiB a GPU ({a['verdict']}); share {rows[-1]['share_err_pct']:+.1f}%",
+                  file=sys.stderr, flush=True)
+    errs = [abs(r["share_err_pct"]) for r in rows]
+    optimistic = [f"{r['model']} x{r['gpus']}" for r in rows
+                  if r["unsloth_verdict"] == "fits" and r["dry_run_verdict"] == "won't fit"]
+    return {"card": UNSLOTH_CARD, "rows": rows, "median_abs_share_err_pct": round(sorted(errs)[len(errs) // 2], 1),
+            "max_abs_share_err_pct": max(errs), "unsloth_fits_dry_run_wont": optimistic}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--big", default="llama-3.3-70b", help="the model of the cost check (default llama-3.3-70b)")
+    p.add_argument("--unsloth", action="store_true", help="also score Unsloth Studio's 85%% multi-GPU rule")
+    p.add_argument("--cache", help="with --unsloth: the dry-run cache the ranks' dry runs go to (default: a "
+                                   "temporary folder)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     args = p.parse_args(argv)
     rows = accuracy()
@@ -98,6 +150,11 @@ def main(argv=None) -> int:
     doc = {"cases": rows, "max_peak_abs_err_pct": max(r["peak_abs_err_pct"] for r in rows),
            "max_pre_step_abs_err_pct": max(r["pre_step_abs_err_pct"] for r in rows),
            "max_after_load_abs_err_pct": max(r["after_load_abs_err_pct"] for r in rows), "cost": big}
+    if args.unsloth:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            doc["unsloth"] = unsloth(args.cache or tmp)
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
@@ -106,6 +163,12 @@ def main(argv=None) -> int:
               f"{doc['max_after_load_abs_err_pct']}% (target 1%)")
         print(f"{big['recipe']}: {big['cpu_s']} s CPU ({big['wall_s']} s wall; depth {big['depth']}), rank peak "
               f"{big['rank_peak_mib']} MiB, after load {big['rank_after_load_mib']} MiB (target 60 s)")
+        if args.unsloth:
+            u = doc["unsloth"]
+            print(f"Unsloth Studio's 85% rule on {len(u['rows'])} FSDP QLoRA cases ({u['card']}): its share a GPU "
+                  f"against the rank's dry run, median |error| {u['median_abs_share_err_pct']}%, worst "
+                  f"{u['max_abs_share_err_pct']}%; it says fits where the dry run says won't fit: "
+                  f"{', '.join(u['unsloth_fits_dry_run_wont']) or 'none'}")
     return 0
 
 
