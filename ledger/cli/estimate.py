@@ -16,7 +16,7 @@ from ledger.fit.response_span import answerable
 from .question import (BUDGET_CARD, add_card_option, add_dry_runs_option, card_from, predictor_for, recipe_from,
                         require_model)
 from .compute import add_compute_option, ensure_dry_runs
-from .world import add_world_options, estimate_ranks, print_ranks, world_of
+from .world import add_world_options, estimate_ranks, print_ranks, unsloth_pool, world_of
 from .options import (Command, add_batch_option, add_json_option, add_ledger_option, add_method_option,
                       add_optimizer_option, add_recipe_options, add_run_option, dump_json)
 
@@ -74,7 +74,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
                                   "data-parallel or sharded run across GPUs)"))
         question = question.replace(gpus=gpus, strategy=strategy)
         doc = {"model": arch.name, "params": arch.total_params, "recipe": question.memory_fields(), "gpu": gpu,
-               "card_mib": card, **estimate_ranks(args, predictor, question, gpu, entry)}
+               "card_mib": card, **estimate_ranks(args, predictor, question, gpu, entry),
+               "unsloth_studio": unsloth_pool(arch, question, card)}
         if args.json:
             dump_json(doc)
         else:

@@ -179,6 +179,26 @@ def estimate_ranks(args: argparse.Namespace, predictor, recipe: Recipe, gpu: Opt
             "answer": answer.model_dump(mode="json") if answer else None}
 
 
+#: Unsloth Studio's multi-GPU rule: each GPU past the first adds this share of its free memory to
+#: the one pool its one-GPU estimate must fit in (its VRAM_ESTIMATION.md, "Multi-GPU Overhead").
+UNSLOTH_SHARE = 0.85
+
+
+def unsloth_pool(arch, recipe: Recipe, card_mib: Optional[float]) -> Optional[dict]:
+    """Unsloth Studio's answer for N GPUs, as a comparison: its one-GPU estimate (reserved, its own
+    defaults), the pool of N cards by its 85% rule, its share a GPU, and whether it says fits."""
+    from ledger.report.estimators import UnslothStudio
+
+    est = UnslothStudio().estimate(arch, recipe.replace(gpus=1, strategy=None))
+    if est is None:
+        return None
+    pool = 1 + UNSLOTH_SHARE * (recipe.gpus - 1)
+    return {"estimate_mib": est.mib, "share_mib": round(est.mib / pool, 1),
+            "pool_mib": round(card_mib * pool, 1) if card_mib else None,
+            "verdict": ("fits" if est.mib <= card_mib * pool else "won't fit") if card_mib else None,
+            "rule": f"each GPU past the first adds {UNSLOTH_SHARE:.0%} of its memory to one pool (Unsloth Studio)"}
+
+
 def print_ranks(doc: dict, headline: str, width: int = 100) -> None:
     """The per-GPU answer as lines."""
     print(headline)
@@ -199,6 +219,14 @@ def print_ranks(doc: dict, headline: str, width: int = 100) -> None:
             print(textwrap.fill(f"{a['why']} ({a['limit_source']})", width, initial_indent="    ",
                                 subsequent_indent="      "))
     print(textwrap.fill(doc["not_counted"], width, initial_indent="    ", subsequent_indent="      "))
+    u = doc.get("unsloth_studio")
+    if u:
+        print(textwrap.fill(
+            f"outside estimator, for comparison: unsloth-studio {u['estimate_mib']:,.1f} MiB reserved in all, "
+            f"{u['share_mib']:,.1f} MiB a GPU by its rule ({u['rule']})"
+            + (f": {u['verdict']} in {u['pool_mib']:,.1f} MiB" if u["verdict"] else "")
+            + "; it splits the model by layers and leaves out the logits", width, initial_indent="  ",
+            subsequent_indent="    "))
     sys.stdout.flush()
 
 
