@@ -19,13 +19,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from multi_gpu import config as _cfg  # noqa: E402  (the benchmark's tiny configurations)
 
 
-# Several model families, 4-bit and bf16, every strategy, 2 and 4 ranks, with and without an
-# optimizer step (benchmarks/multi_gpu.py runs 11 cases, full fine-tuning among them).
+# Two model families, 4-bit and bf16, every strategy, 2 and 4 ranks, with and without an optimizer
+# step (benchmarks/multi_gpu.py runs 11 cases, a mixture of experts and full fine-tuning among them).
 CASES = [
     ("tiny-llama", "bf16", "ddp", 2, None),
     ("tiny-llama", "4bit", "fsdp", 2, "adamw_torch"),
     ("tiny-qwen2", "bf16", "fsdp-shard-grad-op", 4, None),
-    ("tiny-qwen3moe", "bf16", "fsdp", 2, None),
 ]
 
 

@@ -10,7 +10,6 @@ from ledger.storage import store
 from ledger.core.errors import Issue, UserError
 from .options import (Command, add_batch_option, add_json_option, add_ledger_option, add_method_option,
                       add_optimizer_option, add_recipe_options, add_run_option, dump_json)
-from ledger.vocab.cards import is_mac
 from .world import add_world_options, ceiling_ranks, print_rank_ceiling, world_of
 from .question import (BUDGET_CARD, add_card_option, add_dry_runs_option, card_from, predictor_for, recipe_from,
                        require_model)
@@ -74,10 +73,8 @@ def cmd_ceiling(args: argparse.Namespace) -> int:
     if args.rank is not None or full:
         return _length_ceiling(args, ledger, gpu, entry)
     recipe = recipe_from(args)
-    gpus, strategy = world_of(args)
+    gpus, strategy = world_of(args, gpu, entry)
     if gpus > 1:  # one rank of a multi-GPU run: dry runs of that world alone
-        if is_mac(entry):
-            raise UserError(Issue("--gpus", "", f"{gpu} is a Mac: its one GPU shares the unified memory"))
         recipe = recipe.replace(gpus=gpus, strategy=strategy)
         doc = ceiling_ranks(args, predictor_for(args, ledger), recipe, gpu, entry)
         if args.json:

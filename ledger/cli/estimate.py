@@ -9,7 +9,6 @@ import textwrap
 from ledger.storage import store
 from ledger.core.errors import Issue, UserError
 from ledger.report.estimators import estimate_all, nearest_row
-from ledger.vocab.cards import is_mac
 from ledger.vocab.model_configs import load_arch
 from ledger.vocab.recipe import capacity_mib, keeps_logits, seq_len_of
 from ledger.fit.response_span import answerable
@@ -65,13 +64,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     card = capacity_mib(entry) if entry is not None else None
     predictor = predictor_for(args, ledger)
     question = recipe_from(args, args.rank)
-    gpus, strategy = world_of(args)
+    gpus, strategy = world_of(args, gpu, entry)
     if gpus > 1:  # one rank of a multi-GPU run: answered by a dry run of that world alone
         if args.alloc_conf:
             raise UserError(Issue("--alloc-conf", "", "the allocator's simulation is one GPU's (without --gpus)"))
-        if is_mac(entry):
-            raise UserError(Issue("--gpus", "", f"{gpu} is a Mac: its one GPU shares the unified memory (no "
-                                  "data-parallel or sharded run across GPUs)"))
         question = question.replace(gpus=gpus, strategy=strategy)
         doc = {"model": arch.name, "params": arch.total_params, "recipe": question.memory_fields(), "gpu": gpu,
                "card_mib": card, **estimate_ranks(args, predictor, question, gpu, entry),

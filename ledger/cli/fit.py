@@ -58,7 +58,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
     ledger = store.load(args.ledger)
     require_model(args.model, ledger)
     gpu, entry = card_from(args, ledger)
-    gpus, strategy = world_of(args)
+    gpus, strategy = world_of(args, gpu, entry)
     if gpus > 1:
         return _world_table(args, ledger, gpu, entry, gpus, strategy)
     if args.method == "full":
@@ -288,13 +288,9 @@ def _world_table(args: argparse.Namespace, ledger, gpu: str, entry, gpus: int, s
     into the cache: two per length, seconds each for a tiny model, some for a 70B)."""
     import argparse as _argparse
 
-    from ledger.vocab.cards import is_mac
-
     if args.method == "full":
         raise UserError(Issue("--gpus", "", "the per-GPU table is LoRA's (ranks): a full fine-tune on several GPUs "
                               "is answered one length at a time by `vram estimate --method full --gpus N`"))
-    if is_mac(entry):
-        raise UserError(Issue("--gpus", "", f"{gpu} is a Mac: its one GPU shares the unified memory"))
     if args.batch_size <= 0:
         raise UserError(Issue("--batch-size", "", f"must be > 0, got {args.batch_size}"))
     quants = args.quant or ["4bit"]

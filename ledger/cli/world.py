@@ -17,6 +17,7 @@ from typing import Optional
 from ledger.answer.fits import GRID_RESPONSE_LEN, target_option
 from ledger.core.errors import Issue, UserError
 from ledger.storage.dry_runs import load_dry_runs
+from ledger.vocab.cards import is_mac
 from ledger.vocab.model_configs import model_name
 from ledger.vocab.optimizers import STOCK_OPTIMIZER
 from ledger.vocab.recipe import STRATEGIES, Recipe, full_recipe_of, recipe_of, world_problem
@@ -37,12 +38,15 @@ def add_world_options(p: argparse.ArgumentParser) -> None:
                         "FULL_SHARD; SHARD_GRAD_OP), as accelerate and the Trainer launch them")
 
 
-def world_of(args: argparse.Namespace) -> tuple[int, Optional[str]]:
-    """The world asked for, or a one-line error naming the flag."""
+def world_of(args: argparse.Namespace, gpu: Optional[str] = None, entry=None) -> tuple[int, Optional[str]]:
+    """The world asked for, or a one-line error naming the flag (several GPUs on a Mac among them)."""
     gpus, strategy = getattr(args, "gpus", 1), getattr(args, "strategy", None)
     problem = world_problem(gpus, strategy)
     if problem:
         raise UserError(Issue(problem.split()[0], "", problem.split(" ", 1)[1]))
+    if gpus > 1 and is_mac(entry):
+        raise UserError(Issue("--gpus", "", f"{gpu} is a Mac: its one GPU shares the unified memory (no "
+                              "data-parallel or sharded run across GPUs)"))
     return gpus, strategy
 
 
