@@ -100,13 +100,18 @@ def needed_points(predictor, recipe: Recipe, model_rows: str) -> list[dict]:
         return []
     if recipe.response_len is not None and not 0 < recipe.response_len < recipe.seq_len:
         return []
-    base = {"model": model_rows, "quant": recipe.quant, "fixes": recipe.fixes, "seq_len": recipe.seq_len,
+    return [{**lora_point(recipe, model_rows), "rank": r} for r in RANKS]
+
+
+def lora_point(recipe: Recipe, model_rows: str) -> dict:
+    """A LoRA recipe's dry-run point, rank left out: the sweep options of its quant, fixes, length
+    and response, dropout, DoRA, checkpointing, micro-batch and target modules."""
+    return {"model": model_rows, "quant": recipe.quant, "fixes": recipe.fixes, "seq_len": recipe.seq_len,
             "response_len": recipe.response_len or min(GRID_RESPONSE_LEN, recipe.seq_len - 1),
             **({"dropout": 0.1} if recipe.dropout else {}), **({"dora": True} if recipe.dora else {}),
             **({} if recipe.checkpointing else {"no_gradient_checkpointing": True}),
             **({"batch_size": recipe.batch} if recipe.batch != 1 else {}),
             **target_option(recipe.model, recipe.targets)}
-    return [{**base, "rank": r} for r in RANKS]
 
 
 def full_points(predictor, recipe: Recipe, model_rows: str, run: str = "real") -> list[dict]:
@@ -120,13 +125,16 @@ def full_points(predictor, recipe: Recipe, model_rows: str, run: str = "real") -
     found = predictor.full.table.figure(recipe, optimizer) if recipe.seq_len and recipe.model else None
     if recipe.seq_len is None or recipe.model is None or (found is not None and found.how != "chord"):
         return []
-    point = {"model": model_rows, "method": "full", "quant": recipe.quant, "fixes": recipe.fixes,
-             "seq_len": recipe.seq_len,
-             "response_len": recipe.response_len or min(GRID_RESPONSE_LEN, recipe.seq_len - 1),
-             **({} if recipe.checkpointing else {"no_gradient_checkpointing": True}),
-             **({"batch_size": recipe.batch} if recipe.batch != 1 else {}),
-             **({"optim": optimizer} if optimizer else {})}
-    return [point]
+    return [{**full_point(recipe, model_rows), **({"optim": optimizer} if optimizer else {})}]
+
+
+def full_point(recipe: Recipe, model_rows: str) -> dict:
+    """A full fine-tune's dry-run point, optimizer left out."""
+    return {"model": model_rows, "method": "full", "quant": recipe.quant, "fixes": recipe.fixes,
+            "seq_len": recipe.seq_len,
+            "response_len": recipe.response_len or min(GRID_RESPONSE_LEN, recipe.seq_len - 1),
+            **({} if recipe.checkpointing else {"no_gradient_checkpointing": True}),
+            **({"batch_size": recipe.batch} if recipe.batch != 1 else {})}
 
 
 def seconds_for(points: list[dict]) -> Optional[float]:

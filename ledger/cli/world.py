@@ -14,7 +14,6 @@ import sys
 import textwrap
 from typing import Optional
 
-from ledger.answer.fits import GRID_RESPONSE_LEN, target_option
 from ledger.core.errors import Issue, UserError
 from ledger.storage.dry_runs import load_dry_runs
 from ledger.vocab.cards import is_mac
@@ -22,7 +21,7 @@ from ledger.vocab.model_configs import model_name
 from ledger.vocab.optimizers import STOCK_OPTIMIZER
 from ledger.vocab.recipe import STRATEGIES, Recipe, full_recipe_of, recipe_of, world_problem
 
-from .compute import compute_points, model_for_rows
+from .compute import compute_points, full_point, lora_point, model_for_rows
 
 #: What a rank's figure leaves out, said with every answer.
 NOT_COUNTED = ("not in the figure: the collectives' own buffers outside PyTorch's allocator (NCCL's, on the card), "
@@ -53,16 +52,9 @@ def world_of(args: argparse.Namespace, gpu: Optional[str] = None, entry=None) ->
 def rank_point(recipe: Recipe, model_rows: str, run: str) -> dict:
     """The dry-run point of one rank: the recipe at its own rank, the world, and for a training
     run the optimizer's step (its state is what FSDP shards: part of the step, not a term after)."""
-    point = {"model": model_rows, "quant": recipe.quant, "fixes": recipe.fixes, "seq_len": recipe.seq_len,
-             "response_len": recipe.response_len or min(GRID_RESPONSE_LEN, recipe.seq_len - 1),
-             "gpus": recipe.gpus, "strategy": recipe.strategy,
-             **({} if recipe.checkpointing else {"no_gradient_checkpointing": True}),
-             **({"batch_size": recipe.batch} if recipe.batch != 1 else {})}
-    if recipe.method == "full":
-        point["method"] = "full"
-    else:
-        point.update(rank=recipe.rank, **({"dropout": 0.1} if recipe.dropout else {}),
-                     **({"dora": True} if recipe.dora else {}), **target_option(recipe.model, recipe.targets))
+    point = (full_point(recipe, model_rows) if recipe.method == "full"
+             else {**lora_point(recipe, model_rows), "rank": recipe.rank})
+    point.update(gpus=recipe.gpus, strategy=recipe.strategy)
     if run == "real":
         point["optim"] = recipe.optimizer or STOCK_OPTIMIZER
     return point
