@@ -418,3 +418,34 @@ def test_a_full_fine_tune_is_read_measured_recorded_and_answered_as_one(tmp_path
     assert m.finetune == "full" and m.lora is None and m.quant == "bf16" and m.batch_size == 2
     n = sum(p.numel() for p in model.parameters())
     assert result.step.peak_allocated_mib > n * (2 + 2 + 4) / 2**20  # weights, gradients, AdamW's bf16 moments
+
+
+def _two_ranks(tmp_path: Path, budget: float, extra: int) -> list[dict]:
+    """tests/preflight_world_run.py on two CPU processes over gloo (DDP); each rank's result."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_addr", "127.0.0.1", "--master_port", str(port),
+                           str(Path(__file__).with_name("preflight_world_run.py")), str(tmp_path), str(budget),
+                           str(extra)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads((tmp_path / f"rank-{k}.json").read_text()) for k in (0, 1)]
+
+
+def test_on_two_ranks_the_run_is_judged_as_its_worst_rank_and_every_rank_stops_together(tmp_path):
+    """A DDP run on two processes whose rank 0 has the longer worst batch: under a budget only rank 1
+    would fit, both ranks say "won't fit", keep the same nearer recipe and stop before step 1
+    (none trains while the other has stopped, none waits in a collective); with room, both train."""
+    stopped = _two_ranks(tmp_path / "tight", 20, 1500)
+    assert [r["trained"] for r in stopped] == [False, False]
+    assert [r["verdict"] for r in stopped] == ["won't fit", "won't fit"]
+    assert stopped[0]["rank_peaks"] == stopped[1]["rank_peaks"] and len(stopped[0]["rank_peaks"]) == 2
+    low, high = sorted(stopped[0]["rank_peaks"])
+    assert low < 20 < high and stopped[0]["peak"] == high
+    assert stopped[0]["alternative"] == stopped[1]["alternative"] is not None
+    assert {r["strategy"] for r in stopped} == {"ddp"} and {r["world_seen"] for r in stopped} == {2}
+    roomy = _two_ranks(tmp_path / "roomy", 1000, 1500)
+    assert [r["trained"] for r in roomy] == [True, True] and {r["verdict"] for r in roomy} == {"fits"}

@@ -297,3 +297,24 @@ def test_bad_ledger_builds_nothing(tmp_path, capsys):
     assert cli.main(["build", "--ledger", str(bad), "--out", str(out)]) == 1
     assert capsys.readouterr().err.strip() == f"{bad}:schema_version: missing or not an integer"
     assert not out.exists()
+
+
+def test_the_site_has_the_several_gpu_tables_the_picker_and_the_board(bundled_site):
+    """Runs on several GPUs: fits.md's and the model pages' tables, the picker's figures keyed by the
+    world, vram.json's cells and the estimators page's score of Unsloth Studio's rule."""
+    from ledger.answer import worlds
+
+    md = (bundled_site / "fits.md").read_text()
+    assert "### llama-3.3-70b on several GPUs, QLoRA (4-bit), stock, plain, fsdp" in md
+    assert "| 2 × rtx-4090 |" in md and "### qwen2.5-14b on several GPUs, full fine-tuning, bf16 weights, fsdp" in md
+    page = (bundled_site / "fits" / "llama-3.3-70b.html").read_text()
+    assert 'id="gpus"' in page and '<select name="gpus">' in page
+    data = (bundled_site / "fits" / "llama-3.3-70b.json").read_text()
+    assert '"4bit|none|plain|rtx-4090|g2-fsdp"' in data
+    assert '"bf16|rtx-4090|g8-fsdp"' in (bundled_site / "fits" / "qwen2.5-14b.json").read_text()
+    doc = json.loads((bundled_site / "vram.json").read_text())
+    board = doc["derived"]["estimators"]["world"]
+    assert board["card"] == "rtx-4090" and len(board["rows"]) >= len(worlds.WORLD_GPUS) * len(worlds.WORLD_LORA_MODELS)
+    assert "Several GPUs: Unsloth Studio" in (bundled_site / "estimators.html").read_text()
+    cells = doc["derived"]["fits"]["world_cells"]
+    assert {c["gpus"] for c in cells} == set(worlds.WORLD_GPUS)

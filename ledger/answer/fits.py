@@ -11,7 +11,7 @@ committed dry-run rows per cell.
 
 from __future__ import annotations
 
-from typing import Iterable, NamedTuple, Optional
+from typing import Callable, Iterable, NamedTuple, Optional
 from weakref import WeakKeyDictionary
 
 from ledger.core.models import Gpu
@@ -166,6 +166,26 @@ def grid_points(model: str, lengths: Optional[Iterable[int]] = None, checkpointi
                     out += [{**base, "seq_len": seq, "rank": 8, "dropout": 0.1},
                             {**base, "seq_len": seq, "rank": 8, "dora": True}]
     return out
+
+
+def lora_point(recipe: Recipe, model_rows: str) -> dict:
+    """A LoRA recipe's dry-run point, rank left out: the sweep options of its quant, fixes, length
+    and response, dropout, DoRA, checkpointing, micro-batch and target modules."""
+    return {"model": model_rows, "quant": recipe.quant, "fixes": recipe.fixes, "seq_len": recipe.seq_len,
+            "response_len": recipe.response_len or min(GRID_RESPONSE_LEN, recipe.seq_len - 1),
+            **({"dropout": 0.1} if recipe.dropout else {}), **({"dora": True} if recipe.dora else {}),
+            **({} if recipe.checkpointing else {"no_gradient_checkpointing": True}),
+            **({"batch_size": recipe.batch} if recipe.batch != 1 else {}),
+            **target_option(recipe.model, recipe.targets)}
+
+
+def full_point(recipe: Recipe, model_rows: str) -> dict:
+    """A full fine-tune's dry-run point, optimizer left out."""
+    return {"model": model_rows, "method": "full", "quant": recipe.quant, "fixes": recipe.fixes,
+            "seq_len": recipe.seq_len,
+            "response_len": recipe.response_len or min(GRID_RESPONSE_LEN, recipe.seq_len - 1),
+            **({} if recipe.checkpointing else {"no_gradient_checkpointing": True}),
+            **({"batch_size": recipe.batch} if recipe.batch != 1 else {})}
 
 
 #: Full fine-tuning's precisions in the fit table: bf16 weights (gradients and the optimizer's state
@@ -461,10 +481,13 @@ CSV_FIELDS = ("model", "gpu", "quant", "fixes", "setting", "seq_len", "fits_rank
               "method", "measured", "run", "optimizer", "checkpointing")
 
 
-def fits_document(p: Predictor, cells: Optional[list[FitCell]] = None, ladder: bool = True) -> dict:
+def fits_document(p: Predictor, cells: Optional[list[FitCell]] = None, ladder: bool = True,
+                  world_cells: Optional[Callable[[list[str], dict], list]] = None) -> dict:
     """The fit table as ``results.Fits`` validates it (derived.fits in vram.json), its cells still
     ``FitCell``s (``cell_results`` types them): by default every card (the ledger's and the card
-    table's), the common ones (``page_cards``) marked."""
+    table's), the common ones (``page_cards``) marked; ``world_cells(common cards, card entries)``:
+    the several-GPU cells (``worlds.world_table``)."""
+
     all_cards = cards(p)
     cells = cells if cells is not None else fit_table(p, ladder=ladder, gpus=list(all_cards))
     used = list(dict.fromkeys(c.gpu for c in cells))
@@ -488,7 +511,8 @@ def fits_document(p: Predictor, cells: Optional[list[FitCell]] = None, ladder: b
             "derivation_by_kind": {k: v["max_abs_err_pct"] for k, v in p.dry_derivation["by_kind"].items()
                                    if v["n"] >= MIN_KIND_ROWS},
             "stale": stale_rows(p.dry), "derive": p.limits.derive_rule(),
-            "full_cells": full_table(p, gpus=[k for k in used if k in common])}
+            "full_cells": full_table(p, gpus=[k for k in used if k in common]),
+            "world_cells": world_cells([k for k in used if k in common], all_cards) if world_cells else []}
 
 
 def cell_results(cells: list) -> list:

@@ -29,7 +29,7 @@ from ledger.vocab.adapter import ALL_LINEAR
 from ledger.storage.atomic import atomic_write_text
 from ledger.storage.dry_runs import cache_file, load_dry_runs
 from ledger.core.errors import Issue, UserError
-from ledger.answer.fits import GRID_RESPONSE_LEN, stale_rows, sweep_toml, target_option
+from ledger.answer.fits import full_point, lora_point, stale_rows, sweep_toml, target_option
 from ledger.vocab.model_configs import CONFIG_DIR, config_path, load_arch, model_name
 from ledger.core.paths import DRY_RUNS
 from ledger.vocab.recipe import Recipe
@@ -103,17 +103,6 @@ def needed_points(predictor, recipe: Recipe, model_rows: str) -> list[dict]:
     return [{**lora_point(recipe, model_rows), "rank": r} for r in RANKS]
 
 
-def lora_point(recipe: Recipe, model_rows: str) -> dict:
-    """A LoRA recipe's dry-run point, rank left out: the sweep options of its quant, fixes, length
-    and response, dropout, DoRA, checkpointing, micro-batch and target modules."""
-    return {"model": model_rows, "quant": recipe.quant, "fixes": recipe.fixes, "seq_len": recipe.seq_len,
-            "response_len": recipe.response_len or min(GRID_RESPONSE_LEN, recipe.seq_len - 1),
-            **({"dropout": 0.1} if recipe.dropout else {}), **({"dora": True} if recipe.dora else {}),
-            **({} if recipe.checkpointing else {"no_gradient_checkpointing": True}),
-            **({"batch_size": recipe.batch} if recipe.batch != 1 else {}),
-            **target_option(recipe.model, recipe.targets)}
-
-
 def full_points(predictor, recipe: Recipe, model_rows: str, run: str = "real") -> list[dict]:
     """The dry run a full fine-tuning answer lacks: none when the full table has a row of its very
     length (a chord between two lengths is at or above the step, and an answer computed on the spot
@@ -126,15 +115,6 @@ def full_points(predictor, recipe: Recipe, model_rows: str, run: str = "real") -
     if recipe.seq_len is None or recipe.model is None or (found is not None and found.how != "chord"):
         return []
     return [{**full_point(recipe, model_rows), **({"optim": optimizer} if optimizer else {})}]
-
-
-def full_point(recipe: Recipe, model_rows: str) -> dict:
-    """A full fine-tune's dry-run point, optimizer left out."""
-    return {"model": model_rows, "method": "full", "quant": recipe.quant, "fixes": recipe.fixes,
-            "seq_len": recipe.seq_len,
-            "response_len": recipe.response_len or min(GRID_RESPONSE_LEN, recipe.seq_len - 1),
-            **({} if recipe.checkpointing else {"no_gradient_checkpointing": True}),
-            **({"batch_size": recipe.batch} if recipe.batch != 1 else {})}
 
 
 def seconds_for(points: list[dict]) -> Optional[float]:

@@ -15,7 +15,9 @@ from ledger.fit.response_span import answerable
 from .question import (BUDGET_CARD, add_card_option, add_dry_runs_option, card_from, predictor_for, recipe_from,
                         require_model)
 from .compute import add_compute_option, ensure_dry_runs
-from .world import add_world_options, estimate_ranks, print_ranks, unsloth_pool, world_of
+from ledger.report.dry_board import unsloth_pool
+
+from .world import add_world_options, estimate_ranks, print_ranks, world_of
 from .options import (Command, add_batch_option, add_json_option, add_ledger_option, add_method_option,
                       add_optimizer_option, add_recipe_options, add_run_option, dump_json)
 

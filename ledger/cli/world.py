@@ -1,10 +1,6 @@
-"""``--gpus N --strategy S``: an answer for one rank of a multi-GPU run.
-
-A rank's step is not one GPU's: FSDP shards the weights, gradients and optimizer state and gathers
-a unit at a time, DDP keeps everything whole and adds gradient buckets. No one-GPU row answers it,
-so the answer always rests on a dry run of that very world (``probe_kit.distributed``: fake
-tensors, torch's fake process group), computed once into the user's dry-run cache and reused, then
-calibrated as any dry run is (the card's remainder and interval) and judged per GPU.
+"""``--gpus N --strategy S`` on the command line: the options, the rank's dry runs found in the
+committed rows or the user's cache (the missing ones computed into it), and the answers printed.
+What a rank's answer is: ``ledger.answer.worlds``.
 """
 
 from __future__ import annotations
@@ -18,10 +14,11 @@ from ledger.core.errors import Issue, UserError
 from ledger.storage.dry_runs import load_dry_runs
 from ledger.vocab.cards import is_mac
 from ledger.vocab.model_configs import model_name
-from ledger.vocab.optimizers import STOCK_OPTIMIZER
 from ledger.vocab.recipe import STRATEGIES, Recipe, full_recipe_of, recipe_of, world_problem
+from ledger.answer.fits import cell_label as fits_cell_label
+from ledger.answer.worlds import CEILING_RANKS, rank_judge, rank_point
 
-from .compute import compute_points, full_point, lora_point, model_for_rows
+from .compute import compute_points, model_for_rows
 
 #: What a rank's figure leaves out, said with every answer.
 NOT_COUNTED = ("not in the figure: the collectives' own buffers outside PyTorch's allocator (NCCL's, on the card), "
@@ -47,17 +44,6 @@ def world_of(args: argparse.Namespace, gpu: Optional[str] = None, entry=None) ->
         raise UserError(Issue("--gpus", "", f"{gpu} is a Mac: its one GPU shares the unified memory (no "
                               "data-parallel or sharded run across GPUs)"))
     return gpus, strategy
-
-
-def rank_point(recipe: Recipe, model_rows: str, run: str) -> dict:
-    """The dry-run point of one rank: the recipe at its own rank, the world, and for a training
-    run the optimizer's step (its state is what FSDP shards: part of the step, not a term after)."""
-    point = (full_point(recipe, model_rows) if recipe.method == "full"
-             else {**lora_point(recipe, model_rows), "rank": recipe.rank})
-    point.update(gpus=recipe.gpus, strategy=recipe.strategy)
-    if run == "real":
-        point["optim"] = recipe.optimizer or STOCK_OPTIMIZER
-    return point
 
 
 def _point_recipe(recipe: Recipe, point: dict) -> Recipe:
@@ -99,12 +85,6 @@ def rank_row(args: argparse.Namespace, recipe: Recipe, run: str):
     return rank_rows(args, [recipe], run)[0]
 
 
-#: The ranks a per-GPU rank ceiling is dry-run at: every rank between is derived, a rank's step
-#: being affine in the LoRA rank (qwen2.5-0.5b under FSDP on 2 GPUs, 1,024 tokens, AdamW: 3.234
-#: MiB per rank from rank 8 to 64, 64 to 128 and 128 to 256 alike).
-CEILING_RANKS = (8, 64)
-
-
 def ceiling_ranks(args: argparse.Namespace, predictor, recipe: Recipe, gpu: Optional[str], entry,
                   rows: Optional[list] = None) -> dict:
     """The largest rank (a multiple of ``args.step``) whose per-GPU verdict is "fits", and the
@@ -117,18 +97,14 @@ def ceiling_ranks(args: argparse.Namespace, predictor, recipe: Recipe, gpu: Opti
     if any(r.outcome.status != "ok" or r.outcome.peak_allocated_mib is None for r in rows):
         raise UserError(Issue("--gpus", "", f"the rank's dry run at rank {a} or {b} did not finish ok: "
                               f"{rows[0].id}, {rows[1].id}"))
-    pa, pb = (r.outcome.peak_allocated_mib for r in rows)
-    slope = (pb - pa) / (b - a)
+    judge = rank_judge(predictor, recipe, rows[0], rows[1], gpu, entry, margin_mib=args.margin_mib,
+                       budget_mib=args.budget_mib)
     ranks, fits, tight = [], None, None
     for rank in range(args.step, args.max_rank + 1, args.step):
-        raw = pa + slope * (rank - a)
-        # Between the two dry runs a figure is bounded by them (the step is affine and grows with the
-        # rank); past the second it is extrapolated: the derivation's error widens its interval.
-        answer = predictor.judge_dry(recipe.replace(rank=rank), raw, gpu, entry=entry, margin_mib=args.margin_mib,
-                                     budget_mib=args.budget_mib, derived=rank > b)
+        answer = judge.at(rank)
         iv = answer.probe_allocated
         ranks.append({"rank": rank, "verdict": answer.verdict, "mib": iv.mib, "high_mib": iv.high_mib,
-                      "dry_mib": round(raw, 1)})
+                      "dry_mib": round(rows[0].outcome.peak_allocated_mib + judge.mib_per_rank * (rank - a), 1)})
         if answer.verdict == "fits":
             fits = rank
         if answer.verdict != "won't fit":
@@ -136,7 +112,7 @@ def ceiling_ranks(args: argparse.Namespace, predictor, recipe: Recipe, gpu: Opti
         limit = f"{answer.limit_low_mib}–{answer.limit_high_mib} MiB allocated ({answer.limit_source})"
     return {"gpus": recipe.gpus, "strategy": recipe.strategy, "per_gpu": True, "seq_len": recipe.seq_len,
             "fits_rank": fits, "tight_rank": tight, "limit": limit, "dry_runs": [r.id for r in rows],
-            "mib_per_rank": round(slope, 4), "ranks": ranks, "not_counted": NOT_COUNTED}
+            "mib_per_rank": round(judge.mib_per_rank, 4), "ranks": ranks, "not_counted": NOT_COUNTED}
 
 
 def print_rank_ceiling(doc: dict, recipe: Recipe, what: str, where: str, width: int = 100) -> None:
@@ -173,26 +149,6 @@ def estimate_ranks(args: argparse.Namespace, predictor, recipe: Recipe, gpu: Opt
             "rank_dry_peak_mib": o.peak_allocated_mib, "rank_status": o.status,
             "optimizer_in_step": row.optimizer, "not_counted": NOT_COUNTED,
             "answer": answer.model_dump(mode="json") if answer else None}
-
-
-#: Unsloth Studio's multi-GPU rule: each GPU past the first adds this share of its free memory to
-#: the one pool its one-GPU estimate must fit in (its VRAM_ESTIMATION.md, "Multi-GPU Overhead").
-UNSLOTH_SHARE = 0.85
-
-
-def unsloth_pool(arch, recipe: Recipe, card_mib: Optional[float]) -> Optional[dict]:
-    """Unsloth Studio's answer for N GPUs, as a comparison: its one-GPU estimate (reserved, its own
-    defaults), the pool of N cards by its 85% rule, its share a GPU, and whether it says fits."""
-    from ledger.report.estimators import UnslothStudio
-
-    est = UnslothStudio().estimate(arch, recipe.replace(gpus=1, strategy=None))
-    if est is None:
-        return None
-    pool = 1 + UNSLOTH_SHARE * (recipe.gpus - 1)
-    return {"estimate_mib": est.mib, "share_mib": round(est.mib / pool, 1),
-            "pool_mib": round(card_mib * pool, 1) if card_mib else None,
-            "verdict": ("fits" if est.mib <= card_mib * pool else "won't fit") if card_mib else None,
-            "rule": f"each GPU past the first adds {UNSLOTH_SHARE:.0%} of its memory to one pool (Unsloth Studio)"}
 
 
 def print_ranks(doc: dict, headline: str, width: int = 100) -> None:
@@ -239,7 +195,4 @@ def fit_ranks(args: argparse.Namespace, predictor, recipe: Recipe, lengths: list
 
 def cell_label(doc: dict) -> str:
     """A cell of the per-GPU table as the fit table writes one: '264 (tight ≤ 312)', 'none'."""
-    fits, tight = doc["fits_rank"], doc["tight_rank"]
-    if fits is None:
-        return "none" if tight is None else f"none (tight ≤ {tight})"
-    return f"{fits}" if tight == fits else f"{fits} (tight ≤ {tight})"
+    return fits_cell_label("ok", doc["fits_rank"], doc["tight_rank"], False)

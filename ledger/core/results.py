@@ -391,6 +391,32 @@ class DryRunBoard(_Result):
     estimators: list[DryBoardScore]
 
 
+class WorldBoardRow(_Result):
+    model: str
+    method: str = Field(description="lora (QLoRA at rank 16) or full (bf16).")
+    gpus: int
+    strategy: str
+    unsloth_mib: float = Field(description="Unsloth Studio's one-GPU estimate (reserved), MiB.")
+    unsloth_share_mib: float = Field(description="That estimate over its pool of N cards (1 + 0.85 x (N - 1)), MiB.")
+    unsloth_verdict: Optional[str] = Field(description="Whether its rule says the run fits the N cards.")
+    per_gpu_mib: float = Field(description="This project's predicted peak allocated of one rank, MiB.")
+    verdict: str = Field(description="This project's per-GPU verdict.")
+    share_err_pct: float = Field(description="(Unsloth's share - per_gpu_mib) / per_gpu_mib, %.")
+
+
+class WorldBoard(_Result):
+    """Unsloth Studio's multi-GPU rule against one rank's answer under FSDP (``dry_board.world_board``)."""
+
+    card: str = Field(description="The card of each GPU.")
+    seq_len: int
+    share: float = Field(description="The share of each GPU past the first its rule adds to one pool.")
+    rows: list[WorldBoardRow]
+    median_signed_err_pct: float
+    median_abs_err_pct: float
+    below: int = Field(description="Rows where its share a GPU is below the rank's figure.")
+    optimistic: list[str] = Field(description="Runs its rule says fit where the rank's answer is won't fit.")
+
+
 class Scoreboard(_Result):
     """Every VRAM estimator scored against the ledger's measured peaks."""
 
@@ -403,6 +429,8 @@ class Scoreboard(_Result):
                                                          "project's dry runs (no measured MoE row yet).")
     full: Optional[DryRunBoard] = Field(None, description="Full fine-tuning: the estimators against this project's "
                                                           "dry runs (no measured full fine-tuning row yet).")
+    world: Optional[WorldBoard] = Field(None, description="Several GPUs: Unsloth Studio's 85% rule against one "
+                                                          "rank's dry-run answer under FSDP.")
 
 
 class FitCellResult(_Result):
@@ -448,6 +476,29 @@ class FullCellResult(_Result):
     optimizer: str = Field(description="The optimizer whose step and state the training run holds.")
 
 
+class WorldCellResult(_Result):
+    """One rank of a run on several GPUs (``--gpus N --strategy S``) at one length, on N of a card:
+    a training run with AdamW, stock, micro-batch 1, from the calibrated dry run of that rank."""
+
+    model: str
+    gpus: int = Field(description="GPUs of the run; every figure is one GPU's.")
+    strategy: str = Field(description="How the GPUs split the model: fsdp (FSDP2 fully_shard, FULL_SHARD).")
+    gpu: str = Field(description="The card, one of each GPU.")
+    method: str = Field(description="lora (QLoRA: LoRA on 4-bit nf4 weights, plain adapter) or full (every weight "
+                                    "trained, bf16).")
+    quant: str
+    seq_len: int = Field(description="Tokens in the longest example.")
+    fits_rank: Optional[int] = Field(description="LoRA: the largest rank (steps of 8, up to 512) whose per-GPU "
+                                                 "verdict is fits; none for full fine-tuning or where none fits.")
+    tight_rank: Optional[int] = Field(description="LoRA: the largest rank at worst tight.")
+    verdict: str = Field(description="LoRA: at rank 16; full: the step's. fits, tight, won't fit or unknown.")
+    mib: Optional[float] = Field(description="Predicted peak allocated per GPU, MiB (LoRA: at rank 16).")
+    high_mib: Optional[float] = Field(description="The top of its interval, MiB.")
+    dry_runs: list[str] = Field(description="Ids of the rank's dry runs it rests on.")
+    label: str = Field(description="The cell as the pages show it: LoRA's rank ceiling per GPU, 'N (tight ≤ M)' or "
+                                   "'none'; full fine-tuning's verdict.")
+
+
 class FitCard(_Result):
     key: str
     name: str
@@ -485,6 +536,9 @@ class Fits(_Result):
     full_cells: list[FullCellResult] = Field(
         default_factory=list, description="Full fine-tuning (every weight trained) on the common cards, by model, "
                                           "precision and length: `vram fit --method full`'s answers.")
+    world_cells: list[WorldCellResult] = Field(
+        default_factory=list, description="One GPU's answer for runs on 2, 4 and 8 GPUs under FSDP, of the models "
+                                          "no listed card holds whole: `vram fit --gpus N --strategy fsdp`'s answers.")
     derive: Optional[dict[str, float]] = Field(
         None, description="How a card known by its nvidia-smi total alone gets its limit (vram fit --gpu-mib): usable = "
                           "total x usable_low (low end) .. usable_high, rounded to 0.1 MiB; limit low end = (usable low "
@@ -527,6 +581,27 @@ class Fits(_Result):
             self._views["full"] = {m: {k: sorted(v, key=lambda c: c.seq_len) for k, v in r.items()}
                                    for m, r in rows.items()}
         return self._views["full"].get(model, {})
+
+    def world_rows(self, model: str) -> dict[tuple[str, str, int, str, str], list[WorldCellResult]]:
+        """A model's several-GPU cells by (method, quant, GPUs, strategy, card), by length."""
+        if "world" not in self._views:
+            rows: dict[str, dict[tuple[str, str, int, str, str], list[WorldCellResult]]] = {}
+            for c in self.world_cells:
+                rows.setdefault(c.model, {}).setdefault((c.method, c.quant, c.gpus, c.strategy, c.gpu), []).append(c)
+            self._views["world"] = {m: {k: sorted(v, key=lambda c: c.seq_len) for k, v in r.items()}
+                                    for m, r in rows.items()}
+        return self._views["world"].get(model, {})
+
+    def world_kinds(self, model: str) -> list[tuple[str, str, str, list[int]]]:
+        """A model's several-GPU tables: (method, quant, strategy, lengths) each."""
+        kinds: dict[tuple[str, str, str], set[int]] = {}
+        for (method, quant, _, strategy, _), cells in self.world_rows(model).items():
+            kinds.setdefault((method, quant, strategy), set()).update(c.seq_len for c in cells)
+        return [(*k, sorted(v)) for k, v in kinds.items()]
+
+    def world_models(self) -> list[str]:
+        """The models with several-GPU cells, in the table's order."""
+        return list(dict.fromkeys(c.model for c in self.world_cells))
 
     def full_fits_somewhere(self, model: str) -> bool:
         """Whether full fine-tuning of the model fits any of the cards at any length."""

@@ -14,6 +14,10 @@ stock, every model and length the committed rows hold. Each estimator's figure i
 project's figure of the quantity it claims to predict, on ``REFERENCE_CARD`` (the card the
 reserved figure and canifinetune's overhead need): peak allocated, or peak reserved (allocated
 times the card's reserved/allocated ratio, as ``vram estimate`` gives it). No torch.
+
+Past one card (``world_board``): Unsloth Studio's multi-GPU rule (each GPU past the first adds 85%
+of its memory to one pool its one-GPU estimate must fit in) against the answer for one rank of
+the same run under FSDP, from the committed dry runs of that rank (``ledger.answer.worlds``).
 """
 
 from __future__ import annotations
@@ -171,3 +175,65 @@ def _medians(scored: list[dict], key: str) -> dict[str, dict]:
     for r in scored:
         groups.setdefault(str(r[key]), []).append(abs(r["error_pct"]))
     return {k: {"n": len(v), "median_abs_err_pct": round(statistics.median(v), 2)} for k, v in sorted(groups.items())}
+
+
+#: Unsloth Studio's multi-GPU rule: each GPU past the first adds this share of its free memory to
+#: the one pool its one-GPU estimate must fit in (its VRAM_ESTIMATION.md, "Multi-GPU Overhead").
+UNSLOTH_SHARE = 0.85
+#: The card and length the several-GPU board asks at (two to eight RTX 4090s: the box FSDP-QLoRA
+#: made popular).
+WORLD_CARD, WORLD_LEN = "rtx-4090", 2048
+
+
+def unsloth_pool(arch, recipe: Recipe, card_mib: Optional[float]) -> Optional[dict]:
+    """Unsloth Studio's answer for N GPUs, as a comparison: its one-GPU estimate (reserved, its own
+    defaults), the pool of N cards by its 85% rule, its share a GPU, and whether it says fits."""
+    from .estimators import UnslothStudio
+
+    est = UnslothStudio().estimate(arch, recipe.replace(gpus=1, strategy=None))
+    if est is None:
+        return None
+    pool = 1 + UNSLOTH_SHARE * (recipe.gpus - 1)
+    return {"estimate_mib": est.mib, "share_mib": round(est.mib / pool, 1),
+            "pool_mib": round(card_mib * pool, 1) if card_mib else None,
+            "verdict": ("fits" if est.mib <= card_mib * pool else "won't fit") if card_mib else None,
+            "rule": f"each GPU past the first adds {UNSLOTH_SHARE:.0%} of its memory to one pool (Unsloth Studio)"}
+
+
+def world_board(predictor, rows: list[Measurement], card: str = WORLD_CARD, seq_len: int = WORLD_LEN) -> Optional[dict]:
+    """Unsloth Studio's 85% rule against one rank's answer under FSDP: every committed several-GPU
+    recipe at ``seq_len`` tokens (QLoRA at rank 16; full fine-tuning in bf16) on N of ``card``: its
+    share a GPU against the rank's predicted peak allocated, and the verdicts side by side (None
+    without such rows)."""
+    from ledger.answer.worlds import world_table
+    from ledger.vocab.recipe import capacity_mib
+
+    found = resolve_card(predictor.ledger, card)
+    if found is None:
+        raise ValueError(f"unknown card {card!r}")
+    card, entry, _ = found
+    usable = capacity_mib(entry)
+    out = []
+    for c in world_table(predictor, rows, [card], {card: entry}):
+        if c.seq_len != seq_len or c.mib is None:
+            continue
+        recipe = (full_recipe(model=c.model, quant=c.quant, seq_len=c.seq_len, fixes="none", gpus=c.gpus,
+                              strategy=c.strategy) if c.method == "full" else
+                  Recipe(model=c.model, rank=16, quant=c.quant, seq_len=c.seq_len, fixes="none", gpus=c.gpus,
+                         strategy=c.strategy))
+        u = unsloth_pool(load_arch(c.model), recipe, usable)
+        if u is None:
+            continue
+        out.append({"model": c.model, "method": c.method, "gpus": c.gpus, "strategy": c.strategy,
+                    "unsloth_mib": round(u["estimate_mib"], 1), "unsloth_share_mib": u["share_mib"],
+                    "unsloth_verdict": u["verdict"], "per_gpu_mib": c.mib, "verdict": c.verdict,
+                    "share_err_pct": round((u["share_mib"] - c.mib) / c.mib * 100, 1)})
+    if not out:
+        return None
+    errs = [r["share_err_pct"] for r in out]
+    return {"card": card, "seq_len": seq_len, "share": UNSLOTH_SHARE, "rows": out,
+            "median_signed_err_pct": round(statistics.median(errs), 1),
+            "median_abs_err_pct": round(statistics.median(abs(e) for e in errs), 1),
+            "below": sum(e < 0 for e in errs),
+            "optimistic": [f"{r['model']} x{r['gpus']}" for r in out
+                           if r["unsloth_verdict"] == "fits" and r["verdict"] == "won't fit"]}

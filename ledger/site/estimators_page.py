@@ -9,7 +9,7 @@ from typing import Optional
 from ledger.storage.dry_runs import load_dry_runs
 from ledger.core.models import Ledger
 from ledger.core.results import Scoreboard
-from ledger.report.dry_board import full_board, moe_board
+from ledger.report.dry_board import full_board, moe_board, world_board
 from ledger.report.held_out import shared_predictor
 from ledger.report.scoreboard import _sort_key, scoreboard
 from .views import ROW_LIMIT, Plot, PlotPoint, PlotSeries
@@ -39,6 +39,7 @@ def estimator_scoreboard(ledger: Ledger) -> Scoreboard:
     moe, full = moe_board(p), full_board(p)
     board["moe"] = moe if moe["recipes"] else None
     board["full"] = full if full["recipes"] else None
+    board["world"] = world_board(p, dry_runs)
     return Scoreboard.model_validate(board)
 
 

@@ -214,6 +214,36 @@ def html_full_cells(cells, model: str, quant: str, card: str) -> Markup:
     return Markup("".join(out))
 
 
+def world_words(c) -> str:
+    """A several-GPU cell in words: LoRA's rank ceiling per GPU; full fine-tuning's verdict and figure."""
+    return full_words(c) if c.method == "full" else c.label
+
+
+def world_class(c) -> str:
+    """A several-GPU cell's colour: the fit table's classes."""
+    if c.method == "full" or c.verdict == "unknown" and c.fits_rank is None:
+        return FULL_CLASS.get(c.verdict, "unknown")
+    return "ok" if c.fits_rank is not None else "tight" if c.tight_rank else "none-fits"
+
+
+def md_world_cells(cells) -> str:
+    """A several-GPU row's cells for fits.md."""
+    return "".join(f" {_md_cell(world_words(c))} |" for c in cells)
+
+
+def html_world_cells(cells) -> Markup:
+    """A several-GPU row's cells for a model's page: the words, and in the title the per-GPU figure
+    (LoRA: at rank 16) and the rank's dry runs."""
+    out = []
+    for c in cells:
+        at = "" if c.mib is None else (f"; {c.mib:,.0f} MiB per GPU" + (" at rank 16" if c.method == "lora" else "")
+                                       + (f" (≤ {c.high_mib:,.0f})" if c.high_mib is not None else ""))
+        title = f"{c.gpus} × {c.gpu} ({c.strategy}), {c.seq_len} tokens: {world_words(c)}{at}; dry runs of one rank: " \
+                + ", ".join(c.dry_runs)
+        out.append(f'<td class="num fit-{escape(world_class(c))}" title="{escape(title)}">{escape(world_words(c))}</td>')
+    return Markup("".join(out))
+
+
 def full_row(card: str, rows: dict, quant: str) -> list:
     """A card's full fine-tuning cells in one precision (``Fits.full_rows``), or none."""
     return rows.get((quant, card), [])
@@ -242,5 +272,7 @@ FILTERS = {
     "html_full_cells": html_full_cells,
     "full_row": full_row,
     "md_full_cells": md_full_cells,
+    "md_world_cells": md_world_cells,
+    "html_world_cells": html_world_cells,
     "md_text": md_text,
 }

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ledger.storage.dry_runs import load_dry_runs
+from ledger.answer.worlds import world_table
 from ledger.answer.fits import CellLabels, cell_results, fit_table, fits_document, ledger_grids
 from ledger.core.models import Ledger
 from ledger.report.held_out import shared_predictor
@@ -38,20 +39,24 @@ def fit_table_doc(ledger: Ledger) -> tuple[Optional[dict], list]:
     if not p.dry:
         return None, grids
     # Above LOO_LIMIT rows the whole ladder per cell is too slow for a build: the dry run answers.
-    return fits_document(p, ladder=small), grids
+    rows = load_dry_runs()
+    return fits_document(p, ladder=small, world_cells=lambda gpus, entries: world_table(p, rows, gpus, entries)), grids
 
 
 def fits_of(doc: Optional[dict]) -> Optional[Fits]:
     """``fit_table_doc``'s document as ``results.Fits`` (None for none)."""
     if doc is None:
         return None
-    from ledger.core.results import FullCellResult
+    from ledger.core.results import FullCellResult, WorldCellResult
 
     return Fits.model_construct(**{**doc, "cards": [FitCard.model_construct(**c) for c in doc["cards"]],
                                    "cells": cell_results(doc["cells"]),
                                    "full_cells": [FullCellResult.model_construct(**{**c._asdict(), "evidence": list(
                                        c.evidence)}) if hasattr(c, "_asdict") else c
-                                                  for c in doc.get("full_cells", [])]})
+                                                  for c in doc.get("full_cells", [])],
+                                   "world_cells": [WorldCellResult.model_construct(**{**c._asdict(), "dry_runs": list(
+                                       c.dry_runs)}) if hasattr(c, "_asdict") else c
+                                                   for c in doc.get("world_cells", [])]})
 
 
 def as_tuples(cells: list) -> list[tuple]:
@@ -167,6 +172,19 @@ def fit_models(fits: Fits, batches: Optional[dict] = None) -> list[FitModel]:
                 "rows": rows}
         full = {f"{q}|{g}": [[c.seq_len, c.verdict, c.mib, c.high_mib, c.method] for c in cells]
                 for (q, g), cells in fits.full_rows(model).items() if g in cards}
+        # One GPU of a run on several (the picker's "GPUs" and "strategy"), keyed as the one-GPU
+        # rows with the world after them: LoRA's ceilings in ``rows``, full fine-tuning in ``full``.
+        for (method, quant, n, strategy, gpu), cells in fits.world_rows(model).items():
+            if gpu not in cards:
+                continue
+            world = f"|g{n}-{strategy}"
+            if method == "full":
+                full[f"{quant}|{gpu}{world}"] = [[c.seq_len, c.verdict, c.mib, c.high_mib, WORLD_METHOD]
+                                                  for c in cells]
+            else:
+                rows[f"{quant}|none|plain|{gpu}{world}"] = [
+                    [c.seq_len, c.fits_rank, c.tight_rank, _world_status(c), False, WORLD_METHOD, c.label, []]
+                    for c in cells]
         if full:  # full fine-tuning's training run with AdamW, stock: the picker's "full" choices
             data["full"] = full
         settings = fits.settings(model)
@@ -178,6 +196,17 @@ def fit_models(fits: Fits, batches: Optional[dict] = None) -> list[FitModel]:
                             data_json=json.dumps(data, separators=(",", ":"), ensure_ascii=False)))
     order = {f: i for i, f in enumerate(dict.fromkeys(family_of(m) for m in fits.models))}
     return sorted(out, key=lambda m: (order[m.family], m.params_b or 0, m.name))
+
+
+#: How the picker names a several-GPU cell's method.
+WORLD_METHOD = "dry run of one rank"
+
+
+def _world_status(c) -> str:
+    """A several-GPU LoRA cell's status as the picker colours one (``FitCell.status``)."""
+    if c.fits_rank is not None or c.tight_rank:
+        return "ok"
+    return "unknown" if c.verdict == "unknown" else "none-fits"
 
 
 def _picker_suffix(batch: int, optimizer: Optional[str], checkpointing: bool) -> str:

@@ -38,6 +38,7 @@ from ledger.storage.store import gc_paused
 from . import filters
 from .context import all_tables, build_context, fitted
 from .estimators_page import estimator_plot, estimator_scoreboard
+from ledger.answer.worlds import WORLD_GPUS, WORLD_PAGE_CARDS
 from .fits_page import (PICKER_SHARES, as_tuples, data_script, fit_models, fit_table_doc, fits_of,
                         picker_tables)
 from .index_page import canonical_json, ledger_hash, training_gpu_key
@@ -436,7 +437,9 @@ def compute_site(ledger: Ledger, out: Path, *, build_date: Optional[str], base_u
     images = dict(zip([p.file for p in ctx.plots] + ([board_plot.file] if board_plot else []), svgs))
     doc, grids, others = done["fits"]
     fits = fits_of(doc)  # the cells as they came, plain tuples: typed once, for vram.json and the pages
-    ctx = replace(ctx, fits=fits, fit_grids=grids, fit_models=fit_models(fits, others) if fits else [])
+    ctx = replace(ctx, fits=fits, fit_grids=grids, fit_models=fit_models(fits, others) if fits else [],
+                  world_cards=tuple(k for k in WORLD_PAGE_CARDS if fits and k in {c.key for c in fits.cards}),
+                  world_gpus=WORLD_GPUS)
     stages["page tables"] = time.process_time() - t0
     t0 = time.process_time()
 

@@ -177,6 +177,10 @@ class SiteContext:
     #: Every model of the fit table with its page's data (``site.fits_page.FitModel``), and the
     #: model a per-model page is about (None on the other pages).
     fit_models: list = field(default_factory=list)
+    #: The cards fits.md and the model pages list several-GPU rows for (``worlds.WORLD_PAGE_CARDS``).
+    world_cards: tuple = ()
+    #: GPUs a several-GPU table has rows for (``worlds.WORLD_GPUS``).
+    world_gpus: tuple = ()
     fit_model: Optional[object] = None
     #: The relative path from a page to the site's root ("" at the top, "../" under fits/).
     root: str = ""

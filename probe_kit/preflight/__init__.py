@@ -60,6 +60,7 @@ from .ledger_view import _card, _ceiling_advice, _ledger_view, record
 from .state import RunRecipe, _checkpointing, _to_cpu, _unwrap, checkpointing_on, read_recipe, restored
 from .step import Step, _Meter, measure_step
 from .verdict import DEFAULT_MARGIN, Alternative, PreflightFailed, PreflightResult, _verdict
+from .world import least_available, world_of_run, worst_step
 
 __all__ = ["DEFAULT_MARGIN", "DEFAULT_MAX_SCAN", "Preflight", "PreflightFailed", "PreflightResult", "Step",
            "WorstBatch", "find_worst_batch", "measure_step", "preflight", "read_recipe", "restored", "shrink"]
@@ -126,6 +127,8 @@ def _preflight(trainer, model, device, gpu, budget_mib, margin_mib, max_scan, le
     recipe = read_recipe(trainer, model)
     worst = find_worst_batch(dataset, collate, recipe.batch_size, max_scan)
     recipe.batch_size = worst.batch_size
+    world, strategy = world_of_run(trainer)
+    recipe.gpus, recipe.strategy = world, strategy
     card = _card(gpu, ledger)
     available, source, answer = None, "no card: pass gpu= or budget_mib=", None
     if device.type == "cuda":
@@ -134,21 +137,29 @@ def _preflight(trainer, model, device, gpu, budget_mib, margin_mib, max_scan, le
         source = "free on the card at preflight plus this process's cache"
     if card is not None:
         limit, lsource, answer = _ledger_view(card, recipe, worst.seq_len)
+        if world > 1:  # the ledger's answer is one GPU's: a rank's is the dry run's (vram estimate --gpus N)
+            answer = (f"a rank of {world} GPUs ({strategy}): `vram estimate --gpus {world} --strategy {strategy}` "
+                      "answers it from a dry run of one rank")
         if device.type != "cuda" and limit is not None:
             available, source = limit, f"{card[0]}'s effective limit for peak allocated: {lsource}"
     if budget_mib is not None:
         available, source = float(budget_mib), f"budget_mib={budget_mib:g}"
+    available, source = least_available(available, source, world)
     margin = None if available is None else (margin_mib if margin_mib is not None else round(DEFAULT_MARGIN * available, 1))
-    meter = _Meter(device, budget_mib if device.type != "cuda" else None)
+    # On the CPU the tracker raises an out-of-memory error above the budget; with several ranks one
+    # raising mid-collective would leave the others waiting in it, so each measures its whole step
+    # and the gathered peaks are judged against the budget instead.
+    meter = _Meter(device, budget_mib if device.type != "cuda" and world == 1 else None)
 
-    step = measure_step(trainer, model, worst.inputs, meter)
+    step, rank_peaks = worst_step(measure_step(trainer, model, worst.inputs, meter), world)
     verdict, headroom = _verdict(step, available, margin)
     result = PreflightResult(verdict=verdict, recipe=recipe.describe(worst.seq_len), worst=worst.describe(), step=step,
                              available_mib=available, available_source=source, margin_mib=margin,
                              headroom_mib=headroom, meter="allocator" if meter.cuda else "tracker",
-                             ledger_answer=answer)
+                             ledger_answer=answer, world=world, strategy=strategy,
+                             rank_peaks_mib=rank_peaks if world > 1 else [])
     if verdict == "won't fit":
-        _nearest(result, trainer, model, worst, recipe, meter, available, margin)
+        _nearest(result, trainer, model, worst, recipe, meter, available, margin, world)
         if result.alternative is None:
             result.advice = _ceiling_advice(card, recipe, worst.seq_len)
         steps = getattr(trainer.state, "max_steps", 0) or 0
@@ -157,7 +168,10 @@ def _preflight(trainer, model, device, gpu, budget_mib, margin_mib, max_scan, le
             result.time_at_risk = (f"stopped before step 1: the run planned {steps:,} optimizer steps; it would have died "
                                    f"when the worst batch came, after up to {_human(steps * each)} of training "
                                    f"({each:.2f} s a step as measured here)")
-    if ledger and recipe.fixes is not None:
+    if ledger and recipe.strategy is not None and recipe.strategy.startswith("zero"):
+        result.not_recorded = (f"DeepSpeed's {recipe.strategy} is no strategy the ledger names yet (ddp, fsdp, "
+                               "fsdp-shard-grad-op)")
+    elif ledger and recipe.fixes is not None:
         result.recorded = record(ledger, recipe, worst, step, device, card[0] if card else None)
     elif ledger:
         result.not_recorded = ("Liger kernels beyond the fused loss are no recipe the ledger names (switch the others "
@@ -169,10 +183,11 @@ def _preflight(trainer, model, device, gpu, budget_mib, margin_mib, max_scan, le
 
 
 def _nearest(result: PreflightResult, trainer, model, worst: WorstBatch, recipe: RunRecipe, meter: _Meter,
-             available: Optional[float], margin: Optional[float]) -> None:
+             available: Optional[float], margin: Optional[float], world: int = 1) -> None:
     """Measure recipes near the run's, nearest first, and keep the first that fits: checkpointing on
     (if off), then smaller micro-batches with more accumulation (the effective batch kept), then
-    micro-batch 1 with a length cap."""
+    micro-batch 1 with a length cap. On several GPUs each is judged as the worst rank's, so every
+    rank keeps the same one."""
     if available is None:
         return
     opt = trainer.optimizer
@@ -181,7 +196,7 @@ def _nearest(result: PreflightResult, trainer, model, worst: WorstBatch, recipe:
     def attempt(changes: list[str], inputs: dict, ckpt: bool) -> bool:
         opt.load_state_dict(copy.deepcopy(empty))
         with _checkpointing(model, ckpt):
-            s = measure_step(trainer, model, inputs, meter)
+            s, _ = worst_step(measure_step(trainer, model, inputs, meter), world)
         v, room = _verdict(s, available, margin)
         alt = Alternative(changes, s, room)
         result.tried.append(alt)
@@ -217,9 +232,10 @@ def _nearest(result: PreflightResult, trainer, model, worst: WorstBatch, recipe:
 
 
 class Preflight(TrainerCallback):
-    """Runs ``preflight(trainer, ...)`` at train begin (every process measures its own card; the
-    main one prints and records); raises ``PreflightFailed`` before the first step when the worst
-    batch does not fit."""
+    """Runs ``preflight(trainer, ...)`` at train begin (every process measures its own card, and on
+    several GPUs the run is judged as its worst rank: ``preflight.world``; the main one prints and
+    records); raises ``PreflightFailed`` on every rank before the first step when the worst batch
+    does not fit."""
 
     def __init__(self, trainer, **options):
         self.trainer = trainer

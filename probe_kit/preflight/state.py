@@ -118,6 +118,9 @@ class RunRecipe:
     #: Liger's fused loss alone; ``activation_offloading``: TRL's); None when the run has a setting
     #: the ledger has no name for (Liger's other kernels), so its step is not a recipe it can record.
     fixes: Optional[list[str]] = dataclasses.field(default_factory=list)
+    #: Processes (GPUs) of a distributed run and how they split the model (``preflight.world``).
+    gpus: int = 1
+    strategy: Optional[str] = None
 
     def describe(self, seq_len: int) -> str:
         lora = ("full fine-tuning (every weight trained)" if self.method == "full" else
@@ -127,7 +130,8 @@ class RunRecipe:
                  else f"memory fixes {', '.join(self.fixes) or 'none'}")
         return (f"{self.model or 'the model'} {self.quant} {lora}, micro-batch {self.batch_size} × {seq_len} tokens"
                 f" (accumulation {self.accumulation}), checkpointing {'on' if self.checkpointing else 'off'}, "
-                f"{self.optimizer}, {fixes}")
+                f"{self.optimizer}, {fixes}"
+                + (f", on each of {self.gpus} GPUs ({self.strategy})" if self.gpus > 1 else ""))
 
 
 def read_recipe(trainer, model) -> RunRecipe:

@@ -46,6 +46,11 @@ class PreflightResult:
     recorded: Optional[str] = None
     #: Why a measurement asked to be recorded was not (a recipe the ledger has no name for).
     not_recorded: Optional[str] = None
+    #: A run on several GPUs: its processes, their strategy, and every rank's peak allocated (the
+    #: step judged is the worst rank's).
+    world: int = 1
+    strategy: Optional[str] = None
+    rank_peaks_mib: list = field(default_factory=list)
 
     def line(self) -> str:
         """One verdict line, with the headroom in MiB."""
@@ -64,6 +69,10 @@ class PreflightResult:
         if self.margin_mib is not None and self.verdict in ("fits", "tight"):
             lines.append(f"  fits needs {self.margin_mib:,.1f} MiB left ({DEFAULT_MARGIN:.0%} of what was available, "
                          "for fragmentation over a long run and other processes)")
+        if self.world > 1:
+            peaks = ", ".join("OOM" if p is None else f"{p:,.1f}" for p in self.rank_peaks_mib)
+            lines.append(f"  judged as the worst of {self.world} ranks ({self.strategy}); each rank's peak allocated: "
+                         f"{peaks} MiB")
         if self.ledger_answer:
             lines.append(f"  ledger: {self.ledger_answer}")
         if self.verdict == "won't fit":

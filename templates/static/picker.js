@@ -61,6 +61,10 @@
     var gpu = value("gpu"), quant = value("quant"), fixes = value("fixes"), setting = value("setting");
     var batch = value("batch"), optim = fixes === "none" ? value("optim") : "";
     var ckpt = form.elements.ckpt ? value("ckpt") !== "off" : true;
+    // Several GPUs: one GPU's answer, the rows keyed as the one-GPU ones with the world after them.
+    var gpus = form.elements.gpus ? value("gpus") : "1", strategy = form.elements.strategy ? value("strategy") : "fsdp";
+    var world = gpus === "1" ? "" : "|g" + gpus + "-" + strategy;
+    var worldFlags = gpus === "1" ? "" : " --gpus " + gpus + " --strategy " + strategy;
     var typed = typedCard(), proxy = typed ? below(data.cards, typed) : null;
     var same = proxy && Math.abs(proxy.limit_low_mib - typed.limit_low_mib) <= 0.05 &&
       Math.abs(proxy.limit_high_mib - typed.limit_high_mib) <= 0.05;
@@ -69,7 +73,7 @@
     var where = typed ? "--gpu-mib " + typed.total : "--gpu " + quote(gpu);  // the card, as the commands take it
     // As ledger.site.fits_page.picker_key spells a row: the defaults leave their part out.
     var key = [quant, fixes, setting, gpu].join("|") + (batch === "1" && !optim ? "" : "|" + batch) +
-      (optim ? "|" + optim : "") + (ckpt ? "" : "|nockpt");
+      (optim ? "|" + optim : "") + (ckpt ? "" : "|nockpt") + world;
     var cells = data.rows[key] || [];
     out.textContent = "";
     var what = quant.indexOf("full-") === 0 ? data.model + " on " + (card ? card.name : gpu) +
@@ -80,6 +84,7 @@
       ", " + (fixes === "none" ? "stock, a training run with " + (optim || "adamw_torch") + "'s state" :
         "the program's memory fixes, a training run as its measured runs") + ", LoRA " + setting +
       ", micro-batch " + batch + (ckpt ? "" : ", no gradient checkpointing");
+    if (world) { what += ", each of " + gpus + " GPUs (" + strategy + "), per GPU"; }
     out.appendChild(el("h3", {id: "fit-answer-title"}, what));
     // A recipe the shipped tables do not have: why, and the command that answers it.
     function elsewhere(why, flags) {
@@ -89,8 +94,34 @@
       out.appendChild(pre);
     }
     var noCkpt = ckpt ? "" : " --no-gradient-checkpointing";
+    if (world && (typed || strategy !== "fsdp" || fixes !== "none" || setting !== "plain" || batch !== "1" || optim ||
+        !ckpt || quant === "bf16" || quant === "full-fp32")) {
+      out.appendChild(el("p", {"class": "warn"}, "The tables for several GPUs have FSDP (FULL_SHARD), stock, micro-batch 1, " +
+        "AdamW, of QLoRA with the plain adapter and of full fine-tuning in bf16" + (typed ? ", on the listed cards" : "") +
+        ". The command line answers the rest from dry runs of one rank, run on your CPU:"));
+      var other = el("pre");
+      other.appendChild(el("code", {}, quant.indexOf("full-") === 0 ?
+        "vram estimate --model " + data.model + " " + where + " --method full --quant " + quant.slice(5) +
+        " --seq-len 2048" + worldFlags + (batch === "1" ? "" : " --batch-size " + batch) + (optim ? " --optim " + optim : "") :
+        "vram fit --model " + data.model + " " + where + " --quant " + quant + worldFlags +
+        (fixes === "none" ? "" : " --fixes " + fixes) + (batch === "1" ? "" : " --batch-size " + batch) +
+        (optim ? " --optim " + optim : "") + noCkpt));
+      out.appendChild(other);
+      return;
+    }
+    if (world && !(quant.indexOf("full-") === 0 ? (data.full || {})[quant.slice(5) + "|" + gpu + world] : data.rows[key])) {
+      out.appendChild(el("p", {"class": "warn"}, "No figures of " + data.model + " on several GPUs here: the tables " +
+        "have the models no listed card holds whole. The command line dry-runs one rank on your CPU:"));
+      var none = el("pre");
+      none.appendChild(el("code", {}, quant.indexOf("full-") === 0 ?
+        "vram estimate --model " + data.model + " " + where + " --method full --quant bf16 --seq-len 2048" + worldFlags :
+        "vram fit --model " + data.model + " " + where + " --quant " + quant + worldFlags));
+      out.appendChild(none);
+      return;
+    }
     if (quant.indexOf("full-") === 0) {
-      fullAnswer(data, card, gpu, where, quant.slice(5), fixes, setting, batch, optim, ckpt, typed, proxy, same);
+      fullAnswer(data, card, gpu, where, quant.slice(5), fixes, setting, batch, optim, ckpt, typed, proxy, same, world,
+        worldFlags);
       return;
     }
     if (data.settings && data.settings.indexOf(setting) < 0) {
@@ -139,7 +170,8 @@
     var table = el("table", {"class": "fit", id: "fit-answer-table"});
     var head = el("tr");
     head.appendChild(el("th", {scope: "col"}, "Tokens"));
-    head.appendChild(el("th", {scope: "col"}, "Largest rank that fits (tight)"));
+    head.appendChild(el("th", {scope: "col"}, world ? "Largest rank that fits each GPU (tight)" :
+      "Largest rank that fits (tight)"));
     head.appendChild(el("th", {scope: "col"}, "Method"));
     table.appendChild(el("thead")).appendChild(head);
     var body = el("tbody");
@@ -175,6 +207,14 @@
     var flags = (quant === "bf16" ? " --quant bf16" : "") + (fixes === "all" ? " --fixes all" : "") +
       (setting === "dropout" ? " --dropout 0.1" : setting === "DoRA" ? " --dora" : "");
     var cmd = el("pre");
+    if (world) {
+      cmd.appendChild(el("code", {}, "vram fit --model " + data.model + " " + where + " --quant " + quant + worldFlags +
+        "\nvram estimate --model " + data.model + " " + where + " --quant " + quant + " --rank 16 --seq-len 2048" +
+        worldFlags + "   # one rank's figures at one length"));
+      out.appendChild(el("p", {"class": "meta"}, "The same on the command line:"));
+      out.appendChild(cmd);
+      return;
+    }
     cmd.appendChild(el("code", {}, "vram fit --model " + data.model + " " + where +
       (quant === "bf16" ? " --quant bf16" : " --quant 4bit") + " --fixes " + fixes +
       (batch === "1" ? "" : " --batch-size " + batch) + (optim ? " --optim " + optim : "") +
@@ -189,8 +229,10 @@
 
   // Full fine-tuning (every weight trained): the verdict and peak at each length, for the stock
   // training run with AdamW, as `vram fit --method full` answers it.
-  function fullAnswer(data, card, gpu, where, precision, fixes, setting, batch, optim, ckpt, typed, proxy, same) {
-    var cmd = "vram fit --model " + data.model + " " + where + " --method full --quant " + precision;
+  function fullAnswer(data, card, gpu, where, precision, fixes, setting, batch, optim, ckpt, typed, proxy, same, world,
+                      worldFlags) {
+    var cmd = world ? "vram estimate --model " + data.model + " " + where + " --method full --quant " + precision +
+      " --seq-len 2048" + worldFlags : "vram fit --model " + data.model + " " + where + " --method full --quant " + precision;
     function command(flags) {
       var pre = el("pre");
       pre.appendChild(el("code", {}, cmd + flags));
@@ -205,7 +247,7 @@
         (optim ? " --optim " + optim : "") + (ckpt ? "" : " --no-gradient-checkpointing"));
       return;
     }
-    var cells = (data.full || {})[precision + "|" + gpu];
+    var cells = (data.full || {})[precision + "|" + gpu + (world || "")];
     if (!cells) {
       out.appendChild(el("p", {"class": "warn"}, "No full fine-tuning figures of " + data.model + " here; the " +
         "command line dry-runs them:"));
@@ -223,7 +265,7 @@
     var wrap = el("div", {"class": "table-wrap"});
     var table = el("table", {"class": "fit", id: "fit-answer-table"});
     var head = el("tr");
-    ["Tokens", "Verdict", "Peak allocated (MiB)", "Method"].forEach(function (h) {
+    ["Tokens", "Verdict", world ? "Peak allocated per GPU (MiB)" : "Peak allocated (MiB)", "Method"].forEach(function (h) {
       head.appendChild(el("th", {scope: "col"}, h));
     });
     table.appendChild(el("thead")).appendChild(head);
@@ -258,7 +300,7 @@
   // A link can carry a choice: ?model=qwen2.5-7b&gpu=rtx-4090&quant=bf16 (what the page shows is
   // then what a visitor who chose it sees).
   var params = new URLSearchParams(window.location.search);
-  ["model", "gpu", "quant", "fixes", "setting", "batch", "optim", "ckpt"].forEach(function (name) {
+  ["model", "gpu", "quant", "fixes", "setting", "batch", "optim", "ckpt", "gpus", "strategy"].forEach(function (name) {
     var v = params.get(name), field = form.elements[name];
     if (v !== null && field && Array.prototype.some.call(field.options, function (o) { return o.value === v; })) {
       field.value = v;
