@@ -12,26 +12,47 @@ The strategies, as accelerate and the Trainer launch them:
 - ``fsdp-shard-grad-op``: the same with ``reshard_after_forward=False`` (SHARD_GRAD_OP): a unit's
   gathered parameters are kept from its forward to its backward.
 
-The dry run runs one rank's step under fake tensors with torch's fake process group (``fake``
-backend: collectives that move no data) of ``world_size`` ranks: the sharded parameters, the
-gathered units and their prefetch, the buckets and the reduce-scatter outputs are what the real
-code allocates. ``probe_kit.gloo_run`` runs the same step in real processes over gloo on the CPU,
-which is what the dry run is checked against (``tests/test_distributed.py``).
-
 QLoRA under FSDP: the stock recipe sets ``bnb_4bit_quant_storage`` to the compute dtype so that
 FSDP can flatten the packed 4-bit weights beside the rest; the bytes are the same as the packed
 uint8 storage the dry run's 4-bit stand-in keeps, which FSDP2 shards as it is. The quantisation
 state (absmax, code books) is buffers: FSDP2 does not shard buffers, every rank keeps them.
 
-Not modelled here: DeepSpeed's ZeRO stages (its own buffers and thresholds), CPU offload of
-parameters, and NCCL's own buffers outside the caching allocator (a few hundred MiB on a card,
-part of what the card's measured overhead holds).
+- ``zero2`` / ``zero3``: DeepSpeed's ZeRO stage 2 (gradients and optimizer state partitioned)
+  and stage 3 (parameters too), DeepSpeed's own engine with the configuration the transformers
+  documentation gives for each stage, its "auto" values filled as the Trainer fills them
+  (``deepspeed_config``): bf16, overlap_comm, contiguous_gradients, reduce_bucket_size =
+  hidden², stage3_prefetch_bucket_size = 0.9 hidden², stage3_param_persistence_threshold =
+  10 hidden, stage 3's max live parameters and reuse distance 1e9, sub_group_size 1e9; the
+  Trainer's optimizer handed to it (no optimizer in the config). Its buckets, its fp32 master
+  partitions, its prefetch and persistence thresholds are what DeepSpeed allocates, not a bound.
+  Needs DeepSpeed (the ``deepspeed`` extra).
+
+The dry run runs one rank's step under fake tensors with torch's fake process group (``fake``
+backend: collectives that move no data) of ``world_size`` ranks: the sharded parameters, the
+gathered units and their prefetch, the buckets and the reduce-scatter outputs are what the real
+code allocates. ``probe_kit.gloo_run`` runs the same step in real processes over gloo on the CPU,
+which is what the dry run is checked against (``tests/test_distributed.py``). Under fake tensors
+DeepSpeed's engine needs three things (``deepspeed_fakes``): a scalar it reads off a tensor (its
+overflow and gradient-norm checks, its trace checks) reads as zero (finite: the step is taken, as
+on a run that does not overflow); its check that every rank traced the same modules is skipped (it
+compares values); the module stays where the fake tensors are (``module.to(device)`` would copy
+fake tensors into real ones).
+
+Not modelled here: CPU offload of parameters or optimizer state, and NCCL's own buffers outside
+the caching allocator (a few hundred MiB on a card, part of what the card's measured overhead
+holds).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+import importlib
+import importlib.util
+import logging
+import os
+import sys
+import warnings
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -40,17 +61,24 @@ from .recipe import RecipeError
 @contextlib.contextmanager
 def fake_group(world_size: int) -> Iterator[object]:
     """Rank 0 of a fake process group of ``world_size`` ranks, and its one-dimensional device mesh
-    (made with real tensors: a mesh reads its ranks' values). Torn down on the way out."""
+    (made with real tensors: a mesh reads its ranks' values). Torn down on the way out, with what
+    ZeRO leaves behind in the process (``torch.nn.functional.linear``, which ZeRO-3 swaps for its
+    own for good, so that a later dry run in the same process would run it too; ``LOCAL_RANK``)."""
     import torch.distributed as dist
+    import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise RecipeError("a process group is initialised already: the dry run makes its own")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    linear, local_rank = F.linear, os.environ.get("LOCAL_RANK")
     try:
         yield init_device_mesh("cpu", (world_size,))
     finally:
+        F.linear = linear
+        if local_rank is None:
+            os.environ.pop("LOCAL_RANK", None)
         dist.destroy_process_group()
 
 
@@ -62,9 +90,19 @@ def unit_classes(model: torch.nn.Module) -> set[str]:
     return names
 
 
-def shard(model: torch.nn.Module, strategy: str, mesh, *, fake: bool) -> torch.nn.Module:
+def shard(model: torch.nn.Module, strategy: str, mesh, *, fake: bool, optimizer: Optional[str] = None,
+          batch: int = 1, unified=None) -> torch.nn.Module:
     """The model as ``strategy`` runs it on one rank of ``mesh``. Returns the module to step
-    (DDP's wrapper, or the model itself with FSDP's hooks)."""
+    (DDP's wrapper, the model itself with FSDP's hooks, or DeepSpeed's engine over the Trainer's
+    ``optimizer``, which ZeRO partitions: ``recipe.train_step`` steps an engine its own way)."""
+    if is_zero(strategy):
+        if optimizer is None:
+            raise RecipeError(f"--strategy {strategy}: ZeRO partitions the optimizer's state, so its step is a "
+                              "training run's: give --optim (the Trainer's default is adamw_torch)")
+        from .recipe import make_optimizer
+
+        require_deepspeed(strategy)
+        return zero_engine(model, make_optimizer(model, optimizer, fake, unified), strategy, batch, fake=fake)
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -115,3 +153,165 @@ def _in_place_allreduce(state, bucket):
     future: torch.futures.Future = torch.futures.Future()
     future.set_result(buffer)
     return future
+
+
+# -- DeepSpeed's ZeRO ---------------------------------------------------------------------------
+
+#: The ZeRO stages by strategy name.
+ZERO_STAGES = {"zero2": 2, "zero3": 3}
+
+
+def is_zero(strategy: Optional[str]) -> bool:
+    return strategy in ZERO_STAGES
+
+
+def deepspeed_logs_to_stderr() -> None:
+    """Where DeepSpeed is installed, accelerate imports it in the course of any run, and its logger
+    (and a handler it gives the root logger's warnings) writes to the stdout it finds then: imported
+    here first, with stdout pointed at stderr, a command's ``--json`` on stdout stays JSON. Off a
+    GPU it is told its accelerator is the CPU (else it guesses, and says so)."""
+    if "deepspeed" in sys.modules or importlib.util.find_spec("deepspeed") is None:
+        return
+    saved = os.environ.get("DS_ACCELERATOR")
+    if saved is None and not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            import deepspeed  # noqa: F401
+    except Exception:  # a broken install is said where a ZeRO run needs it (require_deepspeed)
+        pass
+    finally:
+        if saved is None:
+            os.environ.pop("DS_ACCELERATOR", None)
+
+
+def require_deepspeed(strategy: str):
+    """DeepSpeed, imported with its CPU accelerator (the dry run and the gloo run are on the CPU),
+    or a one-line error naming the extra."""
+    saved = os.environ.get("DS_ACCELERATOR")
+    os.environ["DS_ACCELERATOR"] = "cpu"  # (else it guesses, and says so)
+    try:
+        # Its logger writes to the stdout it finds when first imported: stderr, not into a --json answer.
+        with contextlib.redirect_stdout(sys.stderr):
+            import deepspeed  # noqa: F401
+    except ImportError:
+        raise RecipeError(f"--strategy {strategy}: DeepSpeed's ZeRO runs DeepSpeed's own engine, which is not "
+                          "installed: pip install -e '.[deepspeed]'") from None
+    finally:
+        if saved is None:
+            del os.environ["DS_ACCELERATOR"]
+        else:
+            os.environ["DS_ACCELERATOR"] = saved
+    from deepspeed.utils import logger
+
+    logger.setLevel(logging.ERROR)  # its start-up and per-step notices are a run's, not a dry run's
+    for name in ("reduce_scatter_tensor", "all_gather_into_tensor"):  # DeepSpeed's calls, not ours to change
+        warnings.filterwarnings("ignore", message=f"`torch.distributed.{name}` is deprecated", category=FutureWarning)
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        set_accelerator(CPU_Accelerator())
+    # (by its module's name: the package's attribute ``torch`` is torch itself)
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
+    # Its shared-memory allreduce kernel (compiled on first use) is for a CPU run's speed only:
+    # the collectives go through torch.distributed, as on GPUs through NCCL.
+    ds_torch.build_shm_op = lambda: None
+    return deepspeed
+
+
+def deepspeed_config(model: torch.nn.Module, strategy: str, batch: int) -> dict:
+    """The DeepSpeed configuration of a stage as the transformers documentation gives it, its
+    "auto" values filled as the Trainer fills them from the model's hidden size."""
+    hidden = model.config.hidden_size
+    zero: dict = {"stage": ZERO_STAGES[strategy], "overlap_comm": True, "contiguous_gradients": True,
+                  "reduce_bucket_size": hidden * hidden}
+    if zero["stage"] == 2:
+        zero.update(allgather_partitions=True, allgather_bucket_size=int(2e8), reduce_scatter=True)
+    else:
+        zero.update(sub_group_size=int(1e9), stage3_prefetch_bucket_size=int(0.9 * hidden * hidden),
+                    stage3_param_persistence_threshold=10 * hidden, stage3_max_live_parameters=int(1e9),
+                    stage3_max_reuse_distance=int(1e9), stage3_gather_16bit_weights_on_model_save=True)
+    return {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+            "zero_optimization": zero, "zero_allow_untested_optimizer": True, "steps_per_print": 2 ** 31,
+            "wall_clock_breakdown": False, "gradient_clipping": 1.0}
+
+
+@contextlib.contextmanager
+def deepspeed_fakes(model: torch.nn.Module) -> Iterator[None]:
+    """What DeepSpeed's engine needs under fake tensors (the module docstring): scalars read as
+    zero, the ranks' trace check skipped, the module left where its fake tensors are."""
+    import deepspeed.runtime.zero.partitioned_param_coordinator as coordinator
+    import torch._subclasses.fake_impls as impls
+    from torch._prims_common import is_boolean_dtype, is_float_dtype
+
+    def zero(mode, func, arg):
+        return 0.0 if is_float_dtype(arg.dtype) else False if is_boolean_dtype(arg.dtype) else 0
+
+    ops = (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default)
+    saved = [impls.op_implementations_dict[op] for op in ops]
+    same, to = coordinator.assert_ints_same_as_other_ranks, model.to
+    for op in ops:
+        impls.op_implementations_dict[op] = zero
+    coordinator.assert_ints_same_as_other_ranks = lambda *a, **k: None
+    model.to = lambda *a, **k: model
+    try:
+        yield
+    finally:
+        for op, impl in zip(ops, saved):
+            impls.op_implementations_dict[op] = impl
+        coordinator.assert_ints_same_as_other_ranks = same
+        model.to = to
+
+
+def zero_engine(model: torch.nn.Module, optimizer, strategy: str, batch: int, *, fake: bool):
+    """DeepSpeed's engine of ``strategy`` over ``model`` and the Trainer's ``optimizer``, on the
+    process group already initialised (the fake one under fake tensors, gloo in a real run)."""
+    import torch.distributed as dist
+
+    deepspeed = require_deepspeed(strategy)
+    groups = importlib.import_module("deepspeed.utils.groups")
+
+    # DeepSpeed keeps the process groups it made at module level; a dry run makes a fresh fake group
+    # for each stack of layers it runs, so they are made again (the module's own initial state).
+    importlib.reload(groups)
+    os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))  # DeepSpeed reads it, as a launcher sets it
+    deepspeed.init_distributed(dist_backend="gloo")
+    with deepspeed_fakes(model) if fake else contextlib.nullcontext():
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                               config=deepspeed_config(model, strategy, batch))
+    return engine
+
+
+def rank_train_step(model, ids: torch.Tensor, cfg, forward_context=None, *, fake: bool, warmed=None,
+                    backward_context=None, **kw) -> Optional[torch.Tensor]:
+    """One rank's training step: ``recipe.train_step``, or under DeepSpeed its engine's own
+    (``zero_train_step``) with the same forward and loss."""
+    from . import recipe
+
+    if not getattr(model, "zero_optimization_stage", None):
+        return recipe.train_step(model, ids, cfg, forward_context, fake=fake, warmed=warmed,
+                                 backward_context=backward_context, **kw)
+    context = forward_context or contextlib.nullcontext
+
+    def forward() -> torch.Tensor:
+        with recipe.gpu_dropout(), recipe._kernels(cfg, ids.device, fake), context(), recipe.autocast(cfg, ids.device):
+            return recipe._forward_loss(model, ids, cfg)
+    zero_train_step(model, forward, fake=fake, warmed=warmed, backward_context=backward_context)
+    return None
+
+
+def zero_train_step(engine, run_step: Callable[[], torch.Tensor], *, fake: bool, warmed=None,
+                    backward_context=None) -> None:
+    """A training run's steady state under DeepSpeed, as ``recipe.train_step`` makes it: one step
+    first (the optimizer's state then exists), ``warmed()``, then the measured step; each step the
+    engine's forward (``run_step()``: the loss), its backward and its optimizer step (which frees
+    the gradients, as the Trainer's DeepSpeed path does)."""
+    with deepspeed_fakes(engine.module) if fake else contextlib.nullcontext():
+        for i in range(2):
+            loss = run_step()
+            with backward_context() if backward_context is not None else contextlib.nullcontext():
+                engine.backward(loss)
+            engine.step()
+            if i == 0 and warmed is not None:
+                warmed()

@@ -118,7 +118,9 @@ class Linear4bitStandIn(torch.nn.Linear):
         else:
             self.register_buffer("absmax", torch.empty(blocks, dtype=torch.float32, device=device))
         self.register_buffer("code", torch.empty(16, dtype=torch.float32, device=device))
-        self.bias = (torch.nn.Parameter(torch.empty(out_features, dtype=compute_dtype, device=device),
+        # zeros, not empty: a real run (gloo_run) adds it to every output, and uninitialised memory
+        # can be NaN, which DeepSpeed's overflow check answers by skipping the optimizer's step.
+        self.bias = (torch.nn.Parameter(torch.zeros(out_features, dtype=compute_dtype, device=device),
                                         requires_grad=False) if bias else None)
 
     @property
@@ -270,7 +272,7 @@ def _fake_step(cfg: ProbeConfig, config, budget_mib: Optional[float], marks: Opt
     ``trace``, the device allocations and frees in order (``TrackerMeter.record_trace``)."""
     from transformers import AutoModelForCausalLM
 
-    from .distributed import fake_group, shard
+    from .distributed import fake_group, rank_train_step, shard
 
     group = fake_group(cfg.gpus) if cfg.gpus > 1 else contextlib.nullcontext()
     with group as mesh, fake_world():
@@ -294,7 +296,8 @@ def _fake_step(cfg: ProbeConfig, config, budget_mib: Optional[float], marks: Opt
             checkpointing_as_asked(model, cfg)
             ids = synthetic_batch(cfg, model.get_input_embeddings().num_embeddings, torch.device("cpu"))
             if mesh is not None:  # one rank: what it holds of the model once the strategy has it (and the batch)
-                model = shard(model, cfg.strategy, mesh, fake=True)
+                model = shard(model, cfg.strategy, mesh, fake=True, optimizer=cfg.optimizer, batch=cfg.batch_size,
+                              unified=meter.never_count)
                 after_load = meter.allocated_mib()
             meter.reset_peak()
             meter.trace_event(RESET_PEAK)  # the probe resets the card's peak statistics here
@@ -306,7 +309,8 @@ def _fake_step(cfg: ProbeConfig, config, budget_mib: Optional[float], marks: Opt
 
             with phase_marks(model, marks, meter) if marks else contextlib.nullcontext() as backward:
                 try:
-                    train_step(model, ids, cfg, lambda: offload(cfg, torch.device("cpu"), meter.exclude), fake=True,
+                    (rank_train_step if mesh is not None else train_step)(
+                        model, ids, cfg, lambda: offload(cfg, torch.device("cpu"), meter.exclude), fake=True,
                                warmed=warmed, backward_context=backward,
                                offloader=step_offloader(model, cfg, torch.device("cpu"), meter), unified=meter.never_count)
                 except torch.OutOfMemoryError as exc:

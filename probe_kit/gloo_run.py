@@ -16,11 +16,11 @@ import sys
 
 import torch
 
-from .distributed import shard
+from .distributed import rank_train_step, shard
 from .dry_run import stand_in_4bit
 from .meters import TrackerMeter
 from .probe_vram import add_recipe_options, config_from_args, run_cli
-from .recipe import RecipeError, checkpointing_as_asked, load_config, prepare, synthetic_batch, train_step, \
+from .recipe import RecipeError, checkpointing_as_asked, load_config, prepare, synthetic_batch, \
     weights_dtype
 
 
@@ -54,7 +54,7 @@ def real_step(rank: int, world_size: int, port: int, cfg, strategy: str, out) ->
             model = prepare(model, cfg)
             checkpointing_as_asked(model, cfg)
             ids = synthetic_batch(cfg, vocab, torch.device("cpu"))
-            model = shard(model, strategy, mesh, fake=False)
+            model = shard(model, strategy, mesh, fake=False, optimizer=cfg.optimizer, batch=cfg.batch_size)
             after_load = meter.allocated_mib()  # what the rank holds once the strategy has the model (and the batch)
             meter.reset_peak()
             figures = {}
@@ -62,7 +62,7 @@ def real_step(rank: int, world_size: int, port: int, cfg, strategy: str, out) ->
             def warmed() -> None:
                 figures["pre_step"] = meter.allocated_mib()
 
-            train_step(model, ids, cfg, fake=False, warmed=warmed)
+            rank_train_step(model, ids, cfg, fake=False, warmed=warmed)
         out.put((rank, {"after_load_mib": after_load, "pre_step_mib": figures.get("pre_step"),
                         "peak_mib": meter.peak_allocated_mib()}))
     finally:

@@ -431,7 +431,8 @@ def add_recipe_options(p: argparse.ArgumentParser) -> None:
                    help="GPUs of one data-parallel or sharded run (default 1); the figures are one rank's")
     p.add_argument("--strategy", metavar="NAME",
                    help="how --gpus N split the model: ddp (every GPU holds it whole), fsdp (FSDP2 fully_shard, "
-                        "FULL_SHARD) or fsdp-shard-grad-op (SHARD_GRAD_OP), as accelerate and the Trainer launch them")
+                        "FULL_SHARD), fsdp-shard-grad-op (SHARD_GRAD_OP), zero2 or zero3 (DeepSpeed's ZeRO stages: "
+                        "the deepspeed extra, with --optim), as accelerate and the Trainer launch them")
 
 
 def config_from_args(args: argparse.Namespace) -> ProbeConfig:
@@ -470,6 +471,9 @@ def run_cli(prog: str, work) -> int:
     EXIT_REFUSED (1) for a user mistake, printed as one line per problem; 130 on Ctrl-C or
     SIGINT, one line; EXIT_CRASHED (70) for anything else, with its traceback. Nothing else exits
     1, so a sweep can tell refused input from a crash."""
+    from .distributed import deepspeed_logs_to_stderr
+
+    deepspeed_logs_to_stderr()
     try:
         work()
         return 0

@@ -121,8 +121,10 @@ class ProbeConfig:
 
     @property
     def sharded(self) -> bool:
-        """Whether the model is split over several GPUs (an FSDP strategy)."""
-        return self.gpus > 1 and (self.strategy or "").startswith("fsdp")
+        """Whether the model's weights are split over several GPUs (FSDP, ZeRO-3): the stock
+        recipe then stores 4-bit weights in a floating dtype, and TRL skips
+        ``prepare_model_for_kbit_training``."""
+        return self.gpus > 1 and ((self.strategy or "").startswith("fsdp") or self.strategy == "zero3")
 
     def __post_init__(self) -> None:
         if self.method not in ("lora", "full"):
@@ -594,9 +596,17 @@ def make_optimizer(model: torch.nn.Module, name: str, fake: bool = False,
     import tempfile
 
     from transformers import Trainer, TrainingArguments
+    from transformers.utils import logging
 
-    with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(output_dir=out, optim=name, report_to=[], use_cpu=True)
+    verbosity = logging.get_verbosity()
+    # (made inside a rank's process group, the arguments warn that the script was not launched by
+    # torch.distributed: they only name the optimizer here)
+    logging.set_verbosity_error()
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            args = TrainingArguments(output_dir=out, optim=name, report_to=[], use_cpu=True)
+    finally:
+        logging.set_verbosity(verbosity)
     cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
     if issubclass(cls, torch.optim.Optimizer) and cls.__module__.startswith("torch.optim") and not kwargs.get("fused"):
         # On a GPU torch's optimizers step every tensor at once (foreach), with temporaries the size

@@ -237,11 +237,13 @@ def test_lengths_the_grid_derives_are_its_committed_rows():
     lengths (the grid's held-out points) are then interpolated between their own rows, never below
     what the plain row and their interpolated cost gave."""
     from ledger.fit.dry_table import DryTable
+    from ledger.fit.peaks import one_gpu
     from ledger.vocab.model_configs import model_name
     from ledger.vocab.recipe import recipe_of
 
     dry = [d for d in load_dry_runs() if d.outcome.status == "ok" and d.response_len == 256
-           and (d.batch_size or 1) == 1 and d.memory_fixes == "none" and d.lora is not None]
+           and (d.batch_size or 1) == 1 and d.memory_fixes == "none" and d.lora is not None
+           and one_gpu(d)]  # as the predictor's table: a rank of a multi-GPU run is not one GPU's step
 
     def point(r, checkpointing):
         return {"model": model_name(r.model), "quant": r.quant, "seq_len": r.seq_len, "rank": r.rank,

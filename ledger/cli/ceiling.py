@@ -10,7 +10,8 @@ from ledger.storage import store
 from ledger.core.errors import Issue, UserError
 from .options import (Command, add_batch_option, add_json_option, add_ledger_option, add_method_option,
                       add_optimizer_option, add_recipe_options, add_run_option, dump_json)
-from .world import add_world_options, ceiling_ranks, print_rank_ceiling, world_of
+from .world import (add_world_options, ceiling_ranks, length_ceiling_ranks, print_length_ceiling, print_rank_ceiling,
+                    world_of)
 from .question import (BUDGET_CARD, add_card_option, add_dry_runs_option, card_from, predictor_for, recipe_from,
                        require_model)
 
@@ -66,10 +67,6 @@ def cmd_ceiling(args: argparse.Namespace) -> int:
     ledger = store.load(args.ledger)
     require_model(args.model, ledger)
     gpu, entry = card_from(args, ledger)
-    if (args.rank is not None or full) and getattr(args, "gpus", 1) > 1:
-        raise UserError(Issue("--gpus", "", "with several GPUs `vram ceiling` answers the largest LoRA rank at "
-                              "--seq-len (a length ceiling per GPU is not searched yet: `vram estimate --gpus N` "
-                              "answers one length)"))
     if args.rank is not None or full:
         return _length_ceiling(args, ledger, gpu, entry)
     recipe = recipe_from(args)
@@ -182,6 +179,17 @@ def _length_ceiling(args: argparse.Namespace, ledger, gpu: str, entry) -> int:
     recipe = recipe_from(args, args.rank)
     run = "real" if args.real else "probe"
     predictor = predictor_for(args, ledger)
+    gpus, strategy = world_of(args, gpu, entry)
+    if gpus > 1:  # one rank of a multi-GPU run: dry runs of that world alone
+        recipe = recipe.replace(gpus=gpus, strategy=strategy)
+        doc = length_ceiling_ranks(args, predictor, recipe, gpu, entry, LENGTH_LADDER, args.seq_step, limit)
+        if args.json:
+            dump_json(doc)
+        else:
+            where = ("a budget" if gpu == BUDGET_CARD else gpu) + _budget_text(args)
+            print_length_ceiling(doc, _recipe_line(recipe, args), "a training run" if args.real else
+                                 "a one-step probe", where)
+        return 0
 
     def ask():
         return longest(predictor, recipe, gpu, entry=entry, run=run, margin_mib=args.margin_mib,

@@ -31,7 +31,8 @@ def add_world_options(p: argparse.ArgumentParser) -> None:
                         "step, from a dry run of that world")
     p.add_argument("--strategy", metavar="NAME",
                    help="how --gpus N split the model: " + " | ".join(STRATEGIES) + " (DDP; FSDP2 fully_shard "
-                        "FULL_SHARD; SHARD_GRAD_OP), as accelerate and the Trainer launch them")
+                        "FULL_SHARD; SHARD_GRAD_OP; DeepSpeed ZeRO-2, ZeRO-3 (the deepspeed extra, with an "
+                        "optimizer), as accelerate and the Trainer launch them")
 
 
 def world_of(args: argparse.Namespace, gpu: Optional[str] = None, entry=None) -> tuple[int, Optional[str]]:
@@ -191,6 +192,76 @@ def fit_ranks(args: argparse.Namespace, predictor, recipe: Recipe, lengths: list
     rows = rank_rows(args, at, "real" if args.real else "probe")
     return [ceiling_ranks(args, predictor, recipe.replace(seq_len=n), gpu, entry, rows[2 * i:2 * i + 2])
             for i, n in enumerate(lengths)]
+
+
+def length_ceiling_ranks(args: argparse.Namespace, predictor, recipe: Recipe, gpu: Optional[str], entry,
+                         ladder: tuple[int, ...], step: int, limit: int) -> dict:
+    """The longest sequence (a multiple of ``step``, at most ``limit``) whose per-GPU verdict is
+    "fits", and the longest at worst "tight": the rank's dry run at the ``ladder``'s lengths in
+    turn until one is not "fits", then halving the span between the last that was and the first
+    that was not (a rank's peak grows with the length), each length a dry run of the world."""
+    memo: dict[int, dict] = {}
+
+    def at(n: int) -> dict:
+        if n not in memo:
+            doc = estimate_ranks(args, predictor, recipe.replace(seq_len=n), gpu, entry)
+            if doc["answer"] is None and doc["rank_status"] != "oom":
+                raise UserError(Issue("--gpus", "", f"the rank's dry run at {n} tokens did not finish ok: "
+                                      f"{doc['dry_run']} ({doc['rank_status']})"))
+            memo[n] = doc
+        return memo[n]
+
+    def verdict(n: int) -> str:
+        answer = at(n)["answer"]
+        return answer["verdict"] if answer else "won't fit"
+
+    def longest(ok) -> Optional[int]:
+        rungs = sorted({n for n in ladder if step <= n < limit and n % step == 0} | {limit - limit % step})
+        good = None
+        for n in rungs:
+            if not ok(verdict(n)):
+                lo, hi = (good or 0) // step, n // step
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    lo, hi = (mid, hi) if ok(verdict(mid * step)) else (lo, mid)
+                return lo * step or None
+            good = n
+        return good
+
+    fits = longest(lambda v: v == "fits")
+    tight = longest(lambda v: v != "won't fit")
+    lengths = []
+    for n in sorted(memo):
+        doc = memo[n]
+        a = doc["answer"]
+        iv = a["probe_allocated"] if a else None
+        lengths.append({"seq_len": n, "verdict": verdict(n), "mib": iv["mib"] if iv else None,
+                        "high_mib": iv["high_mib"] if iv else None, "dry_run": doc["dry_run"]})
+    limit_text = next((f"{d['answer']['limit_low_mib']}–{d['answer']['limit_high_mib']} MiB allocated "
+                       f"({d['answer']['limit_source']})" for d in memo.values() if d["answer"]), None)
+    return {"gpus": recipe.gpus, "strategy": recipe.strategy, "per_gpu": True,
+            "rank": recipe.rank if recipe.method != "full" else None,
+            "method": recipe.method, "fits_len": fits, "tight_len": tight, "limit": limit_text,
+            "lengths": lengths, "not_counted": NOT_COUNTED}
+
+
+def print_length_ceiling(doc: dict, recipe_line: str, what: str, where: str, width: int = 100) -> None:
+    """``length_ceiling_ranks`` as lines."""
+    print(recipe_line)
+    at = "of full fine-tuning" if doc["method"] == "full" else f"at rank {doc['rank']}"
+    each = f"each of {doc['gpus']} GPUs ({doc['strategy']})"
+    if doc["fits_len"] is None:
+        head = f"no length fits {what} {at} on {each} of {where} for sure" + (
+            f"; up to {doc['tight_len']} tokens is tight" if doc["tight_len"] else "")
+    else:
+        head = f"{doc['fits_len']} tokens fit {what} {at} on {each} of {where}" + (
+            "" if doc["tight_len"] == doc["fits_len"] else f"; up to {doc['tight_len']} tokens is tight")
+    print(textwrap.fill(head + (f" ({doc['limit']})" if doc["limit"] else ""), width, subsequent_indent="  "))
+    for r in doc["lengths"]:
+        fig = f"{r['mib']} MiB, up to {r['high_mib']} MiB" if r["mib"] is not None else "the dry run ran out of memory"
+        print(f"  {r['seq_len']} tokens: {r['verdict']} ({fig}) by a dry run of one rank [{r['dry_run']}]")
+    print(textwrap.fill(doc["not_counted"], width, initial_indent="  ", subsequent_indent="    "))
+    sys.stdout.flush()
 
 
 def cell_label(doc: dict) -> str:

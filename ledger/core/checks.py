@@ -108,7 +108,7 @@ def measurement_issues(ledger: Ledger, m: Measurement, where: str, name: str, to
         yield Issue(name, f"{where}.quant", "a full fine-tuning row cannot have 4-bit weights: they are not trainable")
     if (m.world_size or 1) > 1 and m.strategy is None:
         yield Issue(name, f"{where}.strategy", f"a rank of a {m.world_size}-GPU run names its strategy (ddp, fsdp, "
-                    "fsdp-shard-grad-op)")
+                    "fsdp-shard-grad-op, zero2, zero3)")
     if m.strategy is not None and (m.world_size or 1) == 1:
         yield Issue(name, f"{where}.world_size", f"strategy {m.strategy} is a multi-GPU run's: world_size must be 2 "
                     "or more")

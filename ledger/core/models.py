@@ -348,9 +348,10 @@ class RecipeFields(_Model):
         description="GPUs the step ran on (ranks of one data-parallel or sharded run); the figures are one rank's. "
                     "null: one GPU.",
     )
-    strategy: Optional[Literal["ddp", "fsdp", "fsdp-shard-grad-op"]] = Field(
+    strategy: Optional[Literal["ddp", "fsdp", "fsdp-shard-grad-op", "zero2", "zero3"]] = Field(
         None, description="How the ranks split the model: 'ddp' (every rank holds it whole), 'fsdp' (FSDP2 "
-                          "fully_shard, FULL_SHARD), 'fsdp-shard-grad-op' (reshard_after_forward off); null: one GPU.",
+                          "fully_shard, FULL_SHARD), 'fsdp-shard-grad-op' (reshard_after_forward off), 'zero2' / "
+                          "'zero3' (DeepSpeed's ZeRO stage 2 / 3); null: one GPU.",
     )
 
 

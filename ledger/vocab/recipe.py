@@ -308,7 +308,7 @@ class Recipe:
 
 #: How the GPUs of a multi-GPU recipe split the model, as accelerate and the Trainer launch them:
 #: DDP (each holds it whole), FSDP2's fully_shard with FULL_SHARD, and with SHARD_GRAD_OP.
-STRATEGIES = ("ddp", "fsdp", "fsdp-shard-grad-op")
+STRATEGIES = ("ddp", "fsdp", "fsdp-shard-grad-op", "zero2", "zero3")
 #: The most GPUs a recipe may name (the schema's bound on ``world_size``).
 MAX_GPUS = 1024
 
@@ -320,8 +320,7 @@ def world_problem(gpus: int, strategy: Optional[str]) -> Optional[str]:
     if gpus > MAX_GPUS:
         return f"--gpus must be at most {MAX_GPUS}, got {gpus}"
     if strategy is not None and strategy not in STRATEGIES:
-        extra = " (DeepSpeed's ZeRO stages are not modelled yet)" if strategy.lower().startswith("zero") else ""
-        return f"--strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}{extra}"
+        return f"--strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}"
     if strategy is not None and gpus == 1:
         return f"--strategy {strategy} needs --gpus 2 or more (one GPU runs the plain step)"
     if gpus > 1 and strategy is None:

@@ -54,6 +54,8 @@ from typing import Optional, Sequence
 import torch
 from transformers import TrainerCallback
 
+from ledger.vocab.recipe import STRATEGIES
+
 from ..meters import MIB
 from .batches import DEFAULT_MAX_SCAN, WorstBatch, _train_data, find_worst_batch, shrink
 from .ledger_view import _card, _ceiling_advice, _ledger_view, record
@@ -168,9 +170,9 @@ def _preflight(trainer, model, device, gpu, budget_mib, margin_mib, max_scan, le
             result.time_at_risk = (f"stopped before step 1: the run planned {steps:,} optimizer steps; it would have died "
                                    f"when the worst batch came, after up to {_human(steps * each)} of training "
                                    f"({each:.2f} s a step as measured here)")
-    if ledger and recipe.strategy is not None and recipe.strategy.startswith("zero"):
-        result.not_recorded = (f"DeepSpeed's {recipe.strategy} is no strategy the ledger names yet (ddp, fsdp, "
-                               "fsdp-shard-grad-op)")
+    if ledger and recipe.strategy is not None and recipe.strategy not in STRATEGIES:
+        result.not_recorded = (f"DeepSpeed's {recipe.strategy} is no strategy the ledger names "
+                               f"({', '.join(STRATEGIES)})")
     elif ledger and recipe.fixes is not None:
         result.recorded = record(ledger, recipe, worst, step, device, card[0] if card else None)
     elif ledger:

@@ -4,6 +4,7 @@ recipe model, a Trainer over a tokenised .jsonl or .parquet file, and its worst 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 import torch
@@ -66,8 +67,9 @@ def _tokenizer_for(args):
         raise RecipeError(f"{where}: cannot load a tokenizer: {str(exc).splitlines()[0]}") from None
 
 
-def run(args: argparse.Namespace) -> PreflightResult:
-    """The command: the probe kit's recipe model, a Trainer over the tokenised file, preflight."""
+def run(args: argparse.Namespace, json_out=None) -> PreflightResult:
+    """The command: the probe kit's recipe model, a Trainer over the tokenised file, preflight
+    (with --json, the result printed on ``json_out``, default stdout)."""
     import json
     import tempfile
 
@@ -113,18 +115,23 @@ def run(args: argparse.Namespace) -> PreflightResult:
         result = preflight(trainer, gpu=args.gpu, budget_mib=args.budget_mib, max_scan=args.max_scan,
                            ledger=args.ledger, stop=(), stream=sys.stdout if not args.json else sys.stderr)
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        print(json.dumps(result.to_dict(), indent=2), file=json_out or sys.stdout)
     return result
 
 
 def main(argv=None) -> int:
     from ledger.core.errors import LedgerError, UserError
 
+    from ..distributed import deepspeed_logs_to_stderr
     from ..recipe import RecipeError
 
     args = build_parser().parse_args(argv)
+    deepspeed_logs_to_stderr()
+    stdout = sys.stdout
     try:
-        result = run(args)
+        # With --json, stdout is the JSON alone: whatever a library prints on the way goes to stderr.
+        with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+            result = run(args, stdout)
     except (RecipeError, UserError, LedgerError, ValueError) as exc:
         print(f"preflight: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 1
