@@ -272,9 +272,14 @@ def test_vram_fit_per_gpu_is_a_rank_per_length_from_the_worlds_dry_runs(tmp_path
             "--cache", str(tmp_path / "cache")]
     assert cli.main([*argv, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    (table,) = doc["tables"].values()
-    assert doc["per_gpu"] and [d["seq_len"] for d in table] == [512, 2048]  # tiny-llama's context is 2,048
-    assert all(len(d["dry_runs"]) == 2 and all("2gpus-ddp" in i for i in d["dry_runs"]) for d in table)
+    (settings,) = doc["tables"].values()
+    assert list(settings) == ["plain", "dropout", "DoRA"]  # the one-GPU table's columns
+    for name, table in settings.items():
+        assert doc["per_gpu"] and [d["seq_len"] for d in table] == [512, 2048]  # tiny-llama's context is 2,048
+        assert all(len(d["dry_runs"]) == 2 and all("2gpus-ddp" in i for i in d["dry_runs"]) for d in table)
+        assert len({i for d in table for i in d["dry_runs"]}) == 4
+    for plain, dora in zip(settings["plain"], settings["DoRA"]):  # DoRA's step holds more a rank, never less
+        assert dora["mib_per_rank"] >= plain["mib_per_rank"] and (dora["tight_rank"] or 0) <= (plain["tight_rank"] or 0)
     assert cli.main(argv) == 0  # the second time from the cache
     out, err = capsys.readouterr()
     assert "computing" not in err and "on each of 2" in out.splitlines()[0]

@@ -12,7 +12,7 @@ from ledger.vocab.model_configs import config_path, model_name
 from ledger.storage.dry_runs import cache_file
 from ledger.vocab.optimizers import optimizer_for
 from ledger.vocab.recipe import Recipe, fixes_key, fixes_value, parse_fixes
-from .question import add_card_option, add_dry_runs_option, card_from, dry_rows, predictor_for, require_model
+from .question import BUDGET_CARD, add_card_option, add_dry_runs_option, card_from, dry_rows, predictor_for, require_model
 from .compute import add_compute_option, compute_points, model_for_rows
 from .world import add_world_options, cell_label, fit_ranks, world_of
 from .options import Command, add_json_option, add_ledger_option, add_method_option, add_optimizer_option, dump_json
@@ -284,8 +284,9 @@ COMMANDS = [Command("fit", "one model's fit table on one card: the largest rank 
 
 def _world_table(args: argparse.Namespace, ledger, gpu: str, entry, gpus: int, strategy: str) -> int:
     """``vram fit --gpus N --strategy S``: the largest LoRA rank per GPU at each length, the stock
-    recipe of each asked quant (plain adapter), from two dry runs of the world a length (computed
-    into the cache: two per length, seconds each for a tiny model, some for a 70B)."""
+    recipe of each asked quant with the plain adapter, dropout 0.1 and DoRA (as the one-GPU table's
+    columns), from two dry runs of the world a length (computed together into the cache: seconds
+    each for a tiny model, some for a 70B)."""
     import argparse as _argparse
 
     if args.method == "full":
@@ -306,19 +307,23 @@ def _world_table(args: argparse.Namespace, ledger, gpu: str, entry, gpus: int, s
         recipe = Recipe(model=args.model, rank=8, quant=q, fixes=fixes, batch=args.batch_size,
                         checkpointing=not args.no_gradient_checkpointing,
                         optimizer=args.optim or optimizer_for(fixes, None), gpus=gpus, strategy=strategy)
-        tables[q] = fit_ranks(ask, p, recipe, lengths, gpu, entry)
+        tables[q] = fit_ranks(ask, p, {name: recipe.replace(dropout=d, dora=o) for name, d, o in SETTINGS},
+                              lengths, gpu, entry)
     if args.json:
         dump_json({"model": name, "gpu": gpu, "gpus": gpus, "strategy": strategy, "per_gpu": True,
                    "tables": tables})
         return 0
-    first = next(iter(tables.values()))[0]
-    print(f"{name} on each of {gpus} {gpu} ({strategy}): the largest LoRA rank per GPU whose training run fits "
+    first = next(iter(next(iter(tables.values())).values()))[0]
+    where = f"{gpus} GPUs of a budget" if gpu == BUDGET_CARD else f"{gpus} {gpu}"
+    print(f"{name} on each of {where} ({strategy}): the largest LoRA rank per GPU whose training run fits "
           f"(tight: the interval reaches past the limit); limit {first['limit']}")
-    for q, docs in tables.items():
-        print(f"\n{q}, {run_words(fixes, optimizer_for(fixes, args.optim))}, plain adapter")
-        print(f"  {'tokens':>7}  per GPU")
-        for d in docs:
-            print(f"  {d['seq_len']:>7}  {cell_label(d)}")
+    for q, settings in tables.items():
+        print(f"\n{q}, {run_words(fixes, optimizer_for(fixes, args.optim))}, per GPU")
+        cells = {k: [cell_label(d) for d in docs] for k, docs in settings.items()}
+        width = {k: max(len(k), *(len(c) for c in v)) for k, v in cells.items()}
+        print(f"  {'tokens':>7}  " + "  ".join(f"{k:>{width[k]}}" for k in cells))
+        for i, n in enumerate(lengths):
+            print(f"  {n:>7}  " + "  ".join(f"{cells[k][i]:>{width[k]}}" for k in cells))
     print(f"\n{first['not_counted']}; each length from two dry runs of one rank (ranks 8 and 64), a rank's step "
           "being affine in the LoRA rank")
     return 0

@@ -183,15 +183,20 @@ def print_ranks(doc: dict, headline: str, width: int = 100) -> None:
     sys.stdout.flush()
 
 
-def fit_ranks(args: argparse.Namespace, predictor, recipe: Recipe, lengths: list[int], gpu: Optional[str],
-              entry) -> list[dict]:
-    """``ceiling_ranks`` at every length: the per-GPU rank table of one recipe (its dry runs, two a
-    length, computed together)."""
+def fit_ranks(args: argparse.Namespace, predictor, recipes: dict[str, Recipe], lengths: list[int],
+              gpu: Optional[str], entry) -> dict[str, list[dict]]:
+    """``ceiling_ranks`` at every length, for each named recipe: the per-GPU rank tables (their dry
+    runs, two a length a recipe, computed together)."""
     a, b = CEILING_RANKS
-    at = [recipe.replace(seq_len=n, rank=r) for n in lengths for r in (a, b)]
+    at = [r.replace(seq_len=n, rank=k) for r in recipes.values() for n in lengths for k in (a, b)]
     rows = rank_rows(args, at, "real" if args.real else "probe")
-    return [ceiling_ranks(args, predictor, recipe.replace(seq_len=n), gpu, entry, rows[2 * i:2 * i + 2])
-            for i, n in enumerate(lengths)]
+    out, i = {}, 0
+    for name, recipe in recipes.items():
+        out[name] = []
+        for n in lengths:
+            out[name].append(ceiling_ranks(args, predictor, recipe.replace(seq_len=n), gpu, entry, rows[i:i + 2]))
+            i += 2
+    return out
 
 
 def length_ceiling_ranks(args: argparse.Namespace, predictor, recipe: Recipe, gpu: Optional[str], entry,
