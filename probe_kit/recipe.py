@@ -425,9 +425,14 @@ def prepare(model: torch.nn.Module, cfg: ProbeConfig) -> torch.nn.Module:
     # prepare_model_for_kbit_training: no fp32 cast of the unquantised weights, checkpointing and
     # input gradients enabled as for bf16 weights.
     if cfg.quant == "4bit" and not cfg.sharded:
-        with _deprecated_checkpointing_names():  # peft still calls transformers' older names
-            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=on,
-                                                    gradient_checkpointing_kwargs=ckpt)
+        # peft 0.22 renamed its keyword as transformers 5 did (the old one warns); older peft has
+        # only the old one, and calls transformers' older names itself.
+        import inspect
+
+        named = ("activation_checkpointing_kwargs" if "activation_checkpointing_kwargs" in
+                 inspect.signature(prepare_model_for_kbit_training).parameters else "gradient_checkpointing_kwargs")
+        with _deprecated_checkpointing_names():
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=on, **{named: ckpt})
     else:
         for p in model.parameters():
             p.requires_grad = cfg.method == "full"
