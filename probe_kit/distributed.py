@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.util
 import logging
 import os
 import sys
@@ -163,26 +162,6 @@ ZERO_STAGES = {"zero2": 2, "zero3": 3}
 
 def is_zero(strategy: Optional[str]) -> bool:
     return strategy in ZERO_STAGES
-
-
-def deepspeed_logs_to_stderr() -> None:
-    """Where DeepSpeed is installed, accelerate imports it in the course of any run, and its logger
-    (and a handler it gives the root logger's warnings) writes to the stdout it finds then: imported
-    here first, with stdout pointed at stderr, a command's ``--json`` on stdout stays JSON. Off a
-    GPU it is told its accelerator is the CPU (else it guesses, and says so)."""
-    if "deepspeed" in sys.modules or importlib.util.find_spec("deepspeed") is None:
-        return
-    saved = os.environ.get("DS_ACCELERATOR")
-    if saved is None and not torch.cuda.is_available():
-        os.environ["DS_ACCELERATOR"] = "cpu"
-    try:
-        with contextlib.redirect_stdout(sys.stderr):
-            import deepspeed  # noqa: F401
-    except Exception:  # a broken install is said where a ZeRO run needs it (require_deepspeed)
-        pass
-    finally:
-        if saved is None:
-            os.environ.pop("DS_ACCELERATOR", None)
 
 
 def require_deepspeed(strategy: str):

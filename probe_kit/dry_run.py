@@ -512,7 +512,7 @@ def main(argv=None) -> int:
             if args.append:
                 store.append(args.ledger, [m])
 
-    code = run_cli("dry_run", work)
+    code = run_cli("dry_run", work, json_out=args.json)
     if code:
         return code
     doc = result["doc"]

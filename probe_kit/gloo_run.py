@@ -96,7 +96,7 @@ def main(argv=None) -> int:
             raise RecipeError("--gpus: a gloo run needs 2 or more processes")
         out["ranks"] = real_run(cfg, cfg.strategy, cfg.gpus)
 
-    code = run_cli("gloo_run", work)
+    code = run_cli("gloo_run", work, json_out=True)
     if code:
         return code
     print(json.dumps(out["ranks"], indent=2))

@@ -466,16 +466,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run_cli(prog: str, work) -> int:
+def run_cli(prog: str, work, json_out: bool = False) -> int:
     """Run ``work()`` for a command-line tool of the probe kit and return its exit code: 0 done;
     EXIT_REFUSED (1) for a user mistake, printed as one line per problem; 130 on Ctrl-C or
     SIGINT, one line; EXIT_CRASHED (70) for anything else, with its traceback. Nothing else exits
-    1, so a sweep can tell refused input from a crash."""
-    from .distributed import deepspeed_logs_to_stderr
-
-    deepspeed_logs_to_stderr()
+    1, so a sweep can tell refused input from a crash. ``json_out``: the command prints JSON on
+    stdout afterwards, so whatever a library prints on stdout during the work (DeepSpeed's logger,
+    where it is installed) goes to stderr."""
     try:
-        work()
+        with contextlib.redirect_stdout(sys.stderr) if json_out else contextlib.nullcontext():
+            work()
         return 0
     except RecipeError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
@@ -508,7 +508,7 @@ def main(argv=None) -> int:
             # the measurement's own environment records this run's device and versions.
             store.append(args.ledger, [done["m"]], gpus_if_missing=dict([gpu]) if gpu else None, create=True)
 
-    code = run_cli("probe_vram", work)
+    code = run_cli("probe_vram", work, json_out=args.json)
     if code:
         return code
     measurement = done["m"]

@@ -122,11 +122,9 @@ def run(args: argparse.Namespace, json_out=None) -> PreflightResult:
 def main(argv=None) -> int:
     from ledger.core.errors import LedgerError, UserError
 
-    from ..distributed import deepspeed_logs_to_stderr
     from ..recipe import RecipeError
 
     args = build_parser().parse_args(argv)
-    deepspeed_logs_to_stderr()
     stdout = sys.stdout
     try:
         # With --json, stdout is the JSON alone: whatever a library prints on the way goes to stderr.
