@@ -7,7 +7,8 @@
    optimizer step: the dry run of rank 0 (fake tensors, torch's fake process group) against every
    rank of a real run of CPU processes over gloo, both measured by the tracker meter. Prints the
    largest |error| of peak, pre-step and after-load over all ranks (after-load: against the
-   least-holding rank; target: 1%).
+   least-holding rank; target: 1%), and with FSDP's CPU offload, of the host RAM the offloaded
+   state takes.
 2. Cost: the dry run of one rank of a 70B QLoRA run under FSDP on 2 GPUs (2,048 tokens, the stock
    recipe), its process CPU seconds (target: 60 s).
 3. With ``--unsloth``: Unsloth Studio's multi-GPU rule (each GPU past the first adds 85% of its free
@@ -47,20 +48,24 @@ CASES = [
     ("tiny-llama", "full", "zero3", 2, "adamw_torch"),
     ("tiny-qwen2", "4bit", "zero3", 4, "adamw_torch"),
     ("tiny-gemma3", "bf16", "zero2", 4, "adamw_torch"),
+    # FSDP's CPU offload: the card's figures and the host RAM the offloaded state takes.
+    ("tiny-llama", "4bit", "fsdp", 2, "adamw_torch", "cpu-offload"),
+    ("tiny-qwen2", "full", "fsdp-shard-grad-op", 4, "adamw_torch", "cpu-offload"),
+    ("tiny-gemma3", "bf16", "fsdp", 2, None, "cpu-offload"),
 ]
 
 
-def config(model: str, weights: str, strategy: str, gpus: int, optimizer) -> ProbeConfig:
+def config(model: str, weights: str, strategy: str, gpus: int, optimizer, offload: str = "") -> ProbeConfig:
     full = weights == "full"
     return ProbeConfig(model=model, rank=None if full else 8, method="full" if full else "lora",
                        quant="bf16" if full else weights, seq_len=256, response_len=32, fixes=[], random_weights=True,
-                       gpus=gpus, strategy=strategy, optimizer=optimizer)
+                       gpus=gpus, strategy=strategy, optimizer=optimizer, cpu_offload=offload == "cpu-offload")
 
 
 def fake_rank(cfg: ProbeConfig) -> dict:
     with contextlib.redirect_stderr(io.StringIO()):
         raw = _fake_step(cfg, load_config(cfg.model), None)
-    return {k: raw[k] for k in ("after_load_mib", "pre_step_mib", "peak_mib")}
+    return {k: raw[k] for k in ("after_load_mib", "pre_step_mib", "peak_mib", "host_peak_mib")}
 
 
 def accuracy() -> list[dict]:
@@ -82,12 +87,18 @@ def accuracy() -> list[dict]:
         # then still holds a buffer its first step frees (tests/test_distributed.py).
         after = min(r["after_load_mib"] for r in real)
         errs["after_load"] = abs(fake["after_load_mib"] - after) / after * 100
+        if cfg.cpu_offload:  # the host RAM the offloaded state takes
+            errs["host_peak"] = max(abs(fake["host_peak_mib"] - r["host_peak_mib"]) / r["host_peak_mib"] * 100
+                                    for r in real)
         out.append({"case": " ".join(str(x) for x in case if x), "fake_peak_mib": round(fake["peak_mib"], 4),
                     "real_peak_mib": [round(r["peak_mib"], 4) for r in real],
+                    **({"fake_host_peak_mib": round(fake["host_peak_mib"], 4),
+                        "real_host_peak_mib": [round(r["host_peak_mib"], 4) for r in real]} if cfg.cpu_offload else {}),
                     **{f"{k}_abs_err_pct": round(v, 4) for k, v in errs.items()}})
         print(f"{out[-1]['case']:<45} dry {fake['peak_mib']:9.3f} MiB  real {min(out[-1]['real_peak_mib']):9.3f}–"
               f"{max(out[-1]['real_peak_mib']):9.3f} MiB  |err| peak {errs['peak']:.3f}% pre-step "
-              f"{errs['pre_step']:.3f}% after-load {errs['after_load']:.3f}%", file=sys.stderr, flush=True)
+              f"{errs['pre_step']:.3f}% after-load {errs['after_load']:.3f}%"
+              + (f" host RAM {errs['host_peak']:.3f}%" if "host_peak" in errs else ""), file=sys.stderr, flush=True)
     return out
 
 
@@ -158,7 +169,9 @@ def main(argv=None) -> int:
     big = cost(args.big)
     doc = {"cases": rows, "max_peak_abs_err_pct": max(r["peak_abs_err_pct"] for r in rows),
            "max_pre_step_abs_err_pct": max(r["pre_step_abs_err_pct"] for r in rows),
-           "max_after_load_abs_err_pct": max(r["after_load_abs_err_pct"] for r in rows), "cost": big}
+           "max_after_load_abs_err_pct": max(r["after_load_abs_err_pct"] for r in rows),
+           "max_host_peak_abs_err_pct": max((r["host_peak_abs_err_pct"] for r in rows if "host_peak_abs_err_pct" in r),
+                                            default=None), "cost": big}
     if args.unsloth:
         import tempfile
 
@@ -169,7 +182,8 @@ def main(argv=None) -> int:
     else:
         print(f"dry run of a rank vs real gloo runs, {len(rows)} cases: max |error| peak "
               f"{doc['max_peak_abs_err_pct']}%, pre-step {doc['max_pre_step_abs_err_pct']}%, after-load "
-              f"{doc['max_after_load_abs_err_pct']}% (target 1%)")
+              f"{doc['max_after_load_abs_err_pct']}% (target 1%); host RAM under CPU offload "
+              f"{doc['max_host_peak_abs_err_pct']}%")
         print(f"{big['recipe']}: {big['cpu_s']} s CPU ({big['wall_s']} s wall; depth {big['depth']}), rank peak "
               f"{big['rank_peak_mib']} MiB, after load {big['rank_after_load_mib']} MiB (target 60 s)")
         if args.unsloth:

@@ -219,7 +219,7 @@ def extrapolate(plan: DepthPlan, samples: list[dict]) -> Optional[dict]:
     phases = {key: at(lambda s, key=key: s["phases"][key]) for key in base["phases"]}
     peak_key = max(phases, key=phases.get)
     return {"after_load_mib": at(lambda s: s["after_load_mib"]), "pre_step_mib": at(lambda s: s["pre_step_mib"]),
-            "peak_mib": phases[peak_key] / MIB,
+            "peak_mib": phases[peak_key] / MIB, "host_peak_mib": at(lambda s: s.get("host_peak_mib", 0.0)),
             "depth": {"method": "extrapolated", "layers": plan.layers,
                       "from_layers": [len(stack) for stack in plan.stacks()],
                       "peak_phase": f"{peak_key[0]}, step {peak_key[1]}" if peak_key[1] else peak_key[0]}}

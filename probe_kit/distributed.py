@@ -38,9 +38,19 @@ on a run that does not overflow); its check that every rank traced the same modu
 compares values); the module stays where the fake tensors are (``module.to(device)`` would copy
 fake tensors into real ones).
 
-Not modelled here: CPU offload of parameters or optimizer state, and NCCL's own buffers outside
-the caching allocator (a few hundred MiB on a card, part of what the card's measured overhead
-holds).
+CPU offload (``--cpu-offload``), FSDP's: FSDP2's ``CPUOffloadPolicy``, as accelerate's
+``fsdp_offload_params: true`` sets it. Each rank's sharded parameters live in host RAM, a unit's
+shard is copied to the card for its all-gather (the copy freed once gathered), the reduce-scattered
+gradient shard is copied back to host RAM (the card's copy freed), and the optimizer steps on the
+host with its state there. The dry run and the gloo run have one device, the CPU, so the card's and
+the host's tensors are told apart by what FSDP does with them (``fsdp_offload``): the sharded
+parameters and gradients and everything the optimizer step makes are counted as host RAM (the
+tracker meter's ``host_peak_mib``), the copy to the card is made as the card makes it. The pinning
+of host pages is the card's driver's (host RAM all the same): not made off a GPU.
+
+Not modelled here: DeepSpeed's CPU offload (``offload_optimizer`` / ``offload_param``: refused in
+one line), and NCCL's own buffers outside the caching allocator (a few hundred MiB on a card, part
+of what the card's measured overhead holds).
 """
 
 from __future__ import annotations
@@ -90,10 +100,11 @@ def unit_classes(model: torch.nn.Module) -> set[str]:
 
 
 def shard(model: torch.nn.Module, strategy: str, mesh, *, fake: bool, optimizer: Optional[str] = None,
-          batch: int = 1, unified=None) -> torch.nn.Module:
+          batch: int = 1, unified=None, cpu_offload: bool = False) -> torch.nn.Module:
     """The model as ``strategy`` runs it on one rank of ``mesh``. Returns the module to step
     (DDP's wrapper, the model itself with FSDP's hooks, or DeepSpeed's engine over the Trainer's
-    ``optimizer``, which ZeRO partitions: ``recipe.train_step`` steps an engine its own way)."""
+    ``optimizer``, which ZeRO partitions: ``recipe.train_step`` steps an engine its own way).
+    ``cpu_offload``: FSDP's ``CPUOffloadPolicy`` (``fsdp_offload`` then tells host from card)."""
     if is_zero(strategy):
         if optimizer is None:
             raise RecipeError(f"--strategy {strategy}: ZeRO partitions the optimizer's state, so its step is a "
@@ -113,8 +124,12 @@ def shard(model: torch.nn.Module, strategy: str, mesh, *, fake: bool, optimizer:
             ddp.register_comm_hook(None, _in_place_allreduce)
             ddp.reducer = _KeepBuckets(ddp.reducer)
         return ddp
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
+    if cpu_offload and not strategy.startswith("fsdp"):
+        raise RecipeError(f"--cpu-offload: {strategy} has no CPU offload (FSDP's and DeepSpeed's ZeRO do)")
+    # Off a GPU there is no page to pin (pinning is the card driver's; the pages are host RAM either way).
+    policy = CPUOffloadPolicy(pin_memory=False) if cpu_offload else OffloadPolicy()
     reshard = strategy == "fsdp"
     classes = unit_classes(model)
     units = [m for m in model.modules() if type(m).__name__ in classes]
@@ -122,9 +137,62 @@ def shard(model: torch.nn.Module, strategy: str, mesh, *, fake: bool, optimizer:
         raise RecipeError(f"--strategy {strategy}: the model names no layer class to shard by "
                           "(_no_split_modules)")
     for unit in units:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, offload_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, offload_policy=policy)
     return model
+
+
+def fsdp_params(model: torch.nn.Module) -> list:
+    """Every ``FSDPParam`` of a model FSDP2 shards (its sharded parameters' bookkeeping)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
+
+    out = []
+    for module in model.modules():
+        state = _get_module_fsdp_state(module)
+        group = getattr(state, "_fsdp_param_group", None) if state is not None else None
+        if group is not None:
+            out.extend(group.fsdp_params)
+    return out
+
+
+@contextlib.contextmanager
+def fsdp_offload(model: torch.nn.Module, host: Callable[[torch.Tensor], None]) -> Iterator[None]:
+    """FSDP's CPU offload on a run whose one device is the CPU, as it runs with a card: ``host(t)``
+    is told of each tensor that lives in host RAM (the tracker meter's ``never_count``) — every
+    sharded parameter, and each gradient shard once reduce-scattered (the card's copy then freed:
+    FSDP copies it to the host and keeps no reference) — and a unit's shard is copied for its
+    all-gather (``.to(device)`` of a host tensor makes a new one on a card; on the CPU it would
+    return the host tensor itself). Wrap the step, not the optimizer's: it runs on the host
+    (``recipe.train_step``'s ``optimizer_context``)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, ShardedState, _to_dtype_if_needed
+
+    params = [p for p in fsdp_params(model) if p.offload_to_cpu]
+    for p in params:
+        host(p._sharded_param_data)
+    gather_inputs, reduce = FSDPParam.all_gather_inputs, _fsdp_param_group.foreach_reduce
+
+    def all_gather_inputs(self) -> list[torch.Tensor]:
+        if (self.offload_to_cpu and self.sharded_state == ShardedState.SHARDED
+                and not hasattr(self._sharded_local_tensor, "fsdp_pre_all_gather")):
+            return [_to_dtype_if_needed(self._sharded_param_data.clone(), self.param_dtype)]  # the copy to the card
+        return gather_inputs.fget(self)
+
+    def foreach_reduce(fsdp_params_, *args, **kwargs):
+        out = reduce(fsdp_params_, *args, **kwargs)
+        for p in fsdp_params_:
+            grad = p.sharded_param.grad
+            if p.offload_to_cpu and grad is not None:
+                host(grad._local_tensor if hasattr(grad, "_local_tensor") else grad)
+        return out
+
+    FSDPParam.all_gather_inputs = property(all_gather_inputs)
+    _fsdp_param_group.foreach_reduce = foreach_reduce
+    try:
+        yield
+    finally:
+        FSDPParam.all_gather_inputs = gather_inputs
+        _fsdp_param_group.foreach_reduce = reduce
 
 
 class _KeepBuckets:

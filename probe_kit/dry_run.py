@@ -261,7 +261,7 @@ def dry_run(cfg: ProbeConfig, *, multimodal: Optional[bool] = None, budget_mib: 
         multimodal = loads_multimodal(cfg.model)
     extra_vision = vision_mib(cfg.model, cfg.quant) if multimodal else 0.0
     return {"after_load_mib": raw["after_load_mib"], "pre_step_mib": raw["pre_step_mib"], "peak_mib": raw["peak_mib"],
-            "vision_mib": extra_vision, "seconds": time.perf_counter() - t0,
+            "host_peak_mib": raw.get("host_peak_mib", 0.0), "vision_mib": extra_vision, "seconds": time.perf_counter() - t0,
             "rss_growth_mib": (rss_bytes() - rss0) / MIB, "oom": raw["oom"], "depth": raw["depth"]}
 
 
@@ -272,10 +272,10 @@ def _fake_step(cfg: ProbeConfig, config, budget_mib: Optional[float], marks: Opt
     ``trace``, the device allocations and frees in order (``TrackerMeter.record_trace``)."""
     from transformers import AutoModelForCausalLM
 
-    from .distributed import fake_group, rank_train_step, shard
+    from .distributed import fake_group, fsdp_offload, rank_train_step, shard
 
     group = fake_group(cfg.gpus) if cfg.gpus > 1 else contextlib.nullcontext()
-    with group as mesh, fake_world():
+    with group as mesh, fake_world(), contextlib.ExitStack() as offloading:
         torch.manual_seed(cfg.seed)
         model = AutoModelForCausalLM.from_config(config, dtype=weights_dtype(cfg))
         if cfg.quant == "4bit":
@@ -297,7 +297,9 @@ def _fake_step(cfg: ProbeConfig, config, budget_mib: Optional[float], marks: Opt
             ids = synthetic_batch(cfg, model.get_input_embeddings().num_embeddings, torch.device("cpu"))
             if mesh is not None:  # one rank: what it holds of the model once the strategy has it (and the batch)
                 model = shard(model, cfg.strategy, mesh, fake=True, optimizer=cfg.optimizer, batch=cfg.batch_size,
-                              unified=meter.never_count)
+                              unified=meter.never_count, cpu_offload=cfg.cpu_offload)
+                if cfg.cpu_offload:  # the shards in host RAM, their copies to the card, the optimizer on the host
+                    offloading.enter_context(fsdp_offload(model, meter.never_count))
                 after_load = meter.allocated_mib()
             meter.reset_peak()
             meter.trace_event(RESET_PEAK)  # the probe resets the card's peak statistics here
@@ -312,14 +314,15 @@ def _fake_step(cfg: ProbeConfig, config, budget_mib: Optional[float], marks: Opt
                     (rank_train_step if mesh is not None else train_step)(
                         model, ids, cfg, lambda: offload(cfg, torch.device("cpu"), meter.exclude), fake=True,
                                warmed=warmed, backward_context=backward,
-                               offloader=step_offloader(model, cfg, torch.device("cpu"), meter), unified=meter.never_count)
+                               offloader=step_offloader(model, cfg, torch.device("cpu"), meter), unified=meter.never_count,
+                               optimizer_context=meter.host if cfg.cpu_offload else None)
                 except torch.OutOfMemoryError as exc:
                     oom = str(exc)
                 meter.mark("end")
             pre_step = figures.get("pre_step", meter.allocated_mib())
         peak = meter.peak_allocated_mib()
     out = {"after_load_mib": after_load, "pre_step_mib": pre_step, "peak_mib": peak, "oom": oom,
-           "trace": meter.trace, "loaded_at": loaded_at}
+           "host_peak_mib": meter.host_peak_mib(), "trace": meter.trace, "loaded_at": loaded_at}
     if marks:
         out.update(phases=phase_peaks(meter.windows, meter.peak_bytes) if backward else None)
     return out
@@ -377,6 +380,7 @@ def predict(cfg: ProbeConfig, *, gpu: Optional[str] = None, ledger: Optional[str
                "peak_allocated_mib": None if raw["oom"] or beyond else round(allocated, 1),
                "peak_reserved_mib": round(allocated * ratio, 1) if ratio and not (raw["oom"] or beyond) else None,
                "oom_message": raw["oom"],
+               "host_peak_mib": round(raw["host_peak_mib"], 1) if cfg.cpu_offload else None,
                "result_text": (f"the dry run's step needs {allocated / 2**20:.1f} TiB allocated, past the "
                                f"{MAX_MIB / 2**20:.0f} TiB any device holds" if beyond else None)}
     for key in ("after_load_mib", "pre_step_mib"):
@@ -406,7 +410,7 @@ def dry_id(cfg: ProbeConfig) -> str:
     if cfg.optimizer:
         parts.append(cfg.optimizer.replace("_", ""))
     if cfg.gpus > 1:
-        parts.append(f"{cfg.gpus}gpus-{cfg.strategy}")
+        parts.append(f"{cfg.gpus}gpus-{cfg.strategy}" + ("-offload" if cfg.cpu_offload else ""))
     parts.append(digest)
     return "-".join(parts)
 
@@ -420,6 +424,7 @@ def measurement(cfg: ProbeConfig, outcome: dict, breakdown: dict, gpu: Optional[
         outcome=Outcome(status=outcome["status"], after_load_mib=outcome["after_load_mib"],
                         pre_step_mib=outcome["pre_step_mib"], peak_allocated_mib=outcome["peak_allocated_mib"],
                         peak_reserved_mib=outcome["peak_reserved_mib"], result_text=outcome.get("result_text"),
+                        host_peak_mib=outcome.get("host_peak_mib"),
                         oom=parse_oom_message(outcome["oom_message"]) if outcome["oom_message"] else None),
         environment=Environment(python=v["python"], torch=v["torch"], transformers=v["transformers"], peft=v["peft"],
                                 bitsandbytes=v["bitsandbytes"], device="fake cpu", meter="tracker"),
@@ -529,6 +534,9 @@ def main(argv=None) -> int:
         print(f"dry run: peak allocated {o.get('peak_allocated_mib')} MiB raw (tracker {b['tracker_peak_mib']} + "
               f"cuBLAS {b['cublas_workspace_mib']} + vision {b['vision_tower_mib']} MiB); after load "
               f"{o.get('after_load_mib')} MiB, pre-step {o.get('pre_step_mib')} MiB; {depth}; {b['seconds']} s")
+        if o.get("host_peak_mib") is not None:
+            print(f"host RAM: CPU offload holds up to {o['host_peak_mib']} MiB on each rank (its sharded parameters, "
+                  "gradients and optimizer state; the process itself not counted)")
         sim = b.get("allocator")
         if sim:
             print(f"allocator simulated ({sim['conf'] or 'PyTorch defaults'}; {sim['events']} allocations and frees, "

@@ -9,6 +9,7 @@ the probe's step measured by the tracker meter.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -16,7 +17,7 @@ import sys
 
 import torch
 
-from .distributed import rank_train_step, shard
+from .distributed import fsdp_offload, rank_train_step, shard
 from .dry_run import stand_in_4bit
 from .meters import TrackerMeter
 from .probe_vram import add_recipe_options, config_from_args, run_cli
@@ -54,17 +55,20 @@ def real_step(rank: int, world_size: int, port: int, cfg, strategy: str, out) ->
             model = prepare(model, cfg)
             checkpointing_as_asked(model, cfg)
             ids = synthetic_batch(cfg, vocab, torch.device("cpu"))
-            model = shard(model, strategy, mesh, fake=False, optimizer=cfg.optimizer, batch=cfg.batch_size)
-            after_load = meter.allocated_mib()  # what the rank holds once the strategy has the model (and the batch)
-            meter.reset_peak()
-            figures = {}
+            model = shard(model, strategy, mesh, fake=False, optimizer=cfg.optimizer, batch=cfg.batch_size,
+                          cpu_offload=cfg.cpu_offload)
+            with fsdp_offload(model, meter.never_count) if cfg.cpu_offload else contextlib.nullcontext():
+                after_load = meter.allocated_mib()  # what the rank holds once the strategy has the model (and the batch)
+                meter.reset_peak()
+                figures = {}
 
-            def warmed() -> None:
-                figures["pre_step"] = meter.allocated_mib()
+                def warmed() -> None:
+                    figures["pre_step"] = meter.allocated_mib()
 
-            rank_train_step(model, ids, cfg, fake=False, warmed=warmed)
+                rank_train_step(model, ids, cfg, fake=False, warmed=warmed,
+                                optimizer_context=meter.host if cfg.cpu_offload else None)
         out.put((rank, {"after_load_mib": after_load, "pre_step_mib": figures.get("pre_step"),
-                        "peak_mib": meter.peak_allocated_mib()}))
+                        "peak_mib": meter.peak_allocated_mib(), "host_peak_mib": meter.host_peak_mib()}))
     finally:
         dist.destroy_process_group()
 
@@ -84,7 +88,7 @@ def real_run(cfg, strategy: str, world_size: int) -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m probe_kit.gloo_run", description=__doc__.split("\n\n")[0],
                                 epilog="Prints one JSON list: each rank's after-load, pre-step and peak MiB "
-                                       "(tracker meter). Exit codes: 0 ok, 1 bad input.")
+                                       "and the host RAM its offloaded tensors held at most (tracker meter). Exit codes: 0 ok, 1 bad input.")
     add_recipe_options(p)
     args = p.parse_args(argv)
     args.random_weights = True

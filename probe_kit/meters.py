@@ -99,8 +99,12 @@ class TrackerMeter(TorchDispatchMode):
         #: depth extrapolation reads the peaks of a step's phases from them.
         self.windows: list[tuple[object, int]] = []
         self.window_peak = 0
-        #: Storages made in host RAM (``host()``): never counted, whatever op returns them later.
-        self.host_storages: dict[int, weakref.ref] = {}
+        #: Storages made in host RAM (``host()``, ``never_count``): never counted on the device,
+        #: whatever op returns them later; their bytes are the host's (``host_bytes``, its peak
+        #: ``host_peak_bytes``: what a run's offloaded tensors take of host RAM).
+        self.host_storages: dict[int, tuple[weakref.ref, int]] = {}
+        self.host_bytes = 0
+        self.host_peak_bytes = 0
         self._on_host = False
         #: With ``record_trace()``: the allocations and frees of counted storages in order, as
         #: ``probe_kit.allocator.replay`` reads them (a size in bytes allocates; ``-(k + 1)`` frees
@@ -127,13 +131,10 @@ class TrackerMeter(TorchDispatchMode):
 
     def _count(self, st: torch.UntypedStorage, nbytes: int) -> int:
         key = st._cdata
-        if self.host_storages:
-            ref = self.host_storages.get(key)
-            if ref is not None and ref() is st:
-                return 0
+        if self.host_storages and self._is_host(key, st):
+            return 0
         if self._on_host:
-            self.host_storages[key] = weakref.ref(st, lambda ref, key=key: self.host_storages.pop(key, None)
-                                                  if self.host_storages.get(key) is ref else None)
+            self._to_host(st, nbytes)
             return 0
         entry = self.live.get(key)
         if entry is not None and entry[0]() is st:
@@ -186,8 +187,7 @@ class TrackerMeter(TorchDispatchMode):
         ``resize_(0)`` and allocates it again with ``resize_(n)``, outside the dispatcher): the
         old block is freed and a block of the new size allocated, as the allocator does."""
         key = st._cdata
-        ref = self.host_storages.get(key)
-        if self._on_host or (ref is not None and ref() is st):
+        if self._on_host or self._is_host(key, st):
             return
         entry = self.live.get(key)
         if entry is not None and entry[0]() is st:
@@ -256,9 +256,37 @@ class TrackerMeter(TorchDispatchMode):
         (a paged optimizer's state, in CUDA unified memory on a GPU)."""
         self.exclude(t)
         st = t.untyped_storage()
+        if not self._is_host(st._cdata, st):
+            self._to_host(st, st.nbytes())
+
+    def _is_host(self, key: int, st: torch.UntypedStorage) -> bool:
+        entry = self.host_storages.get(key)
+        return entry is not None and entry[0]() is st
+
+    def _to_host(self, st: torch.UntypedStorage, nbytes: int) -> None:
+        """Count st as host RAM (its bytes as they are, no device rounding) until it is freed."""
         key = st._cdata
-        self.host_storages[key] = weakref.ref(st, lambda ref, key=key: self.host_storages.pop(key, None)
-                                              if self.host_storages.get(key) is ref else None)
+
+        def freed(ref: weakref.ref, key: int = key) -> None:
+            current = self.host_storages.get(key)
+            if current is not None and current[0] is ref:
+                del self.host_storages[key]
+                self.host_bytes -= current[1]
+
+        old = self.host_storages.get(key)
+        if old is not None:  # the address was reused after a free not seen yet
+            self.host_bytes -= old[1]
+        self.host_storages[key] = (weakref.ref(st, freed), nbytes)
+        self.host_bytes += nbytes
+        self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes)
+
+    def host_mib(self) -> float:
+        """Host RAM the run's offloaded tensors hold now (MiB)."""
+        return self.host_bytes / MIB
+
+    def host_peak_mib(self) -> float:
+        """The most host RAM the run's offloaded tensors held at once since the last reset (MiB)."""
+        return self.host_peak_bytes / MIB
 
     # -- the dispatch hook --------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -298,6 +326,7 @@ class TrackerMeter(TorchDispatchMode):
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.window_peak = self.live_bytes
+        self.host_peak_bytes = self.host_bytes
         self.windows = []
 
     def mark(self, label: object) -> None:

@@ -433,6 +433,10 @@ def add_recipe_options(p: argparse.ArgumentParser) -> None:
                    help="how --gpus N split the model: ddp (every GPU holds it whole), fsdp (FSDP2 fully_shard, "
                         "FULL_SHARD), fsdp-shard-grad-op (SHARD_GRAD_OP), zero2 or zero3 (DeepSpeed's ZeRO stages: "
                         "the deepspeed extra, with --optim), as accelerate and the Trainer launch them")
+    p.add_argument("--cpu-offload", action="store_true",
+                   help="FSDP's CPU offload (accelerate's fsdp_offload_params): each rank's sharded parameters, "
+                        "gradients and optimizer state in host RAM, the optimizer stepping there; the answer adds "
+                        "the host RAM they take")
 
 
 def config_from_args(args: argparse.Namespace) -> ProbeConfig:
@@ -443,7 +447,7 @@ def config_from_args(args: argparse.Namespace) -> ProbeConfig:
         logits_to_keep=args.logits_to_keep, double_quant=not args.no_double_quant, mlp_chunk=args.mlp_chunk,
         random_weights=args.random_weights, seed=args.seed, batch_size=args.batch_size,
         gradient_checkpointing=not args.no_gradient_checkpointing, optimizer=args.optim,
-        gpus=args.gpus, strategy=args.strategy,
+        gpus=args.gpus, strategy=args.strategy, cpu_offload=args.cpu_offload,
     )
     if args.target_modules:
         kwargs["target_modules"] = [t.strip() for t in args.target_modules.split(",") if t.strip()]

@@ -65,9 +65,9 @@ def parse_fixes(text: str) -> list[str]:
 STRATEGIES = ledger_recipe.STRATEGIES
 
 
-def check_world(gpus: int, strategy: Optional[str]) -> None:
-    """One line for a world size or strategy no run can have."""
-    problem = ledger_recipe.world_problem(gpus, strategy)
+def check_world(gpus: int, strategy: Optional[str], cpu_offload: bool = False) -> None:
+    """One line for a world size, strategy or CPU offload no run can have."""
+    problem = ledger_recipe.world_problem(gpus, strategy, cpu_offload)
     if problem:
         raise RecipeError(problem)
 
@@ -105,6 +105,9 @@ class ProbeConfig:
     #: (``STRATEGIES``; ``probe_kit.distributed`` runs them); the step measured is one rank's.
     gpus: int = 1
     strategy: Optional[str] = None
+    #: FSDP's CPU offload (``probe_kit.distributed.fsdp_offload``): sharded parameters, gradients
+    #: and optimizer state in host RAM, the optimizer stepping there.
+    cpu_offload: bool = False
 
     def label(self) -> str:
         """The recipe in a few words, every axis that changes memory named: 'gemma-3-4b-it 4bit r96
@@ -117,7 +120,8 @@ class ProbeConfig:
                 + f" {self.seq_len} tokens fixes {fixes}"
                 + ("" if self.gradient_checkpointing else " no checkpointing")
                 + (f" {self.optimizer}" if self.optimizer else "")
-                + (f" on {self.gpus} GPUs ({self.strategy})" if self.gpus > 1 else ""))
+                + (f" on {self.gpus} GPUs ({self.strategy}" + (", CPU offload" if self.cpu_offload else "") + ")"
+                   if self.gpus > 1 else ""))
 
     @property
     def sharded(self) -> bool:
@@ -154,7 +158,7 @@ class ProbeConfig:
         clash = ledger_recipe.fixes_clash(self.fixes)
         if clash:
             raise RecipeError(clash)
-        check_world(self.gpus, self.strategy)
+        check_world(self.gpus, self.strategy, self.cpu_offload)
 
     def _full_only(self) -> None:
         """Full fine-tuning trains every weight: no adapter flags, no 4-bit weights."""
@@ -179,7 +183,7 @@ class ProbeConfig:
         ids stay what they were."""
         key = asdict(self)
         for name, default in (("batch_size", 1), ("gradient_checkpointing", True), ("optimizer", None),
-                              ("method", "lora"), ("gpus", 1), ("strategy", None)):
+                              ("method", "lora"), ("gpus", 1), ("strategy", None), ("cpu_offload", False)):
             if key[name] == default:
                 del key[name]
         return key
@@ -193,14 +197,14 @@ class ProbeConfig:
             return ledger_recipe.full_recipe(model=self.model, quant=self.quant, seq_len=self.seq_len, fixes=fixes,
                                              response_len=self.response_len, optimizer=self.optimizer,
                                              batch=self.batch_size, checkpointing=self.gradient_checkpointing,
-                                             gpus=self.gpus, strategy=self.strategy)
+                                             gpus=self.gpus, strategy=self.strategy, cpu_offload=self.cpu_offload)
         return ledger_recipe.Recipe(
             model=self.model, rank=self.rank, quant=self.quant, dropout=self.dropout > 0, dora=self.dora,
             seq_len=self.seq_len, fixes=fixes,
             response_len=self.response_len, optimizer=self.optimizer, batch=self.batch_size,
             checkpointing=self.gradient_checkpointing, targets=ledger_recipe.targets_of_row(list(self.target_modules)),
             dropout_rate=self.dropout, alpha=self.alpha if self.alpha is not None else float(self.rank),
-            rslora=self.rslora, gpus=self.gpus, strategy=self.strategy)
+            rslora=self.rslora, gpus=self.gpus, strategy=self.strategy, cpu_offload=self.cpu_offload)
 
     def refuse_rank_search(self) -> None:
         """A one-line error for a rank search of a full fine-tune (it has no rank)."""
@@ -223,7 +227,8 @@ class ProbeConfig:
             memory_fixes=ledger_recipe.fixes_value(self.fixes),
             logits_to_keep=self.keep if "logits_to_keep" in self.fixes else None,
             config_text=json.dumps(self.key(), sort_keys=True), finetune="full" if full else None,
-            world_size=self.gpus if self.gpus > 1 else None, strategy=self.strategy, **fields,
+            world_size=self.gpus if self.gpus > 1 else None, strategy=self.strategy,
+            cpu_offload=True if self.cpu_offload else None, **fields,
         )
 
 
@@ -663,27 +668,33 @@ def train_step(model: torch.nn.Module, ids: torch.Tensor, cfg: ProbeConfig,
                fake: bool = False, warmed: Optional[Callable[[], None]] = None,
                backward_context: Optional[Callable[[], contextlib.AbstractContextManager]] = None,
                offloader: Optional[contextlib.AbstractContextManager] = None,
-               unified: Optional[Callable[[torch.Tensor], None]] = None) -> torch.Tensor:
+               unified: Optional[Callable[[torch.Tensor], None]] = None,
+               optimizer_context: Optional[Callable[[], contextlib.AbstractContextManager]] = None) -> torch.Tensor:
     """The step a probe measures: forward and backward (``step``); with ``cfg.optimizer``, the
     steady state of training: one optimizer step first (its state then exists, as from a run's
     second step on), ``warmed()`` called, then forward, backward and an optimizer step, gradients
     freed after each as the Trainer frees them. Each backward runs inside ``backward_context()``
     when given (the dry run marks the step's phases there); each step, forward and backward, inside
     ``offloader`` when given (``step_offloader``: TRL's activation offloading). ``unified``: see
-    ``make_optimizer`` (the tracker meter's ``exclude``; None on a GPU, whose allocator is the meter)."""
+    ``make_optimizer`` (the tracker meter's ``exclude``; None on a GPU, whose allocator is the meter).
+    ``optimizer_context()``: where the optimizer steps, when not on the card (FSDP's CPU offload: the
+    tracker meter's ``host``)."""
     context = forward_context or contextlib.nullcontext
     if cfg.optimizer is None:
         if warmed is not None:
             warmed()
         return step(model, ids, cfg, context(), backward_context, fake, offloader)
     opt = make_optimizer(model, cfg.optimizer, fake, unified)
+    where = optimizer_context or contextlib.nullcontext
     step(model, ids, cfg, context(), backward_context, fake, offloader)
-    optimizer_step(opt, fake)
+    with where():
+        optimizer_step(opt, fake)
     model.zero_grad(set_to_none=True)
     if warmed is not None:
         warmed()
     loss = step(model, ids, cfg, context(), backward_context, fake, offloader)
-    optimizer_step(opt, fake)
+    with where():
+        optimizer_step(opt, fake)
     model.zero_grad(set_to_none=True)
     return loss
 

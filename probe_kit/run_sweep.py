@@ -63,10 +63,10 @@ SWEEP_KEYS = {"name", "device", "timeout_s", "gpu", "host_ram_cap_gib", "ray_res
 #: Ray cluster, the resources its task needs (``{"RTX_4090" = 1}``: a node started with that
 #: resource; see probe_kit.cluster).
 POINT_KEYS = {"gpu", "ray_resources"}
-BOOL_FLAGS = {"rslora", "dora", "random_weights", "no_double_quant", "no_gradient_checkpointing"}
+BOOL_FLAGS = {"rslora", "dora", "random_weights", "no_double_quant", "no_gradient_checkpointing", "cpu_offload"}
 PROBE_KEYS = {"model", "rank", "alpha", "rslora", "dropout", "dora", "quant", "no_double_quant", "seq_len",
               "response_len", "fixes", "logits_to_keep", "mlp_chunk", "target_modules", "random_weights", "seed",
-              "batch_size", "no_gradient_checkpointing", "optim", "method", "gpus", "strategy"}
+              "batch_size", "no_gradient_checkpointing", "optim", "method", "gpus", "strategy", "cpu_offload"}
 
 
 @dataclass

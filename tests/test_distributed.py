@@ -10,6 +10,7 @@ import torch
 
 from ledger.core.models import Measurement
 from ledger.fit.peaks import dry_readable, modelled
+from ledger.storage.dry_runs import load_dry_runs
 from probe_kit.gloo_run import real_run
 from probe_kit.dry_run import _fake_step
 from probe_kit.meters import TrackerMeter
@@ -285,3 +286,113 @@ def test_vram_fit_per_gpu_is_a_rank_per_length_from_the_worlds_dry_runs(tmp_path
     assert "computing" not in err and "on each of 2" in out.splitlines()[0]
     code = cli.main(["fit", "--model", "tiny-llama", "--gpu", "mac-64gb", "--gpus", "2", "--strategy", "ddp"])
     assert code == 1 and "is a Mac" in capsys.readouterr().err
+
+
+# -- FSDP's CPU offload ------------------------------------------------------------------------
+
+
+def test_cpu_offload_keeps_the_shards_and_the_optimizer_on_the_host_as_a_real_run_does():
+    """The dry run of a rank under FSDP's CPUOffloadPolicy against a real gloo run: the card's peak
+    and the host RAM the offloaded state takes; the card then holds little between steps, and the
+    sharded state (parameters, gradients, AdamW's moments) is on the host, not the card."""
+    plain = _cfg("tiny-llama", "full", "fsdp", 2, "adamw_torch")
+    cfg = _cfg("tiny-llama", "full", "fsdp", 2, "adamw_torch", "cpu-offload")
+    fake = _fake_step(cfg, load_config("tiny-llama"), None)
+    real = real_run(cfg, "fsdp", 2)
+    for rank in real:  # target: within 1%; a fresh process allocates a few KiB on its first step (4 KiB allowed)
+        assert abs(fake["peak_mib"] - rank["peak_mib"]) <= 0.01 * rank["peak_mib"], (fake, rank)
+        assert abs(fake["pre_step_mib"] - rank["pre_step_mib"]) <= max(0.01 * rank["pre_step_mib"], 4 / 1024)
+        assert fake["host_peak_mib"] == pytest.approx(rank["host_peak_mib"], rel=0.01)
+    on_card = _fake_step(plain, load_config("tiny-llama"), None)
+    assert on_card["host_peak_mib"] == 0
+    # AdamW's two fp32 moments and the fp32 shard and its gradient: all on the host, none on the card.
+    assert fake["pre_step_mib"] < 0.01 and on_card["pre_step_mib"] > 4
+    assert fake["host_peak_mib"] > on_card["pre_step_mib"]
+    assert fake["peak_mib"] < on_card["peak_mib"]
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"cpu_offload": True}, "--cpu-offload needs --gpus 2 or more and --strategy fsdp or fsdp-shard-grad-op"),
+    ({"gpus": 2, "strategy": "ddp", "cpu_offload": True}, "(FSDP's CPU offload; ddp has none)"),
+    ({"gpus": 2, "strategy": "zero3", "cpu_offload": True}, "--cpu-offload with --strategy zero3: DeepSpeed's "
+                                                             "offload (offload_optimizer / offload_param) is not "
+                                                             "modelled"),
+])
+def test_cpu_offload_without_fsdp_is_one_line(kw, message):
+    with pytest.raises(RecipeError) as err:
+        ProbeConfig(model="tiny-llama", rank=8, **kw)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_vram_estimate_with_cpu_offload_answers_the_card_and_the_host(tmp_path, capsys):
+    cache = str(tmp_path / "cache")
+    argv = ["--model", "tiny-llama", "--method", "full", "--seq-len", "256", "--gpus", "2", "--strategy", "fsdp",
+            "--cpu-offload", "--gpu", "rtx-4090", "--cache", cache]
+    code, out, err = _estimate(capsys, *argv, "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["recipe"]["cpu_offload"] is True and doc["cpu_offload"] is True
+    assert doc["rank_host_ram_mib"] > 0 and doc["answer"]["verdict"] == "fits"
+    row = [m for m in load_dry_runs(cache=cache) if m.id == doc["dry_run"]][0]
+    assert row.cpu_offload and row.outcome.host_peak_mib == doc["rank_host_ram_mib"] and "-offload-" in row.id
+    code, out, err = _estimate(capsys, *argv)
+    assert code == 0 and "computing" not in err
+    assert out.splitlines()[0].endswith("on each of 2 GPUs (fsdp, CPU offload), per GPU")
+    assert "host RAM: CPU offload holds up to" in out
+    # Without the offload the same world is a dry run of its own.
+    code, out, err = _estimate(capsys, *argv[:-5], "--gpu", "rtx-4090", "--cache", cache, "--json")
+    assert code == 0 and "computing 1 dry runs" in err and json.loads(out)["rank_host_ram_mib"] is None
+
+
+def test_vram_estimate_refuses_cpu_offload_without_fsdp_in_one_line(capsys, tmp_path):
+    code, out, err = _estimate(capsys, "--model", "tiny-llama", "--rank", "8", "--seq-len", "256", "--gpus", "2",
+                               "--strategy", "ddp", "--cpu-offload", "--cache", str(tmp_path))
+    assert code == 1 and out == "" and len(err.strip().splitlines()) == 1
+    assert err.startswith("--cpu-offload: needs --gpus 2 or more and --strategy fsdp")
+
+
+def test_the_meter_counts_host_storages_apart_until_freed():
+    meter = TrackerMeter()
+    with meter:
+        a = torch.zeros(1024, dtype=torch.float32)
+        meter.never_count(a)
+        with meter.host():
+            b = torch.zeros(2048, dtype=torch.float32)
+        assert meter.allocated_mib() == 0 and meter.host_mib() == pytest.approx(12 / 1024)
+        del b
+        assert meter.host_mib() == pytest.approx(4 / 1024) and meter.host_peak_mib() == pytest.approx(12 / 1024)
+        a.add_(1)  # written in place: still the host's
+        assert meter.allocated_mib() == 0
+        meter.reset_peak()
+        assert meter.host_peak_mib() == pytest.approx(4 / 1024)
+        del a
+    assert meter.host_mib() == 0
+
+
+@pytest.mark.parametrize("kind,setting,expected", [
+    ("fsdp", "CPUOffloadPolicy", ("fsdp", True)),
+    ("fsdp", "OffloadPolicy", ("fsdp", False)),
+    ("fsdp", "CPUOffload(offload_params=True)", ("fsdp", True)),
+    ("deepspeed", {"stage": 2, "offload_optimizer": {"device": "cpu"}}, ("zero2", True)),
+    ("deepspeed", {"stage": 3, "offload_param": {"device": "none"}}, ("zero3", False)),
+    ("ddp", None, ("ddp", False)),
+])
+def test_preflight_reads_a_runs_cpu_offload_from_its_accelerator(monkeypatch, kind, setting, expected):
+    from types import SimpleNamespace
+
+    from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, OffloadPolicy
+
+    from probe_kit.preflight.world import world_of_run
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 4)
+    policies = {"CPUOffloadPolicy": CPUOffloadPolicy(), "OffloadPolicy": OffloadPolicy(),
+                "CPUOffload(offload_params=True)": CPUOffload(offload_params=True)}
+    state = SimpleNamespace(
+        fsdp_plugin=SimpleNamespace(reshard_after_forward=True,
+                                    cpu_offload=policies.get(setting) if kind == "fsdp" else None),
+        deepspeed_plugin=SimpleNamespace(zero_stage=(setting or {}).get("stage") if kind == "deepspeed" else None,
+                                         deepspeed_config={"zero_optimization": setting}))
+    trainer = SimpleNamespace(is_deepspeed_enabled=kind == "deepspeed", is_fsdp_enabled=kind == "fsdp",
+                              accelerator=SimpleNamespace(state=state))
+    assert world_of_run(trainer) == (4, *expected)

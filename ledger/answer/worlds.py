@@ -49,6 +49,8 @@ def rank_point(recipe: Recipe, model_rows: str, run: str) -> dict:
     point = (full_point(recipe, model_rows) if recipe.method == "full"
              else {**lora_point(recipe, model_rows), "rank": recipe.rank})
     point.update(gpus=recipe.gpus, strategy=recipe.strategy)
+    if recipe.cpu_offload:
+        point["cpu_offload"] = True
     if run == "real":
         point["optim"] = recipe.optimizer or STOCK_OPTIMIZER
     return point

@@ -70,9 +70,9 @@ def cmd_ceiling(args: argparse.Namespace) -> int:
     if args.rank is not None or full:
         return _length_ceiling(args, ledger, gpu, entry)
     recipe = recipe_from(args)
-    gpus, strategy = world_of(args, gpu, entry)
-    if gpus > 1:  # one rank of a multi-GPU run: dry runs of that world alone
-        recipe = recipe.replace(gpus=gpus, strategy=strategy)
+    world = world_of(args, gpu, entry)
+    if world["gpus"] > 1:  # one rank of a multi-GPU run: dry runs of that world alone
+        recipe = recipe.replace(**world)
         doc = ceiling_ranks(args, predictor_for(args, ledger), recipe, gpu, entry)
         if args.json:
             dump_json(doc)
@@ -179,9 +179,9 @@ def _length_ceiling(args: argparse.Namespace, ledger, gpu: str, entry) -> int:
     recipe = recipe_from(args, args.rank)
     run = "real" if args.real else "probe"
     predictor = predictor_for(args, ledger)
-    gpus, strategy = world_of(args, gpu, entry)
-    if gpus > 1:  # one rank of a multi-GPU run: dry runs of that world alone
-        recipe = recipe.replace(gpus=gpus, strategy=strategy)
+    world = world_of(args, gpu, entry)
+    if world["gpus"] > 1:  # one rank of a multi-GPU run: dry runs of that world alone
+        recipe = recipe.replace(**world)
         doc = length_ceiling_ranks(args, predictor, recipe, gpu, entry, LENGTH_LADDER, args.seq_step, limit)
         if args.json:
             dump_json(doc)

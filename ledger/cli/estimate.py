@@ -66,11 +66,11 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     card = capacity_mib(entry) if entry is not None else None
     predictor = predictor_for(args, ledger)
     question = recipe_from(args, args.rank)
-    gpus, strategy = world_of(args, gpu, entry)
-    if gpus > 1:  # one rank of a multi-GPU run: answered by a dry run of that world alone
+    world = world_of(args, gpu, entry)
+    if world["gpus"] > 1:  # one rank of a multi-GPU run: answered by a dry run of that world alone
         if args.alloc_conf:
             raise UserError(Issue("--alloc-conf", "", "the allocator's simulation is one GPU's (without --gpus)"))
-        question = question.replace(gpus=gpus, strategy=strategy)
+        question = question.replace(**world)
         doc = {"model": arch.name, "params": arch.total_params, "recipe": question.memory_fields(), "gpu": gpu,
                "card_mib": card, **estimate_ranks(args, predictor, question, gpu, entry),
                "unsloth_studio": unsloth_pool(arch, question, card)}
@@ -163,7 +163,8 @@ def _headline(args: argparse.Namespace, arch, question, optimizer, gpu) -> str:
              "overhead taken off)" if args.budget_mib is not None else "")
           + (" (--response-len ignored: without logits_to_keep every position's logits are made)"
              if args.response_len is not None and not keeps_logits(fixes) else "")
-          + (f", on each of {question.gpus} GPUs ({question.strategy}), per GPU" if question.gpus > 1 else ""))
+          + (f", on each of {question.gpus} GPUs ({question.strategy}"
+             + (", CPU offload" if question.cpu_offload else "") + "), per GPU" if question.gpus > 1 else ""))
 
 
 def _allocator_lines(recipe, conf_text: str) -> list[str]:

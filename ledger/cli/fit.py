@@ -58,9 +58,9 @@ def cmd_fit(args: argparse.Namespace) -> int:
     ledger = store.load(args.ledger)
     require_model(args.model, ledger)
     gpu, entry = card_from(args, ledger)
-    gpus, strategy = world_of(args, gpu, entry)
-    if gpus > 1:
-        return _world_table(args, ledger, gpu, entry, gpus, strategy)
+    world = world_of(args, gpu, entry)
+    if world["gpus"] > 1:
+        return _world_table(args, ledger, gpu, entry, world)
     if args.method == "full":
         return _full_table(args, ledger, gpu, entry)
     if "fp32" in (args.quant or []):
@@ -282,13 +282,14 @@ COMMANDS = [Command("fit", "one model's fit table on one card: the largest rank 
                     add_fit_options, cmd_fit)]
 
 
-def _world_table(args: argparse.Namespace, ledger, gpu: str, entry, gpus: int, strategy: str) -> int:
+def _world_table(args: argparse.Namespace, ledger, gpu: str, entry, world: dict) -> int:
     """``vram fit --gpus N --strategy S``: the largest LoRA rank per GPU at each length, the stock
     recipe of each asked quant with the plain adapter, dropout 0.1 and DoRA (as the one-GPU table's
     columns), from two dry runs of the world a length (computed together into the cache: seconds
     each for a tiny model, some for a 70B)."""
     import argparse as _argparse
 
+    gpus, strategy = world["gpus"], world["strategy"]
     if args.method == "full":
         raise UserError(Issue("--gpus", "", "the per-GPU table is LoRA's (ranks): a full fine-tune on several GPUs "
                               "is answered one length at a time by `vram estimate --method full --gpus N`"))
@@ -306,15 +307,15 @@ def _world_table(args: argparse.Namespace, ledger, gpu: str, entry, gpus: int, s
     for q in quants:
         recipe = Recipe(model=args.model, rank=8, quant=q, fixes=fixes, batch=args.batch_size,
                         checkpointing=not args.no_gradient_checkpointing,
-                        optimizer=args.optim or optimizer_for(fixes, None), gpus=gpus, strategy=strategy)
+                        optimizer=args.optim or optimizer_for(fixes, None), **world)
         tables[q] = fit_ranks(ask, p, {name: recipe.replace(dropout=d, dora=o) for name, d, o in SETTINGS},
                               lengths, gpu, entry)
     if args.json:
-        dump_json({"model": name, "gpu": gpu, "gpus": gpus, "strategy": strategy, "per_gpu": True,
-                   "tables": tables})
+        dump_json({"model": name, "gpu": gpu, **world, "per_gpu": True, "tables": tables})
         return 0
     first = next(iter(next(iter(tables.values())).values()))[0]
     where = f"{gpus} GPUs of a budget" if gpu == BUDGET_CARD else f"{gpus} {gpu}"
+    strategy += ", CPU offload" if world["cpu_offload"] else ""
     print(f"{name} on each of {where} ({strategy}): the largest LoRA rank per GPU whose training run fits "
           f"(tight: the interval reaches past the limit); limit {first['limit']}")
     for q, settings in tables.items():

@@ -33,18 +33,29 @@ def add_world_options(p: argparse.ArgumentParser) -> None:
                    help="how --gpus N split the model: " + " | ".join(STRATEGIES) + " (DDP; FSDP2 fully_shard "
                         "FULL_SHARD; SHARD_GRAD_OP; DeepSpeed ZeRO-2, ZeRO-3 (the deepspeed extra, with an "
                         "optimizer), as accelerate and the Trainer launch them")
+    p.add_argument("--cpu-offload", action="store_true",
+                   help="FSDP's CPU offload (accelerate's fsdp_offload_params; with --strategy fsdp or "
+                        "fsdp-shard-grad-op): each rank's sharded parameters, gradients and optimizer state in host "
+                        "RAM, the optimizer stepping there; the answer adds the host RAM they take")
 
 
-def world_of(args: argparse.Namespace, gpu: Optional[str] = None, entry=None) -> tuple[int, Optional[str]]:
-    """The world asked for, or a one-line error naming the flag (several GPUs on a Mac among them)."""
+def world_of(args: argparse.Namespace, gpu: Optional[str] = None, entry=None) -> dict:
+    """The world asked for as a recipe's fields (``gpus``, ``strategy``, ``cpu_offload``), or a
+    one-line error naming the flag (several GPUs on a Mac among them)."""
     gpus, strategy = getattr(args, "gpus", 1), getattr(args, "strategy", None)
-    problem = world_problem(gpus, strategy)
+    offload = bool(getattr(args, "cpu_offload", False))
+    problem = world_problem(gpus, strategy, offload)
     if problem:
         raise UserError(Issue(problem.split()[0], "", problem.split(" ", 1)[1]))
     if gpus > 1 and is_mac(entry):
         raise UserError(Issue("--gpus", "", f"{gpu} is a Mac: its one GPU shares the unified memory (no "
                               "data-parallel or sharded run across GPUs)"))
-    return gpus, strategy
+    return {"gpus": gpus, "strategy": strategy, "cpu_offload": offload}
+
+
+def world_words(doc: dict) -> str:
+    """A rank's strategy in words: 'fsdp', 'fsdp, CPU offload'."""
+    return doc["strategy"] + (", CPU offload" if doc.get("cpu_offload") else "")
 
 
 def _point_recipe(recipe: Recipe, point: dict) -> Recipe:
@@ -72,7 +83,9 @@ def rank_rows(args: argparse.Namespace, recipes: list[Recipe], run: str) -> list
     cached = load_dry_runs(cache=args.cache)
     missing = [p for p, w in zip(points, wanted) if find_row(cached, w) is None]
     if missing:
-        label = f"{model_name(args.model)} on each of {recipes[0].gpus} GPUs ({recipes[0].strategy})"
+        r = recipes[0]
+        label = (f"{model_name(args.model)} on each of {r.gpus} GPUs "
+                 f"({world_words({'strategy': r.strategy, 'cpu_offload': r.cpu_offload})})")
         compute_points(missing, label, args.cache, no_compute=args.no_compute, ray=getattr(args, "ray", None))
         cached = load_dry_runs(cache=args.cache)
     rows = [find_row(cached, w) for w in wanted]
@@ -111,14 +124,15 @@ def ceiling_ranks(args: argparse.Namespace, predictor, recipe: Recipe, gpu: Opti
         if answer.verdict != "won't fit":
             tight = rank
         limit = f"{answer.limit_low_mib}–{answer.limit_high_mib} MiB allocated ({answer.limit_source})"
-    return {"gpus": recipe.gpus, "strategy": recipe.strategy, "per_gpu": True, "seq_len": recipe.seq_len,
+    return {"gpus": recipe.gpus, "strategy": recipe.strategy, "cpu_offload": recipe.cpu_offload, "per_gpu": True,
+            "seq_len": recipe.seq_len,
             "fits_rank": fits, "tight_rank": tight, "limit": limit, "dry_runs": [r.id for r in rows],
             "mib_per_rank": round(judge.mib_per_rank, 4), "ranks": ranks, "not_counted": NOT_COUNTED}
 
 
 def print_rank_ceiling(doc: dict, recipe: Recipe, what: str, where: str, width: int = 100) -> None:
     print(f"for {what} of {recipe.replace(rank=0).describe().replace(' r0', '')}")
-    each = f"each of {doc['gpus']} GPUs ({doc['strategy']})"
+    each = f"each of {doc['gpus']} GPUs ({world_words(doc)})"
     if doc["fits_rank"] is None:
         head = f"no rank fits {what} on {each} for sure" + (f"; up to rank {doc['tight_rank']} is tight"
                                                              if doc["tight_rank"] else "")
@@ -145,8 +159,9 @@ def estimate_ranks(args: argparse.Namespace, predictor, recipe: Recipe, gpu: Opt
         answer = None
     else:
         answer = predictor.judge_dry(recipe, o.peak_allocated_mib, gpu, entry=entry, budget_mib=args.budget_mib)
-    return {"gpus": recipe.gpus, "strategy": recipe.strategy, "per_gpu": True, "dry_run": row.id,
-            "rank_after_load_mib": o.after_load_mib, "rank_pre_step_mib": o.pre_step_mib,
+    return {"gpus": recipe.gpus, "strategy": recipe.strategy, "cpu_offload": recipe.cpu_offload, "per_gpu": True,
+            "dry_run": row.id, "rank_after_load_mib": o.after_load_mib, "rank_pre_step_mib": o.pre_step_mib,
+            "rank_host_ram_mib": o.host_peak_mib,
             "rank_dry_peak_mib": o.peak_allocated_mib, "rank_status": o.status,
             "optimizer_in_step": row.optimizer, "not_counted": NOT_COUNTED,
             "answer": answer.model_dump(mode="json") if answer else None}
@@ -163,11 +178,18 @@ def print_ranks(doc: dict, headline: str, width: int = 100) -> None:
         iv = a["probe_allocated"]
         verdict = a["verdict"].upper() if a["gpu"] else "no card given"
         print(f"  vram-ledger: {verdict}: each GPU peaks at {iv['mib']} MiB allocated ({iv['low_mib']}–{iv['high_mib']} "
-              f"MiB), by a dry run of one of the {doc['gpus']} ranks ({doc['strategy']})")
+              f"MiB), by a dry run of one of the {doc['gpus']} ranks ({world_words(doc)})")
         print(textwrap.fill(a["method_text"], width, initial_indent="    ", subsequent_indent="      "))
         print(f"    the rank holds {doc['rank_after_load_mib']} MiB once the strategy has the model, "
               f"{doc['rank_pre_step_mib']} MiB before the step"
               + (f" (the {doc['optimizer_in_step']} state made)" if doc["optimizer_in_step"] else ""))
+        if doc.get("rank_host_ram_mib") is not None:
+            host = doc["rank_host_ram_mib"]
+            print(textwrap.fill(
+                f"host RAM: CPU offload holds up to {host:,.1f} MiB a rank (sharded parameters, gradients, optimizer "
+                f"state), {host * doc['gpus']:,.1f} MiB for the {doc['gpus']} ranks on one machine; the processes, "
+                "their libraries and the model's loading come on top", width, initial_indent="    ",
+                subsequent_indent="      "))
         if a["gpu"]:
             print(textwrap.fill(f"{a['why']} ({a['limit_source']})", width, initial_indent="    ",
                                 subsequent_indent="      "))
@@ -244,7 +266,7 @@ def length_ceiling_ranks(args: argparse.Namespace, predictor, recipe: Recipe, gp
                         "high_mib": iv["high_mib"] if iv else None, "dry_run": doc["dry_run"]})
     limit_text = next((f"{d['answer']['limit_low_mib']}–{d['answer']['limit_high_mib']} MiB allocated "
                        f"({d['answer']['limit_source']})" for d in memo.values() if d["answer"]), None)
-    return {"gpus": recipe.gpus, "strategy": recipe.strategy, "per_gpu": True,
+    return {"gpus": recipe.gpus, "strategy": recipe.strategy, "cpu_offload": recipe.cpu_offload, "per_gpu": True,
             "rank": recipe.rank if recipe.method != "full" else None,
             "method": recipe.method, "fits_len": fits, "tight_len": tight, "limit": limit_text,
             "lengths": lengths, "not_counted": NOT_COUNTED}
@@ -254,7 +276,7 @@ def print_length_ceiling(doc: dict, recipe_line: str, what: str, where: str, wid
     """``length_ceiling_ranks`` as lines."""
     print(recipe_line)
     at = "of full fine-tuning" if doc["method"] == "full" else f"at rank {doc['rank']}"
-    each = f"each of {doc['gpus']} GPUs ({doc['strategy']})"
+    each = f"each of {doc['gpus']} GPUs ({world_words(doc)})"
     if doc["fits_len"] is None:
         head = f"no length fits {what} {at} on {each} of {where} for sure" + (
             f"; up to {doc['tight_len']} tokens is tight" if doc["tight_len"] else "")

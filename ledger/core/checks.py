@@ -17,6 +17,7 @@ Physics, each rule a property of the instruments, not of this ledger:
 - a full fine-tuning row (``finetune: full``) trains every weight: no LoRA settings, and no 4-bit
   weights (they cannot be trained);
 - a rank of a multi-GPU run names both its world (``world_size`` of 2 or more) and its strategy;
+  CPU offload is a sharded run's (FSDP, ZeRO);
   one GPU has neither.
 """
 
@@ -112,6 +113,9 @@ def measurement_issues(ledger: Ledger, m: Measurement, where: str, name: str, to
     if m.strategy is not None and (m.world_size or 1) == 1:
         yield Issue(name, f"{where}.world_size", f"strategy {m.strategy} is a multi-GPU run's: world_size must be 2 "
                     "or more")
+    if m.cpu_offload and m.strategy in (None, "ddp"):
+        yield Issue(name, f"{where}.cpu_offload", "CPU offload is a sharded run's (FSDP's, DeepSpeed ZeRO's): "
+                    f"{m.strategy or 'one GPU'} has none")
     if _future(m.provenance.measured_on, today):
         yield Issue(name, f"{where}.provenance.measured_on", f"{m.provenance.measured_on} is in the future "
                     f"(today is {today})")

@@ -266,6 +266,14 @@ class Outcome(_Model):
             "reserved (the CUDA context, other processes)."
         ),
     )
+    host_peak_mib: Optional[MiB] = Field(
+        None,
+        description=(
+            "Host RAM that CPU offload (cpu_offload) held at most on one rank: the sharded parameters, gradients "
+            "and optimizer state, with the optimizer step's temporaries (a dry run's tracker meter). Not counted: "
+            "the process, its libraries, the loading of the model."
+        ),
+    )
     failed_at_step: Optional[int] = Field(
         None, ge=0, le=MAX_STEPS, description="Training step at which the run died."
     )
@@ -352,6 +360,12 @@ class RecipeFields(_Model):
         None, description="How the ranks split the model: 'ddp' (every rank holds it whole), 'fsdp' (FSDP2 "
                           "fully_shard, FULL_SHARD), 'fsdp-shard-grad-op' (reshard_after_forward off), 'zero2' / "
                           "'zero3' (DeepSpeed's ZeRO stage 2 / 3); null: one GPU.",
+    )
+    cpu_offload: Optional[bool] = Field(
+        None, description="CPU offload: FSDP's (FSDP2 CPUOffloadPolicy, accelerate's fsdp_offload_params: each rank's "
+                          "sharded parameters, gradients and optimizer state in host RAM, the optimizer stepping "
+                          "there) or DeepSpeed ZeRO's (offload_optimizer / offload_param to the CPU or NVMe). "
+                          "null: off.",
     )
 
 

@@ -254,6 +254,8 @@ class Recipe:
     #: rows are kept out of every one-GPU fit).
     gpus: int = 1
     strategy: Optional[str] = None
+    #: FSDP's CPU offload (sharded parameters, gradients and optimizer state in host RAM).
+    cpu_offload: bool = False
     #: Named so the recipe is whole, but no memory depends on them, so two recipes that differ only
     #: here are the same question: the dropout rate (any rate above 0 keeps the same masks), lora_alpha
     #: and rsLoRA (they scale the update, not the tensors).
@@ -280,6 +282,8 @@ class Recipe:
         out = {name: getattr(self, name) for name in _MEMORY_FIELDS}
         if self.gpus == 1:  # one GPU: as every answer recorded it before the axis
             del out["gpus"], out["strategy"]
+        if not self.cpu_offload:  # (likewise)
+            del out["cpu_offload"]
         return out
 
     def span(self) -> Optional[int]:
@@ -288,7 +292,8 @@ class Recipe:
         return self.response_len if keeps_logits(self.fixes) else None
 
     def describe(self) -> str:
-        world = f" on each of {self.gpus} GPUs ({self.strategy})" if self.gpus > 1 else ""
+        world = (f" on each of {self.gpus} GPUs ({self.strategy}" + (", CPU offload" if self.cpu_offload else "") + ")"
+                 if self.gpus > 1 else "")
         return self._describe() + world
 
     def _describe(self) -> str:
@@ -313,8 +318,9 @@ STRATEGIES = ("ddp", "fsdp", "fsdp-shard-grad-op", "zero2", "zero3")
 MAX_GPUS = 1024
 
 
-def world_problem(gpus: int, strategy: Optional[str]) -> Optional[str]:
-    """What is wrong with a world size and strategy, in one line (None: a world a run can have)."""
+def world_problem(gpus: int, strategy: Optional[str], cpu_offload: bool = False) -> Optional[str]:
+    """What is wrong with a world size, strategy and CPU offload, in one line (None: a world a run
+    can have)."""
     if gpus < 1:
         return f"--gpus must be at least 1, got {gpus}"
     if gpus > MAX_GPUS:
@@ -325,6 +331,12 @@ def world_problem(gpus: int, strategy: Optional[str]) -> Optional[str]:
         return f"--strategy {strategy} needs --gpus 2 or more (one GPU runs the plain step)"
     if gpus > 1 and strategy is None:
         return f"--gpus {gpus} needs --strategy ({' | '.join(STRATEGIES)})"
+    if cpu_offload and strategy in ("zero2", "zero3"):
+        return (f"--cpu-offload with --strategy {strategy}: DeepSpeed's offload (offload_optimizer / offload_param) "
+                "is not modelled; FSDP's is (--strategy fsdp or fsdp-shard-grad-op)")
+    if cpu_offload and not (strategy or "").startswith("fsdp"):
+        return ("--cpu-offload needs --gpus 2 or more and --strategy fsdp or fsdp-shard-grad-op (FSDP's CPU "
+                f"offload; {strategy or 'one GPU'} has none)")
     return None
 
 
@@ -345,7 +357,7 @@ def full_recipe_of(m: Measurement) -> Optional[Recipe]:
     return full_recipe(model=m.model, quant=m.quant or "bf16", seq_len=seq_len_of(m), fixes=fixes_key(m.memory_fixes),
                        response_len=m.response_len, optimizer=m.optimizer, batch=m.batch_size or 1,
                        checkpointing=m.gradient_checkpointing is not False, gpus=m.world_size or 1,
-                       strategy=m.strategy)
+                       strategy=m.strategy, cpu_offload=bool(m.cpu_offload))
 
 
 #: Recipe's fields that memory depends on (those its equality compares), in order.
@@ -366,7 +378,8 @@ def _recipe_of(m: Measurement) -> Optional[Recipe]:
                   dora=bool(lora.dora), seq_len=seq_len_of(m), fixes=fixes_key(m.memory_fixes),
                   response_len=m.response_len, optimizer=m.optimizer, batch=m.batch_size or 1,
                   checkpointing=m.gradient_checkpointing is not False, targets=targets_of_row(lora.target_modules),
-                  method="lora", gpus=m.world_size or 1, strategy=m.strategy, dropout_rate=lora.dropout,
+                  method="lora", gpus=m.world_size or 1, strategy=m.strategy, cpu_offload=bool(m.cpu_offload),
+                  dropout_rate=lora.dropout,
                   alpha=lora.alpha, rslora=bool(lora.rslora))
 
 

@@ -129,8 +129,8 @@ def _preflight(trainer, model, device, gpu, budget_mib, margin_mib, max_scan, le
     recipe = read_recipe(trainer, model)
     worst = find_worst_batch(dataset, collate, recipe.batch_size, max_scan)
     recipe.batch_size = worst.batch_size
-    world, strategy = world_of_run(trainer)
-    recipe.gpus, recipe.strategy = world, strategy
+    world, strategy, offload = world_of_run(trainer)
+    recipe.gpus, recipe.strategy, recipe.cpu_offload = world, strategy, offload
     card = _card(gpu, ledger)
     available, source, answer = None, "no card: pass gpu= or budget_mib=", None
     if device.type == "cuda":
@@ -140,8 +140,9 @@ def _preflight(trainer, model, device, gpu, budget_mib, margin_mib, max_scan, le
     if card is not None:
         limit, lsource, answer = _ledger_view(card, recipe, worst.seq_len)
         if world > 1:  # the ledger's answer is one GPU's: a rank's is the dry run's (vram estimate --gpus N)
-            answer = (f"a rank of {world} GPUs ({strategy}): `vram estimate --gpus {world} --strategy {strategy}` "
-                      "answers it from a dry run of one rank")
+            flag = " --cpu-offload" if offload else ""
+            answer = (f"a rank of {world} GPUs ({strategy}{', CPU offload' if offload else ''}): `vram estimate "
+                      f"--gpus {world} --strategy {strategy}{flag}` answers it from a dry run of one rank")
         if device.type != "cuda" and limit is not None:
             available, source = limit, f"{card[0]}'s effective limit for peak allocated: {lsource}"
     if budget_mib is not None:

@@ -138,7 +138,8 @@ def record(path: str, recipe: RunRecipe, worst: WorstBatch, step: Step, device: 
     cfg = {"recipe": dataclasses.asdict(recipe), "seq_len": worst.seq_len, "device": str(device)}
     digest = hashlib.sha256(json.dumps([cfg, step.peak_allocated_mib, str(dt.date.today())],
                                        sort_keys=True).encode()).hexdigest()[:8]
-    world = f"-{recipe.gpus}gpus-{recipe.strategy}" if recipe.gpus > 1 else ""
+    world = (f"-{recipe.gpus}gpus-{recipe.strategy}" + ("-offload" if recipe.cpu_offload else "")
+             if recipe.gpus > 1 else "")
     mid = f"preflight-{gpu_key or device.type}-b{recipe.batch_size}-seq{worst.seq_len}{world}-{digest}"
     status = "oom" if step.oom else "ok"
     oom = (parse_oom_message(step.oom_text or "") or Oom(message=step.oom_text or step.oom)) if step.oom else None
@@ -156,6 +157,7 @@ def record(path: str, recipe: RunRecipe, worst: WorstBatch, step: Step, device: 
         optimizer=recipe.optimizer, gradient_checkpointing=recipe.checkpointing,
         finetune="full" if recipe.method == "full" else None,
         world_size=recipe.gpus if recipe.gpus > 1 else None, strategy=recipe.strategy if recipe.gpus > 1 else None,
+        cpu_offload=True if recipe.gpus > 1 and recipe.cpu_offload else None,
         config_text=json.dumps(cfg, sort_keys=True), outcome=outcome,
         environment=environment(device, "allocator" if device.type == "cuda" else "tracker"),
         provenance=Provenance(source="probe_kit.preflight (the run's own step on its worst batch)",

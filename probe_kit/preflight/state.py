@@ -121,6 +121,7 @@ class RunRecipe:
     #: Processes (GPUs) of a distributed run and how they split the model (``preflight.world``).
     gpus: int = 1
     strategy: Optional[str] = None
+    cpu_offload: bool = False
 
     def describe(self, seq_len: int) -> str:
         lora = ("full fine-tuning (every weight trained)" if self.method == "full" else
@@ -131,7 +132,8 @@ class RunRecipe:
         return (f"{self.model or 'the model'} {self.quant} {lora}, micro-batch {self.batch_size} × {seq_len} tokens"
                 f" (accumulation {self.accumulation}), checkpointing {'on' if self.checkpointing else 'off'}, "
                 f"{self.optimizer}, {fixes}"
-                + (f", on each of {self.gpus} GPUs ({self.strategy})" if self.gpus > 1 else ""))
+                + (f", on each of {self.gpus} GPUs ({self.strategy}" + (", CPU offload" if self.cpu_offload else "")
+                   + ")" if self.gpus > 1 else ""))
 
 
 def read_recipe(trainer, model) -> RunRecipe:

@@ -21,24 +21,31 @@ import torch
 from .step import Step
 
 
-def world_of_run(trainer) -> tuple[int, Optional[str]]:
-    """The run's GPUs (processes) and how they split the model, as the trainer's accelerator was
+def world_of_run(trainer) -> tuple[int, Optional[str], bool]:
+    """The run's GPUs (processes), how they split the model, as the trainer's accelerator was
     launched: ``ddp``, ``fsdp`` (FULL_SHARD, FSDP2's reshard after forward), ``fsdp-shard-grad-op``,
-    ``zero2`` / ``zero3`` (DeepSpeed); (1, None) outside a distributed run."""
+    ``zero2`` / ``zero3`` (DeepSpeed), and whether it offloads to the CPU (FSDP's ``cpu_offload``:
+    FSDP2's ``CPUOffloadPolicy``, FSDP1's ``offload_params``; DeepSpeed's ``offload_optimizer`` /
+    ``offload_param`` to the CPU or NVMe); (1, None, False) outside a distributed run."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return 1, None
+        return 1, None, False
     n = dist.get_world_size()
     if getattr(trainer, "is_deepspeed_enabled", False):
         plugin = trainer.accelerator.state.deepspeed_plugin
-        return n, f"zero{getattr(plugin, 'zero_stage', '?')}"
+        zero = (getattr(plugin, "deepspeed_config", None) or {}).get("zero_optimization", {}) or {}
+        offload = any(str((zero.get(key) or {}).get("device", "none")).lower() in ("cpu", "nvme")
+                      for key in ("offload_optimizer", "offload_param"))
+        return n, f"zero{getattr(plugin, 'zero_stage', '?')}", offload
     if getattr(trainer, "is_fsdp_enabled", False):
         plugin = trainer.accelerator.state.fsdp_plugin
         reshard = getattr(plugin, "reshard_after_forward", True)
         grad_op = reshard is False or "SHARD_GRAD_OP" in str(reshard) or "SHARD_GRAD_OP" in str(
             getattr(plugin, "sharding_strategy", ""))
-        return n, "fsdp-shard-grad-op" if grad_op else "fsdp"
-    return n, "ddp"
+        policy = getattr(plugin, "cpu_offload", None)
+        offload = type(policy).__name__ == "CPUOffloadPolicy" or bool(getattr(policy, "offload_params", False))
+        return n, "fsdp-shard-grad-op" if grad_op else "fsdp", offload
+    return n, "ddp", False
 
 
 def _gather(value) -> list:
