@@ -328,3 +328,18 @@ def test_the_mixture_of_experts_example_sweep_loads():
     assert sweep.device == "cuda" and len(sweep.points) == 7
     assert {p.config.model for p in sweep.points} == {"gpt-oss-20b", "qwen3-30b-a3b", "mixtral-8x7b"}
     assert all(p.config.optimizer == "adamw_torch" and p.config.fixes == [] for p in sweep.points)
+
+
+def test_a_sweep_point_of_several_gpus_with_cpu_offload_keeps_it_in_its_config_id_and_flags(tmp_path):
+    sweep = load_sweep(write(tmp_path, SWEEP + """
+[[points]]
+rank = 8
+gpus = 2
+strategy = "fsdp"
+cpu_offload = true
+optim = "adamw_torch"
+"""))
+    last = sweep.points[-1]
+    assert last.config.cpu_offload and last.config.gpus == 2 and last.config.strategy == "fsdp"
+    assert "--cpu-offload" in last.flags() and last.id not in {p.id for p in sweep.points[:-1]}
+    assert "cpu_offload" not in sweep.points[0].config.key()  # off: as every earlier point's id had it
