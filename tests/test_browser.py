@@ -305,3 +305,27 @@ def test_a_card_typed_by_its_memory_is_answered_as_vram_fit_gpu_mib_or_safely_be
         assert browser.eval("document.documentElement.scrollWidth <= document.documentElement.clientWidth")
     finally:
         browser.close()
+
+
+def test_the_picker_gives_fsdp_with_cpu_offload_as_the_command_that_answers_it(site, tmp_path):
+    """Several GPUs: FSDP full shard is the shipped table; with CPU offload, the command of that
+    world with --cpu-offload (its dry run is the user's to run)."""
+    from cdp import Browser
+
+    browser = Browser(CHROMIUM, tmp_path / "cdp-profile")
+    title = "(document.getElementById('fit-answer-title') || {textContent: ''}).textContent"
+    try:
+        browser.open((site / "index.html").as_uri(), WIDE)
+        browser.choose("model", "llama-3.3-70b")
+        browser.choose("gpu", "rtx-4090")
+        browser.choose("gpus", "2")
+        assert browser.wait_for(f"{title}.endsWith('each of 2 GPUs (fsdp), per GPU') && "
+                                "document.querySelector('#fit-answer-table td') !== null")
+        browser.choose("strategy", "fsdp-offload")
+        command = browser.wait_for(f"{title}.endsWith('each of 2 GPUs (fsdp, CPU offload), per GPU') && "
+                                   "document.querySelector('#fit-answer pre code') && "
+                                   "document.querySelector('#fit-answer pre code').textContent")
+        assert command.endswith("--gpus 2 --strategy fsdp --cpu-offload"), command
+        assert "host RAM" in browser.eval("document.getElementById('fit-answer').textContent")
+    finally:
+        browser.close()

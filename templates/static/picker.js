@@ -64,7 +64,9 @@
     // Several GPUs: one GPU's answer, the rows keyed as the one-GPU ones with the world after them.
     var gpus = form.elements.gpus ? value("gpus") : "1", strategy = form.elements.strategy ? value("strategy") : "fsdp";
     var world = gpus === "1" ? "" : "|g" + gpus + "-" + strategy;
-    var worldFlags = gpus === "1" ? "" : " --gpus " + gpus + " --strategy " + strategy;
+    // FSDP with CPU offload: a strategy of the picker's, FSDP and --cpu-offload on the command line.
+    var offload = strategy === "fsdp-offload", named = offload ? "fsdp" : strategy;
+    var worldFlags = gpus === "1" ? "" : " --gpus " + gpus + " --strategy " + named + (offload ? " --cpu-offload" : "");
     var typed = typedCard(), proxy = typed ? below(data.cards, typed) : null;
     var same = proxy && Math.abs(proxy.limit_low_mib - typed.limit_low_mib) <= 0.05 &&
       Math.abs(proxy.limit_high_mib - typed.limit_high_mib) <= 0.05;
@@ -84,7 +86,7 @@
       ", " + (fixes === "none" ? "stock, a training run with " + (optim || "adamw_torch") + "'s state" :
         "the program's memory fixes, a training run as its measured runs") + ", LoRA " + setting +
       ", micro-batch " + batch + (ckpt ? "" : ", no gradient checkpointing");
-    if (world) { what += ", each of " + gpus + " GPUs (" + strategy + "), per GPU"; }
+    if (world) { what += ", each of " + gpus + " GPUs (" + named + (offload ? ", CPU offload" : "") + "), per GPU"; }
     out.appendChild(el("h3", {id: "fit-answer-title"}, what));
     // A recipe the shipped tables do not have: why, and the command that answers it.
     function elsewhere(why, flags) {
@@ -98,7 +100,8 @@
         !ckpt || quant === "bf16" || quant === "full-fp32")) {
       out.appendChild(el("p", {"class": "warn"}, "The tables for several GPUs have FSDP (FULL_SHARD), stock, micro-batch 1, " +
         "AdamW, of QLoRA with the plain adapter and of full fine-tuning in bf16" + (typed ? ", on the listed cards" : "") +
-        ". The command line answers the rest from dry runs of one rank, run on your CPU:"));
+        ". The command line answers the rest from dry runs of one rank, run on your CPU" +
+        (offload ? " (with CPU offload, the host RAM each GPU's process needs too)" : "") + ":"));
       var other = el("pre");
       other.appendChild(el("code", {}, quant.indexOf("full-") === 0 ?
         "vram estimate --model " + data.model + " " + where + " --method full --quant " + quant.slice(5) +
