@@ -13,6 +13,15 @@ today, the simulation's reserved / allocated with the probe's. The multimodal pr
 and ``max_abs_err_pct`` of peak reserved (the issue's targets: 2% median, 5% worst) and the
 replay's CPU time. ``--json``: one document.
 
+``--oom-pairs``: the OOM point instead, against the RTX 3070 Ti's probes that fit and that ran out
+of memory (the program's own runs: gemma-3-4b-it QLoRA with its memory fixes at about 7,000
+tokens). Their rows do not record the memory that was free, so the check is the one the rows
+allow, with no fitted figure: the simulated OOM point of each probe (the most memory free for
+PyTorch at which its step raises) — is there one card size above every probe that fit and at or
+below every probe that ran out? Printed: each probe's OOM point, the window (``fit_needs_over_mib``
+to ``oom_at_most_mib``), its width over its top (the target: 2%), and any probe out of order. The
+same question asked of the dry run's peak allocated (today's basis) for comparison.
+
 A second figure per row, for comparison only (it uses a fitted figure): the same replay with the
 card's remainder (measured peak allocated less the simulated one, the median over the card's other
 probes: leave-one-out) as one more allocation held from the step's start, since what the tracker
@@ -42,7 +51,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--limit", type=int, help="only the first N probes")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--oom-pairs", action="store_true", help="the OOM point against the RTX 3070 Ti's fit and "
+                                                             "OOM probes instead")
     args = ap.parse_args()
+    if args.oom_pairs:
+        return oom_pairs(args)
     from probe_kit.allocator import RESET_PEAK, replay
     from probe_kit.dry_run import allocation_trace, vision_mib
     from probe_kit.recipe import ProbeConfig, parse_fixes
@@ -132,6 +145,68 @@ def main() -> None:
               f"{doc['with_remainder_max_abs_err_pct']}%")
         print(f"today's rule (the measured allocated x the card's median reserved/allocated of its other probes): "
               f"median |error| {doc['ratio_rule_median_abs_err_pct']}%, worst {doc['ratio_rule_max_abs_err_pct']}%")
+
+
+def oom_pairs(args) -> None:
+    """The module docstring's ``--oom-pairs``."""
+    from probe_kit.allocator import RESET_PEAK, oom_capacity
+    from probe_kit.dry_run import allocation_trace, vision_mib
+    from probe_kit.recipe import ProbeConfig, parse_fixes
+
+    lg = store.load(REPO / "ledger" / "vram.json")
+    rows = [m for m in lg.measurements if m.gpu == "rtx-3070-ti" and m.kind == "probe" and m.lora
+            and m.seq_len and m.memory_fixes == "all" and m.outcome.status in ("ok", "oom")
+            and (m.outcome.status == "oom" or m.outcome.peak_allocated_mib)]
+    rows = rows[: args.limit] if args.limit else rows
+    out = []
+    for m in rows:
+        response = m.logits_to_keep - 1 if m.logits_to_keep else ProbeConfig.response_len
+        cfg = ProbeConfig(model="gemma-3-4b-it", random_weights=True, rank=m.lora.rank,
+                          dropout=m.lora.dropout or 0.0, dora=bool(m.lora.dora), quant=m.quant, seq_len=m.seq_len,
+                          response_len=response, fixes=parse_fixes("all"))
+        with contextlib.redirect_stdout(io.StringIO()):
+            trace, raw = allocation_trace(cfg)
+        trace = [int(vision_mib(cfg.model, cfg.quant) * MIB)] + [e if e >= 0 or e <= RESET_PEAK else e - 1
+                                                                  for e in trace]
+        t0 = time.process_time()
+        fails_at, sim = oom_capacity(trace)
+        row = {"id": m.id, "status": m.outcome.status, "rank": m.lora.rank, "dropout": bool(m.lora.dropout),
+               "dora": bool(m.lora.dora), "seq_len": m.seq_len, "response_len": response,
+               "response_len_recorded": bool(m.logits_to_keep), "measured_allocated_mib": m.outcome.peak_allocated_mib,
+               "simulated_allocated_mib": round(sim.peak_allocated / MIB, 1),
+               "simulated_reserved_mib": round(sim.peak_reserved / MIB, 1),
+               "oom_below_mib": round(fails_at / MIB, 1), "replay_cpu_s": round(time.process_time() - t0, 2)}
+        out.append(row)
+        if not args.json:
+            print(f"{m.id:<24} {m.outcome.status:<4} r{m.lora.rank:<4} {m.seq_len:>5} tokens: OOM at or below "
+                  f"{row['oom_below_mib']:8.1f} MiB free (allocated {row['simulated_allocated_mib']:.1f}, reserved "
+                  f"{row['simulated_reserved_mib']:.1f})", flush=True)
+
+    def window(key: str) -> dict:
+        fit = [r for r in out if r["status"] == "ok"]
+        oom = [r for r in out if r["status"] == "oom"]
+        if not fit or not oom:
+            return None
+        need = max(r[key] for r in fit)
+        most = min(r[key] for r in oom)
+        return {"fit_needs_over_mib": need, "oom_at_most_mib": most, "consistent": need < most,
+                "width_pct": round((most - need) / most * 100, 2),
+                "out_of_order": [r["id"] for r in fit if r[key] >= most] + [r["id"] for r in oom if r[key] <= need]}
+    doc = {"rows": out, "n": len(out), "oom_point": window("oom_below_mib"),
+           "dry_run_allocated": window("simulated_allocated_mib")}
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return
+    for name, w in (("the simulated OOM point", doc["oom_point"]), ("the dry run's peak allocated",
+                                                                     doc["dry_run_allocated"])):
+        if w is None:
+            print(f"{name}: no pair (both a probe that fit and one that ran out) among the probes read")
+            continue
+        print(f"{name}: the probes that fit need a card over {w['fit_needs_over_mib']} MiB, those that ran out "
+              f"say at most {w['oom_at_most_mib']} MiB: " + (f"one card size separates them (window "
+                                                           f"{w['width_pct']}% of its top)" if w["consistent"]
+                                                           else f"no card size separates them ({w['width_pct']}%); "
+                                                           f"out of order: {', '.join(w['out_of_order'])}"))
 
 
 if __name__ == "__main__":
