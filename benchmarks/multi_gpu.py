@@ -8,7 +8,8 @@
    rank of a real run of CPU processes over gloo, both measured by the tracker meter. Prints the
    largest |error| of peak, pre-step and after-load over all ranks (after-load: against the
    least-holding rank; target: 1%), and with FSDP's CPU offload, of the host RAM the offloaded
-   state takes.
+   state takes. ZeRO's ranks can differ (its partitions end where they end): for its cases the dry
+   run of each rank too, against that rank, and whether rank 0 (the answers') holds the most.
 2. Cost: the dry run of one rank of a 70B QLoRA run under FSDP on 2 GPUs (2,048 tokens, the stock
    recipe), its process CPU seconds (target: 60 s).
 3. With ``--unsloth``: Unsloth Studio's multi-GPU rule (each GPU past the first adds 85% of its free
@@ -62,9 +63,9 @@ def config(model: str, weights: str, strategy: str, gpus: int, optimizer, offloa
                        gpus=gpus, strategy=strategy, optimizer=optimizer, cpu_offload=offload == "cpu-offload")
 
 
-def fake_rank(cfg: ProbeConfig) -> dict:
+def fake_rank(cfg: ProbeConfig, rank: int = 0) -> dict:
     with contextlib.redirect_stderr(io.StringIO()):
-        raw = _fake_step(cfg, load_config(cfg.model), None)
+        raw = _fake_step(cfg, load_config(cfg.model), None, world_rank=rank)
     return {k: raw[k] for k in ("after_load_mib", "pre_step_mib", "peak_mib", "host_peak_mib")}
 
 
@@ -90,15 +91,27 @@ def accuracy() -> list[dict]:
         if cfg.cpu_offload:  # the host RAM the offloaded state takes
             errs["host_peak"] = max(abs(fake["host_peak_mib"] - r["host_peak_mib"]) / r["host_peak_mib"] * 100
                                     for r in real)
+        each = {}
+        if cfg.strategy.startswith("zero"):  # ZeRO's partitions end where they end: each rank's own dry run too
+            fakes = [fake]
+            for rank in range(1, cfg.gpus):
+                with ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn")) as pool:
+                    fakes.append(pool.submit(fake_rank, cfg, rank).result())
+            each = {"fake_rank_peaks_mib": [round(f["peak_mib"], 4) for f in fakes],
+                    "rank_by_rank_peak_abs_err_pct": round(max(abs(f["peak_mib"] - r["peak_mib"]) / r["peak_mib"] * 100
+                                                               for f, r in zip(fakes, real)), 4),
+                    "rank0_holds_most": fakes[0]["peak_mib"] >= max(f["peak_mib"] for f in fakes)}
         out.append({"case": " ".join(str(x) for x in case if x), "fake_peak_mib": round(fake["peak_mib"], 4),
                     "real_peak_mib": [round(r["peak_mib"], 4) for r in real],
                     **({"fake_host_peak_mib": round(fake["host_peak_mib"], 4),
                         "real_host_peak_mib": [round(r["host_peak_mib"], 4) for r in real]} if cfg.cpu_offload else {}),
-                    **{f"{k}_abs_err_pct": round(v, 4) for k, v in errs.items()}})
+                    **{f"{k}_abs_err_pct": round(v, 4) for k, v in errs.items()}, **each})
         print(f"{out[-1]['case']:<45} dry {fake['peak_mib']:9.3f} MiB  real {min(out[-1]['real_peak_mib']):9.3f}–"
               f"{max(out[-1]['real_peak_mib']):9.3f} MiB  |err| peak {errs['peak']:.3f}% pre-step "
               f"{errs['pre_step']:.3f}% after-load {errs['after_load']:.3f}%"
-              + (f" host RAM {errs['host_peak']:.3f}%" if "host_peak" in errs else ""), file=sys.stderr, flush=True)
+              + (f" host RAM {errs['host_peak']:.3f}%" if "host_peak" in errs else "")
+              + (f"; each rank's own dry run {each['rank_by_rank_peak_abs_err_pct']:.3f}%, rank 0 holds the most: "
+                 f"{each['rank0_holds_most']}" if each else ""), file=sys.stderr, flush=True)
     return out
 
 
@@ -171,7 +184,10 @@ def main(argv=None) -> int:
            "max_pre_step_abs_err_pct": max(r["pre_step_abs_err_pct"] for r in rows),
            "max_after_load_abs_err_pct": max(r["after_load_abs_err_pct"] for r in rows),
            "max_host_peak_abs_err_pct": max((r["host_peak_abs_err_pct"] for r in rows if "host_peak_abs_err_pct" in r),
-                                            default=None), "cost": big}
+                                            default=None),
+           "zero_rank_by_rank_max_abs_err_pct": max((r["rank_by_rank_peak_abs_err_pct"] for r in rows
+                                                     if "rank_by_rank_peak_abs_err_pct" in r), default=None),
+           "zero_rank0_holds_most": all(r.get("rank0_holds_most", True) for r in rows), "cost": big}
     if args.unsloth:
         import tempfile
 
@@ -183,7 +199,9 @@ def main(argv=None) -> int:
         print(f"dry run of a rank vs real gloo runs, {len(rows)} cases: max |error| peak "
               f"{doc['max_peak_abs_err_pct']}%, pre-step {doc['max_pre_step_abs_err_pct']}%, after-load "
               f"{doc['max_after_load_abs_err_pct']}% (target 1%); host RAM under CPU offload "
-              f"{doc['max_host_peak_abs_err_pct']}%")
+              f"{doc['max_host_peak_abs_err_pct']}%; ZeRO, each rank's own dry run against that rank: "
+              f"{doc['zero_rank_by_rank_max_abs_err_pct']}% (rank 0, the answers', holds the most in every ZeRO "
+              f"case: {doc['zero_rank0_holds_most']})")
         print(f"{big['recipe']}: {big['cpu_s']} s CPU ({big['wall_s']} s wall; depth {big['depth']}), rank peak "
               f"{big['rank_peak_mib']} MiB, after load {big['rank_after_load_mib']} MiB (target 60 s)")
         if args.unsloth:

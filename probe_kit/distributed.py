@@ -68,9 +68,9 @@ import torch
 from .recipe import RecipeError
 
 @contextlib.contextmanager
-def fake_group(world_size: int) -> Iterator[object]:
-    """Rank 0 of a fake process group of ``world_size`` ranks, and its one-dimensional device mesh
-    (made with real tensors: a mesh reads its ranks' values). Torn down on the way out, with what
+def fake_group(world_size: int, rank: int = 0) -> Iterator[object]:
+    """Rank ``rank`` (the answers' is 0) of a fake process group of ``world_size`` ranks, and its
+    one-dimensional device mesh (made with real tensors: a mesh reads its ranks' values). Torn down on the way out, with what
     ZeRO leaves behind in the process (``torch.nn.functional.linear``, which ZeRO-3 swaps for its
     own for good, so that a later dry run in the same process would run it too; ``LOCAL_RANK``)."""
     import torch.distributed as dist
@@ -80,7 +80,7 @@ def fake_group(world_size: int) -> Iterator[object]:
 
     if dist.is_initialized():
         raise RecipeError("a process group is initialised already: the dry run makes its own")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     linear, local_rank = F.linear, os.environ.get("LOCAL_RANK")
     try:
         yield init_device_mesh("cpu", (world_size,))

@@ -266,15 +266,17 @@ def dry_run(cfg: ProbeConfig, *, multimodal: Optional[bool] = None, budget_mib: 
 
 
 def _fake_step(cfg: ProbeConfig, config, budget_mib: Optional[float], marks: Optional[int] = None,
-               trace: bool = False) -> dict:
+               trace: bool = False, world_rank: int = 0) -> dict:
     """The model built from ``config`` under fake tensors, the recipe applied, the step run and
     measured. With ``marks`` (the config's number of layers), each phase's peak too; with
-    ``trace``, the device allocations and frees in order (``TrackerMeter.record_trace``)."""
+    ``trace``, the device allocations and frees in order (``TrackerMeter.record_trace``); on
+    several GPUs, the step of rank ``world_rank`` (the answers' is rank 0; ZeRO's partitions end
+    where they end, so its ranks can differ: ``benchmarks/multi_gpu.py`` runs each)."""
     from transformers import AutoModelForCausalLM
 
     from .distributed import fake_group, fsdp_offload, rank_train_step, shard
 
-    group = fake_group(cfg.gpus) if cfg.gpus > 1 else contextlib.nullcontext()
+    group = fake_group(cfg.gpus, world_rank) if cfg.gpus > 1 else contextlib.nullcontext()
     with group as mesh, fake_world(), contextlib.ExitStack() as offloading:
         torch.manual_seed(cfg.seed)
         model = AutoModelForCausalLM.from_config(config, dtype=weights_dtype(cfg))
