@@ -338,10 +338,13 @@ def test_vram_estimate_with_cpu_offload_answers_the_card_and_the_host(tmp_path, 
     code, out, err = _estimate(capsys, *argv)
     assert code == 0 and "computing" not in err
     assert out.splitlines()[0].endswith("on each of 2 GPUs (fsdp, CPU offload), per GPU")
-    assert "host RAM: CPU offload holds up to" in out
+    assert "host RAM: CPU offload holds up to" in out and "--cpu-offload answers that run" not in out
     # Without the offload the same world is a dry run of its own.
     code, out, err = _estimate(capsys, *argv[:-5], "--gpu", "rtx-4090", "--cache", cache, "--json")
     assert code == 0 and "computing 1 dry runs" in err and json.loads(out)["rank_host_ram_mib"] is None
+    # Where FSDP alone does not fit, the answer names the offload that might.
+    code, out, err = _estimate(capsys, *argv[:-5], "--budget-mib", "1", "--cache", cache)
+    assert code == 0 and "WON'T FIT" in out and "--cpu-offload answers that run" in out
 
 
 def test_vram_estimate_refuses_cpu_offload_without_fsdp_in_one_line(capsys, tmp_path):

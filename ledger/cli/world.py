@@ -193,6 +193,11 @@ def print_ranks(doc: dict, headline: str, width: int = 100) -> None:
         if a["gpu"]:
             print(textwrap.fill(f"{a['why']} ({a['limit_source']})", width, initial_indent="    ",
                                 subsequent_indent="      "))
+    short = doc["rank_status"] == "oom" if a is None else a["gpu"] and a["verdict"] in ("won't fit", "tight")
+    if short and doc["strategy"].startswith("fsdp") and not doc.get("cpu_offload"):
+        print(textwrap.fill("FSDP's CPU offload keeps each rank's sharded parameters, gradients and optimizer state "
+                            "in host RAM: --cpu-offload answers that run (the card's figure and the host RAM)", width,
+                            initial_indent="    ", subsequent_indent="      "))
     print(textwrap.fill(doc["not_counted"], width, initial_indent="    ", subsequent_indent="      "))
     u = doc.get("unsloth_studio")
     if u:
