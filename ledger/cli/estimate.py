@@ -17,7 +17,7 @@ from .question import (BUDGET_CARD, add_card_option, add_dry_runs_option, card_f
 from .compute import add_compute_option, ensure_dry_runs
 from ledger.report.dry_board import unsloth_pool
 
-from .world import add_world_options, estimate_ranks, print_ranks, world_of
+from .world import add_world_options, estimate_ranks, print_ranks, world_of, world_words
 from .options import (Command, add_batch_option, add_json_option, add_ledger_option, add_method_option,
                       add_optimizer_option, add_recipe_options, add_run_option, dump_json)
 
@@ -163,8 +163,8 @@ def _headline(args: argparse.Namespace, arch, question, optimizer, gpu) -> str:
              "overhead taken off)" if args.budget_mib is not None else "")
           + (" (--response-len ignored: without logits_to_keep every position's logits are made)"
              if args.response_len is not None and not keeps_logits(fixes) else "")
-          + (f", on each of {question.gpus} GPUs ({question.strategy}"
-             + (", CPU offload" if question.cpu_offload else "") + "), per GPU" if question.gpus > 1 else ""))
+          + (f", on each of {question.gpus} GPUs ({world_words(question.memory_fields())}), per GPU"
+             if question.gpus > 1 else ""))
 
 
 def _allocator_lines(recipe, conf_text: str) -> list[str]:

@@ -14,7 +14,7 @@ from ledger.vocab.optimizers import optimizer_for
 from ledger.vocab.recipe import Recipe, fixes_key, fixes_value, parse_fixes
 from .question import BUDGET_CARD, add_card_option, add_dry_runs_option, card_from, dry_rows, predictor_for, require_model
 from .compute import add_compute_option, compute_points, model_for_rows
-from .world import add_world_options, cell_label, fit_ranks, world_of
+from .world import add_world_options, cell_label, fit_ranks, world_of, world_words
 from .options import Command, add_json_option, add_ledger_option, add_method_option, add_optimizer_option, dump_json
 
 
@@ -289,7 +289,7 @@ def _world_table(args: argparse.Namespace, ledger, gpu: str, entry, world: dict)
     each for a tiny model, some for a 70B)."""
     import argparse as _argparse
 
-    gpus, strategy = world["gpus"], world["strategy"]
+    gpus = world["gpus"]
     if args.method == "full":
         raise UserError(Issue("--gpus", "", "the per-GPU table is LoRA's (ranks): a full fine-tune on several GPUs "
                               "is answered one length at a time by `vram estimate --method full --gpus N`"))
@@ -315,8 +315,7 @@ def _world_table(args: argparse.Namespace, ledger, gpu: str, entry, world: dict)
         return 0
     first = next(iter(next(iter(tables.values())).values()))[0]
     where = f"{gpus} GPUs of a budget" if gpu == BUDGET_CARD else f"{gpus} {gpu}"
-    strategy += ", CPU offload" if world["cpu_offload"] else ""
-    print(f"{name} on each of {where} ({strategy}): the largest LoRA rank per GPU whose training run fits "
+    print(f"{name} on each of {where} ({world_words(world)}): the largest LoRA rank per GPU whose training run fits "
           f"(tight: the interval reaches past the limit); limit {first['limit']}")
     for q, settings in tables.items():
         print(f"\n{q}, {run_words(fixes, optimizer_for(fixes, args.optim))}, per GPU")
