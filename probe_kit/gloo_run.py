@@ -14,6 +14,7 @@ import json
 import os
 import socket
 import sys
+import time
 
 import torch
 
@@ -29,6 +30,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def settle(meter: TrackerMeter, barrier=None, quiet_s: float = 0.06, limit_s: float = 5.0) -> None:
+    """Wait until what the strategy's start-up collectives used is freed. DDP's start-up broadcast
+    (``init_sync``) flattens the module's states into one buffer a dtype; the main thread usually
+    frees it as the broadcast returns, but when the process group's worker thread still holds the
+    collective then, the worker frees it a moment later (seen under load: 0.25 MiB of LoRA weights
+    still counted at one rank's pre-step). After a barrier, the count must stay unchanged for
+    ``quiet_s`` (at most ``limit_s`` in all). ``barrier``: the group's (``dist.barrier``)."""
+    if barrier is None:
+        import torch.distributed as dist
+
+        barrier = dist.barrier
+    barrier()
+    start = quiet_since = time.monotonic()
+    last = meter.live_bytes
+    while time.monotonic() - quiet_since < quiet_s and time.monotonic() - start < limit_s:
+        time.sleep(0.01)
+        if meter.live_bytes != last:
+            last, quiet_since = meter.live_bytes, time.monotonic()
 
 
 def real_step(rank: int, world_size: int, port: int, cfg, strategy: str, out) -> None:
@@ -57,6 +78,7 @@ def real_step(rank: int, world_size: int, port: int, cfg, strategy: str, out) ->
             ids = synthetic_batch(cfg, vocab, torch.device("cpu"))
             model = shard(model, strategy, mesh, fake=False, optimizer=cfg.optimizer, batch=cfg.batch_size,
                           cpu_offload=cfg.cpu_offload)
+            settle(meter)
             with fsdp_offload(model, meter.never_count) if cfg.cpu_offload else contextlib.nullcontext():
                 after_load = meter.allocated_mib()  # what the rank holds once the strategy has the model (and the batch)
                 meter.reset_peak()

@@ -97,13 +97,21 @@ class HostWatchdog:
         self._thread: Optional[threading.Thread] = None
         self._previous_handler = None
 
+    def _sample(self) -> bool:
+        """Read RSS once; True when it is past the cap."""
+        rss = rss_bytes()
+        self.peak_rss = max(self.peak_rss, rss)
+        return self.cap is not None and rss > self.cap
+
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            rss = rss_bytes()
-            self.peak_rss = max(self.peak_rss, rss)
-            if self.cap is not None and rss > self.cap and not self.fired:
+        # The first sample is taken at once, not an interval in: a step shorter than the interval
+        # is still watched.
+        while True:
+            if self._sample() and not self.fired:
                 self.fired = True
                 _thread.interrupt_main(_WATCHDOG_SIGNAL)
+            if self._stop.wait(self.interval):
+                return
 
     def __enter__(self) -> "HostWatchdog":
         if self.cap is not None:
@@ -114,12 +122,19 @@ class HostWatchdog:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        if self._previous_handler is not None:
-            signal.signal(_WATCHDOG_SIGNAL, self._previous_handler)
+    def __exit__(self, exc_type, *exc) -> None:
+        try:
+            self._stop.set()
+            if self._thread is not None:
+                self._thread.join()
+            # A last sample on the way out, and a fire whose interruption has not landed yet (the
+            # block ended first): the cap was passed inside the block either way.
+            over = self._sample()
+            if self.cap is not None and exc_type is None and (over or self.fired):
+                raise HostRamExceeded()
+        finally:
+            if self._previous_handler is not None:
+                signal.signal(_WATCHDOG_SIGNAL, self._previous_handler)
 
 
 # -- the probe ----------------------------------------------------------------------------

@@ -410,3 +410,28 @@ def test_a_dry_run_can_be_any_ranks_and_zero2s_ranks_differ_where_its_partitions
     assert ranks[1]["peak_mib"] < ranks[0]["peak_mib"] < 1.01 * ranks[1]["peak_mib"]
     # Both hold the same after load (but the few KiB a process allocates once, in the first dry run).
     assert ranks[0]["after_load_mib"] == pytest.approx(ranks[1]["after_load_mib"], abs=4 / 1024)
+
+
+def test_a_buffer_a_worker_thread_frees_late_is_waited_for():
+    # The gloo run's figures are taken once the start-up collectives' buffers are gone, even when
+    # the process group's worker thread, not the main one, frees the last of them a moment later.
+    import threading
+    import time
+
+    from probe_kit.gloo_run import settle
+
+    meter = TrackerMeter()
+    with meter:
+        held = [torch.empty(1 << 18, dtype=torch.float32)]
+    before = meter.live_bytes
+    assert before >= 1 << 20
+
+    def worker():
+        time.sleep(0.03)
+        held.clear()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    settle(meter, barrier=lambda: None, quiet_s=0.5)
+    assert meter.live_bytes == 0, meter.live_bytes
+    thread.join()
