@@ -56,8 +56,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.oom_pairs:
         return oom_pairs(args)
-    from probe_kit.allocator import RESET_PEAK, replay
-    from probe_kit.dry_run import allocation_trace, vision_mib
+    from probe_kit.allocator import replay, with_held
+    from probe_kit.dry_run import allocation_trace
     from probe_kit.recipe import ProbeConfig, parse_fixes
 
     lg = store.load(REPO / "ledger" / "vram.json")
@@ -71,9 +71,7 @@ def main() -> None:
                           dropout=m.lora.dropout or 0.0, dora=bool(m.lora.dora), quant=m.quant, seq_len=m.seq_len,
                           response_len=m.response_len, fixes=parse_fixes(m.memory_fixes or "all"))
         with contextlib.redirect_stdout(io.StringIO()):
-            trace, raw = allocation_trace(cfg)
-        vision = int(vision_mib(cfg.model, cfg.quant) * MIB)
-        trace = [vision] + [e if e >= 0 or e <= RESET_PEAK else e - 1 for e in trace]  # the tower: allocation 0
+            trace, raw = allocation_trace(cfg, vision=True)  # the vision tower: allocation 0
         t0 = time.process_time()
         # The memory free for PyTorch when the probe ran, where the row records it (a small card's
         # reserved figure is shaped by the allocator's OOM path: it releases its cache and retries).
@@ -102,12 +100,7 @@ def main() -> None:
         others = [r["measured_allocated_mib"] - r["simulated_allocated_mib"] for r in out
                   if r["gpu"] == row["gpu"] and r["id"] != row["id"]]
         rem = statistics.median(others) if others else 0.0
-        trace = traces[row["id"]]
-        at = trace.index(RESET_PEAK)
-        n = sum(1 for e in trace[:at] if e >= 0)
-        held = trace[:at] + [int(max(rem, 0) * MIB)] + [e if e >= 0 or e <= RESET_PEAK or -e - 1 < n else e - 1
-                                                         for e in trace[at:]]
-        sim = replay(held)
+        sim = replay(with_held(traces[row["id"]], int(max(rem, 0) * MIB)))
         err = (sim.peak_reserved / MIB - row["measured_reserved_mib"]) / row["measured_reserved_mib"] * 100
         ratios = [r["measured_ratio"] for r in out if r["gpu"] == row["gpu"] and r["id"] != row["id"]]
         by_ratio = row["measured_allocated_mib"] * statistics.median(ratios) if ratios else None
@@ -149,8 +142,8 @@ def main() -> None:
 
 def oom_pairs(args) -> None:
     """The module docstring's ``--oom-pairs``."""
-    from probe_kit.allocator import RESET_PEAK, oom_capacity
-    from probe_kit.dry_run import allocation_trace, vision_mib
+    from probe_kit.allocator import oom_capacity
+    from probe_kit.dry_run import allocation_trace
     from probe_kit.recipe import ProbeConfig, parse_fixes
 
     lg = store.load(REPO / "ledger" / "vram.json")
@@ -165,9 +158,7 @@ def oom_pairs(args) -> None:
                           dropout=m.lora.dropout or 0.0, dora=bool(m.lora.dora), quant=m.quant, seq_len=m.seq_len,
                           response_len=response, fixes=parse_fixes("all"))
         with contextlib.redirect_stdout(io.StringIO()):
-            trace, raw = allocation_trace(cfg)
-        trace = [int(vision_mib(cfg.model, cfg.quant) * MIB)] + [e if e >= 0 or e <= RESET_PEAK else e - 1
-                                                                  for e in trace]
+            trace, raw = allocation_trace(cfg, vision=True)
         t0 = time.process_time()
         fails_at, sim = oom_capacity(trace)
         row = {"id": m.id, "status": m.outcome.status, "rank": m.lora.rank, "dropout": bool(m.lora.dropout),

@@ -465,3 +465,27 @@ def oom_capacity(trace: list[int], conf: AllocConf = AllocConf(), step: int = K_
         else:
             hi = mid
     return lo, free
+
+
+def _shift_frees(events: list[int], made: int) -> list[int]:
+    """``events`` (a trace's tail) with one more allocation numbered ``made`` before them: a free
+    of an allocation numbered ``made`` or later names the next number."""
+    return [e if e >= 0 or e <= RESET_PEAK or -e - 1 < made else e - 1 for e in events]
+
+
+def with_first(trace: list[int], nbytes: int) -> list[int]:
+    """``trace`` with an allocation of ``nbytes`` made first and never freed (what the model's
+    loading places before the recorded weights: a multimodal model's vision tower)."""
+    return [int(nbytes)] + _shift_frees(trace, 0) if nbytes > 0 else list(trace)
+
+
+def with_held(trace: list[int], nbytes: int) -> list[int]:
+    """``trace`` with an allocation of ``nbytes`` made where the step starts (at its
+    ``RESET_PEAK``, just before it; at the end of the trace when there is none) and never freed: memory the step's
+    recorded tensors do not show but the card holds through it (the card's remainder, measured
+    less dry-run peak allocated), which the allocator places as it places any other."""
+    if nbytes <= 0:
+        return list(trace)
+    at = trace.index(RESET_PEAK) if RESET_PEAK in trace else len(trace)
+    made = sum(1 for e in trace[:at] if e >= 0)
+    return trace[:at] + [int(nbytes)] + _shift_frees(trace[at:], made)

@@ -330,17 +330,25 @@ def _fake_step(cfg: ProbeConfig, config, budget_mib: Optional[float], marks: Opt
     return out
 
 
-def allocation_trace(cfg: ProbeConfig, workspace_mib: float = CUBLAS_WORKSPACE_MIB) -> tuple[list[int], dict]:
+def allocation_trace(cfg: ProbeConfig, workspace_mib: float = CUBLAS_WORKSPACE_MIB,
+                     vision: bool = False) -> tuple[list[int], dict]:
     """The step's device allocations and frees in order, every layer run (a trace is not
     extrapolated in depth): the weights as loaded, then the cuBLAS workspaces (``CUBLAS_HANDLES``
     of ``workspace_mib``, made through the caching allocator when the step's first matmuls run, and
-    kept), then the recipe's preparation and the step. With the tracker's figures."""
+    kept), then the recipe's preparation and the step. With the tracker's figures. ``vision``: a
+    multimodal config's vision tower (``vision_mib``; loaded, never run) as the first allocation,
+    as the dry run's figure counts it."""
+    from .allocator import with_first
+
     config = load_config(cfg.model)
     raw = _fake_step(cfg, config, None, trace=True)
     trace, loaded = raw.pop("trace"), raw.pop("loaded_at")
     made = sum(1 for e in trace[:loaded] if e >= 0)  # allocations before the workspaces keep their numbers
     shifted = [e if e >= 0 or e <= RESET_PEAK or -e - 1 < made else e - CUBLAS_HANDLES for e in trace[loaded:]]
-    return trace[:loaded] + [int(round(workspace_mib * MIB))] * CUBLAS_HANDLES + shifted, raw
+    trace = trace[:loaded] + [int(round(workspace_mib * MIB))] * CUBLAS_HANDLES + shifted
+    if vision:
+        trace = with_first(trace, int(vision_mib(cfg.model, cfg.quant) * MIB))
+    return trace, raw
 
 
 def predict(cfg: ProbeConfig, *, gpu: Optional[str] = None, ledger: Optional[str] = None,
@@ -513,7 +521,8 @@ def main(argv=None) -> int:
                 answer = predictor.judge_dry(cfg.recipe(), outcome["peak_allocated_mib"], gpu, entry=entry,
                                              budget_mib=args.budget_mib) if outcome["peak_allocated_mib"] else None
             if args.simulate_allocator or args.alloc_conf:
-                breakdown["allocator"] = simulate_allocator(cfg, conf, args.alloc_conf or "")
+                breakdown["allocator"] = simulate_allocator(cfg, conf, args.alloc_conf or "",
+                                                            vision=multimodal is not False)
             result["doc"] = {"measurement": m.model_dump(mode="json", exclude_none=True), "breakdown": breakdown,
                              "answer": answer.model_dump(mode="json") if answer else None}
             if args.append:
@@ -567,19 +576,25 @@ def _alloc_conf(text: Optional[str]):
         raise RecipeError(f"--alloc-conf: {exc}") from None
 
 
-def simulate_allocator(cfg: ProbeConfig, conf, text: str = "", trace: Optional[list[int]] = None) -> dict:
+def simulate_allocator(cfg: ProbeConfig, conf, text: str = "", trace: Optional[list[int]] = None,
+                       held_mib: float = 0.0, vision: bool = True) -> dict:
     """The step's allocation trace replayed through the caching allocator's model: peak reserved,
     the largest free cached block at that peak, and (by bisection on the simulated device's
     capacity, in 2 MiB steps) the largest memory free for PyTorch at which the step raises an
-    OOM. ``trace``: the step's, made already (``allocation_trace``). The figures are the caching allocator's alone: the CUDA context and other processes'
-    memory come on top."""
-    from .allocator import oom_capacity
+    OOM. ``trace``: the step's, made already (``allocation_trace``); ``held_mib``: memory the card
+    holds through the step that the trace does not show (a card's remainder), one allocation from
+    the step's start; ``vision``: a multimodal config's vision tower loaded (``allocation_trace``).
+    The figures are the caching allocator's alone: the CUDA context and other
+    processes' memory come on top."""
+    from .allocator import oom_capacity, with_held
 
     t0 = time.process_time()
     if trace is None:
-        trace, _ = allocation_trace(cfg)
+        trace, _ = allocation_trace(cfg, vision=vision)
+    trace = with_held(trace, int(held_mib * MIB))
     fails_at, sim = oom_capacity(trace, conf)
-    return {"conf": text, "events": len(trace), "peak_allocated_mib": round(sim.peak_allocated / MIB, 1),
+    return {"conf": text, "held_mib": round(max(held_mib, 0.0), 1), "events": len(trace),
+            "peak_allocated_mib": round(sim.peak_allocated / MIB, 1),
             "peak_reserved_mib": round(sim.peak_reserved / MIB, 1),
             "reserved_over_allocated": round(sim.peak_reserved / sim.peak_allocated, 4) if sim.peak_allocated else None,
             "largest_free_at_peak_mib": round(sim.largest_free_at_peak / MIB, 1), "segments": sim.segments,

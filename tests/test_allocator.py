@@ -157,19 +157,72 @@ def test_expandable_segments_replay_a_trace_that_grows_frees_and_grows_again():
     assert a.peak_reserved % (2 * MIB) == 0 and a.peak_reserved >= a.peak_allocated
 
 
-def test_estimate_says_what_an_alloc_conf_changes(capsys):
+def test_estimate_simulates_the_allocator_with_the_cards_remainder_and_leans_safe(capsys, tmp_path, monkeypatch):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from ledger import cli
-    from ledger.cli.estimate import _allocator_lines
-    from ledger.vocab.recipe import Recipe
+    import json
 
-    lines = _allocator_lines(Recipe(model="tiny-llama", rank=8, quant="bf16", seq_len=256, fixes="none",
-                                    optimizer="adamw_torch"), "expandable_segments:True")
-    assert "PyTorch's defaults: peak reserved" in lines[1] and "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in lines[2]
-    assert "MiB reserved, the OOM point" in lines[3]
-    capsys.readouterr()
+    from ledger import cli
+
+    monkeypatch.setenv("VRAM_LEDGER_CACHE", str(tmp_path))
+    base = ["estimate", "--model", "tiny-llama", "--rank", "8", "--seq-len", "256", "--json"]
+    assert cli.main(base + ["--gpu", "rtx-3060-ti", "--alloc-conf", "expandable_segments:True"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    sim, answer = doc["allocator"], doc["answer"]
+    assert [run["conf"] for run in sim["runs"]] == ["", "expandable_segments:True"]
+    # The card's remainder is held through the step: the simulation's peak allocated is the
+    # answer's figure (dry run + remainder), and reserved at least that.
+    assert sim["held_mib"] > 100 and "rtx-3060-ti" in sim["held_source"]
+    figure = answer["real_allocated"]["mib"]
+    for run in sim["runs"]:
+        assert run["peak_allocated_mib"] == pytest.approx(figure, abs=1.0)
+        assert run["peak_reserved_mib"] >= run["peak_allocated_mib"] and run["oom_below_mib"] < run["peak_reserved_mib"]
+    assert sim["verdict"] == sim["verdict_leaning_safe"] == answer["verdict"] == "fits"
+    low, high = sim["free_for_pytorch_mib"]
+    assert low < high and "CUDA context" in sim["free_source"]
+    # A card that leaves PyTorch about the step's OOM point: the simulation says so, and the
+    # answer leans on the worse verdict.
+    for total, expected in ((1200, "tight"), (900, "won't fit")):
+        assert cli.main(base + ["--gpu-mib", str(total), "--simulate-allocator"]) == 0
+        sim = json.loads(capsys.readouterr().out)["allocator"]
+        assert sim["verdict"] == expected and len(sim["runs"]) == 1
+        assert sim["verdict_leaning_safe"] in (expected, "won't fit")
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--gpu", "mac-16gb"], "--simulate-allocator: mac-16gb is a Mac: the simulation is of CUDA's"),
+    (["--gpu", "rtx-4090", "--gpus", "2", "--strategy", "ddp"],
+     "--simulate-allocator: the allocator's simulation is one GPU's (without --gpus)"),
+])
+def test_estimate_refuses_a_simulation_it_cannot_make_in_one_line(capsys, extra, message):
+    from ledger import cli
+
+    base = ["estimate", "--model", "qwen2.5-0.5b", "--rank", "8", "--seq-len", "512", "--no-compute",
+            "--simulate-allocator"]
+    assert cli.main(base + extra) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(message) and "\n" not in err
+
+
+def test_estimate_refuses_an_alloc_conf_pytorch_would_refuse(capsys):
+    from ledger import cli
+
     base = ["estimate", "--model", "qwen2.5-0.5b", "--rank", "8", "--seq-len", "512", "--no-compute"]
     assert cli.main(base + ["--alloc-conf", "max_split_size_mb:2"]) == 1
     err = capsys.readouterr().err.strip()
     assert err == "--alloc-conf: max_split_size_mb: 2 is below the allocator's minimum of 20"
+
+
+def test_memory_held_through_the_step_and_loaded_first_keep_every_free_pointing_at_its_allocation():
+    from probe_kit.allocator import with_first, with_held
+
+    trace = [30 * MIB, 5 * MIB, -1, RESET_PEAK, 4 * MIB, -2, -3]
+    held = with_held(trace, 8 * MIB)
+    assert held == [30 * MIB, 5 * MIB, -1, 8 * MIB, RESET_PEAK, 4 * MIB, -2, -4]
+    base, more = replay(trace), replay(held)
+    assert more.peak_allocated == base.peak_allocated + 8 * MIB
+    assert with_held([1 * MIB, -1], 2 * MIB) == [1 * MIB, -1, 2 * MIB]  # no reset: held from the end
+    first = with_first(trace, 3 * MIB)
+    assert first == [3 * MIB, 30 * MIB, 5 * MIB, -2, RESET_PEAK, 4 * MIB, -3, -4]
+    assert replay(first).peak_allocated == base.peak_allocated + 3 * MIB
+    assert with_held(trace, 0) == with_first(trace, 0) == trace

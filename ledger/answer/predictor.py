@@ -127,6 +127,7 @@ class Predictor:
         self.cores: dict = {}
         # What other parts ask of a predictor, by the names they know.
         self.card_limit, self.reserved_ratio = self.limits.card_limit, self.limits.reserved_ratio
+        self.free_for_pytorch = self.limits.free_for_pytorch
         self.remainder, self.dry_raw, self.dry_exact = self.dry_cal.remainder, self.table.raw, self.table.exact
         self.probe_to_real = self.span.probe_to_real
 

@@ -52,18 +52,30 @@ class CardLimits:
         d = self.derive_rule()
         if d is None:
             return None, None, f"no measured card to derive {gpu}'s limit from: give --budget-mib"
-        low_usable = high_usable = usable
-        basis = f"{usable} MiB usable (card table)"
-        if derives_usable(entry):
-            rule = usable_ratio()
-            low_usable, high_usable = rule.usable_mib(entry.total_mib)
-            basis = f"{low_usable}–{high_usable} MiB usable ({entry.total_mib:g} MiB total; {rule.describe()})"
+        low_usable, high_usable, basis = _usable(entry, usable)
         low = (low_usable - d["context_high_mib"]) / d["ratio_high"]
         high = (high_usable - d["context_low_mib"]) / d["ratio_low"]
         return round(low, 1), round(min(high, high_usable), 1), (
             f"{basis} less the CUDA context ({d['context_low_mib']:.0f}–{d['context_high_mib']:.0f} MiB), over "
             f"reserved/allocated ({d['ratio_low']:.3f}–{d['ratio_high']:.3f}), as measured on "
             f"{', '.join(self.overheads['cards'])}")
+
+    def free_for_pytorch(self, gpu: str, entry: Optional[Gpu]) -> tuple[Optional[float], Optional[float], str]:
+        """(low, high, where from) of the memory a card leaves PyTorch's caching allocator: its
+        usable memory (the card table's, or derived from its total) less the CUDA context measured
+        on the ledger's cards (``derive_rule``): what a simulated OOM point is judged against. None
+        ends on a Mac (the MPS allocator is not the CUDA one) or where nothing pins them."""
+        if is_mac(entry):
+            return None, None, f"{gpu} is a Mac: the MPS allocator is not CUDA's caching allocator"
+        usable = capacity_mib(entry)
+        d = self.derive_rule()
+        if usable is None or d is None:
+            return None, None, (f"no usable memory known for {gpu}" if usable is None
+                                else "no measured card pins the CUDA context")
+        low_usable, high_usable, basis = _usable(entry, usable)
+        return (round(low_usable - d["context_high_mib"], 1), round(high_usable - d["context_low_mib"], 1),
+                f"{basis} less the CUDA context ({d['context_low_mib']:.0f}–{d['context_high_mib']:.0f} MiB, as "
+                f"measured on {', '.join(self.overheads['cards'])})")
 
     def _mac_limit(self, entry: Gpu) -> tuple[Optional[float], Optional[float], str]:
         """A Mac: Metal's recommended working set (``MPS_WORKING_SET`` of its unified memory), over
@@ -163,3 +175,13 @@ class CardLimits:
     def _gone(self) -> set:
         """The rows this fit leaves out besides its base's."""
         return self.fit.exclude - self.base.fit.exclude if self.base else set()
+
+
+def _usable(entry: Gpu, usable: float) -> tuple[float, float, str]:
+    """(low, high, where from) of a card's usable memory: the card table's figure, or derived from
+    its total (``usable_ratio``) where the table has only that."""
+    if derives_usable(entry):
+        rule = usable_ratio()
+        low, high = rule.usable_mib(entry.total_mib)
+        return low, high, f"{low}–{high} MiB usable ({entry.total_mib:g} MiB total; {rule.describe()})"
+    return usable, usable, f"{usable} MiB usable (card table)"
