@@ -55,7 +55,7 @@ import torch._meta_registrations as _meta
 from ledger.storage import store
 from ledger.core.paths import DEFAULT_LEDGER
 from ledger.vocab.recipe import fixes_key, fixes_value
-from ledger.core.models import MAX_MIB, Environment, Measurement, Outcome, Provenance
+from ledger.core.models import MAX_MIB, Environment, Measurement, Outcome, Provenance, SimulatedAllocator
 
 from .allocator import EMPTY_CACHE, RESET_PEAK
 from .depth import depth_plan, extrapolate, phase_marks, phase_peaks, with_layers
@@ -434,13 +434,22 @@ def measurement(cfg: ProbeConfig, outcome: dict, breakdown: dict, gpu: Optional[
         outcome=Outcome(status=outcome["status"], after_load_mib=outcome["after_load_mib"],
                         pre_step_mib=outcome["pre_step_mib"], peak_allocated_mib=outcome["peak_allocated_mib"],
                         peak_reserved_mib=outcome["peak_reserved_mib"], result_text=outcome.get("result_text"),
-                        host_peak_mib=outcome.get("host_peak_mib"),
+                        host_peak_mib=outcome.get("host_peak_mib"), allocator=simulated(breakdown.get("allocator")),
                         oom=parse_oom_message(outcome["oom_message"]) if outcome["oom_message"] else None),
         environment=Environment(python=v["python"], torch=v["torch"], transformers=v["transformers"], peft=v["peft"],
                                 bitsandbytes=v["bitsandbytes"], device="fake cpu", meter="tracker"),
         provenance=Provenance(source="probe_kit.dry_run (fake tensors)", measured_on=dt.date.today(), inferred=True,
                               notes=["Predicted under fake tensors, not measured. Breakdown: " + json.dumps(breakdown)]),
     )
+
+
+def simulated(sim: Optional[dict]) -> Optional[SimulatedAllocator]:
+    """``simulate_allocator``'s figures as a dry-run row records them (nothing held: a card's
+    remainder is the answer's, per card)."""
+    if not sim or sim.get("held_mib"):
+        return None
+    return SimulatedAllocator(conf=sim["conf"] or None, peak_allocated_mib=sim["peak_allocated_mib"],
+                              peak_reserved_mib=sim["peak_reserved_mib"], oom_below_mib=sim["oom_below_mib"])
 
 
 def _predictor(ledger: Optional[str]):
@@ -511,6 +520,9 @@ def main(argv=None) -> int:
                                              multimodal=multimodal)
                 return
             outcome, breakdown = predict(cfg, multimodal=multimodal, full_depth=args.full_depth)
+            if args.simulate_allocator or args.alloc_conf:
+                breakdown["allocator"] = simulate_allocator(cfg, conf, args.alloc_conf or "",
+                                                            vision=multimodal is not False)
             m = measurement(cfg, outcome, breakdown, None, args.id)
             if cfg.method == "full":  # judged as every full fine-tuning answer is, from this very row
                 from ledger.answer.full_ft import FullAnswers
@@ -520,9 +532,6 @@ def main(argv=None) -> int:
             else:
                 answer = predictor.judge_dry(cfg.recipe(), outcome["peak_allocated_mib"], gpu, entry=entry,
                                              budget_mib=args.budget_mib) if outcome["peak_allocated_mib"] else None
-            if args.simulate_allocator or args.alloc_conf:
-                breakdown["allocator"] = simulate_allocator(cfg, conf, args.alloc_conf or "",
-                                                            vision=multimodal is not False)
             result["doc"] = {"measurement": m.model_dump(mode="json", exclude_none=True), "breakdown": breakdown,
                              "answer": answer.model_dump(mode="json") if answer else None}
             if args.append:

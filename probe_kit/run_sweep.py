@@ -58,7 +58,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 #: Sweep options that are not probe options.
-SWEEP_KEYS = {"name", "device", "timeout_s", "gpu", "host_ram_cap_gib", "ray_resources"}
+SWEEP_KEYS = {"name", "device", "timeout_s", "gpu", "host_ram_cap_gib", "ray_resources", "simulate_allocator"}
 #: Options of one point that are not probe options: the card it is for (its ledger key) and, on a
 #: Ray cluster, the resources its task needs (``{"RTX_4090" = 1}``: a node started with that
 #: resource; see probe_kit.cluster).
@@ -107,6 +107,9 @@ class Sweep:
     resources: dict
     base: dict
     points: list[Point] = field(default_factory=list)
+    #: A dry-run sweep's rows also replay the step through the caching allocator's model
+    #: (``outcome.allocator``); a row of the ledger without it is run again and replaced.
+    simulate_allocator: bool = False
 
 
 def _config(options: dict, where: str) -> ProbeConfig:
@@ -153,7 +156,13 @@ def load_sweep(path: str) -> Sweep:
         timeout_s=float(head.get("timeout_s", 1800)), gpu=head.get("gpu"),
         host_ram_cap_gib=head.get("host_ram_cap_gib"), axes=axes, base=base,
         resources=_resources(head.get("ray_resources", {}), path, "sweep.ray_resources"),
+        simulate_allocator=head.get("simulate_allocator", False),
     )
+    if not isinstance(sweep.simulate_allocator, bool):
+        raise UserError(Issue(path, "sweep.simulate_allocator", "must be true or false"))
+    if sweep.simulate_allocator and sweep.device != "dry":
+        raise UserError(Issue(path, "sweep.simulate_allocator", "simulates a dry run's allocations: needs "
+                              'device = "dry" (a card\'s probe measures its reserved memory itself)'))
     combos: list[tuple[dict, str]] = []
     if axes:
         names = list(axes)
@@ -364,9 +373,12 @@ class DryRows:
     the sweep ends, is stopped by a signal or asks (``flush``): a process killed outright loses
     at most the last ``every_s`` seconds of dry runs, which ``--resume`` runs again."""
 
-    def __init__(self, ledger: str, every_s: float = 30.0):
+    def __init__(self, ledger: str, every_s: float = 30.0, replace: frozenset = frozenset()):
         self.ledger = ledger
         self.every_s = every_s
+        #: Ids whose row in the ledger this sweep's row replaces (the same dry run, now with what
+        #: the old row lacks: the allocator's simulation).
+        self.replace = replace
         self.pending: list[Measurement] = []
         self.gpus: dict[str, Gpu] = {}
         self.last = time.monotonic()
@@ -385,6 +397,13 @@ class DryRows:
         rows, self.pending = self.pending, []
         gpus, self.gpus = self.gpus, {}
         self.last = time.monotonic()
+        swap = {m.id: m for m in rows if m.id in self.replace}
+        if swap:
+            rows = [m for m in rows if m.id not in swap]
+
+            def change(lg):
+                lg.measurements = [swap.pop(m.id, m) for m in lg.measurements] + list(swap.values())
+            store.update(self.ledger, change)
         if not rows:
             return
         try:
@@ -429,8 +448,15 @@ def run_dry_point(point: Point, sweep: Sweep, ledger: str, rows: Optional[DryRow
         why = f"the dry run failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         batch.add(crashed_dry_row(point, sweep, why))
         return Result(point, "crashed", time.perf_counter() - t0, message=why)
+    if sweep.simulate_allocator:
+        from probe_kit.allocator import AllocConf
+        from probe_kit.dry_run import simulate_allocator
+
+        with contextlib.redirect_stdout(sys.stderr):
+            breakdown["allocator"] = simulate_allocator(cfg, AllocConf())
     m = measurement(cfg, outcome, breakdown, None, point.id)
-    m.provenance.source = f"probe_kit.run_sweep {sweep.path} ({point.where}): dry run under fake tensors"
+    m.provenance.source = f"probe_kit.run_sweep {sweep.path} ({point.where}): dry run under fake tensors" + (
+        ", its allocations replayed through probe_kit.allocator" if sweep.simulate_allocator else "")
     batch.add(m)
     return Result(point, m.outcome.status, time.perf_counter() - t0, breakdown["seconds"])
 
@@ -616,8 +642,13 @@ def main(argv=None) -> int:
             print(f"{len(points)} points", file=sys.stderr)
             return 0
         done: dict[str, str] = {}
+        replace: frozenset = frozenset()
         if Path(args.ledger).exists():
-            recorded = {m.id: m.outcome.status or "" for m in store.load(args.ledger).measurements}
+            rows = store.load(args.ledger).measurements
+            recorded = {m.id: m.outcome.status or "" for m in rows}
+            if sweep.simulate_allocator:  # a dry run recorded without the simulation is run again, and replaced
+                replace = frozenset(m.id for m in rows if m.outcome.allocator is None and m.outcome.status == "ok")
+                recorded = {k: v for k, v in recorded.items() if k not in replace}
             if args.resume:
                 done = recorded
             else:
@@ -628,7 +659,7 @@ def main(argv=None) -> int:
                                           "them"))
         return run_sweep(sweep, points, ledger=args.ledger, done=done, ceiling_axis=args.find_ceiling,
                          progress=not args.no_progress, start_rank=args.start_rank, cluster=cluster,
-                         write_every=args.write_every)
+                         write_every=args.write_every, replace=replace)
     except UserError as exc:
         for issue in exc.issues:
             print(str(issue), file=sys.stderr)
@@ -665,7 +696,7 @@ def fits(status: str, point: Point) -> bool:
 
 def run_sweep(sweep: Sweep, points: list[Point], *, ledger: str, done: dict[str, str],
               ceiling_axis: Optional[str] = None, progress: bool = True, start_rank: Optional[int] = None,
-              cluster=None, write_every: float = 30.0) -> int:
+              cluster=None, write_every: float = 30.0, replace: frozenset = frozenset()) -> int:
     """Run the points (or bisect ``ceiling_axis`` within each group of them), appending to
     ``ledger``; points in ``done`` are skipped. With ``cluster`` (``probe_kit.cluster.Cluster``)
     each point runs as a Ray task and this process appends what comes back. Returns the exit code."""
@@ -675,7 +706,7 @@ def run_sweep(sweep: Sweep, points: list[Point], *, ledger: str, done: dict[str,
     bar = tqdm(total=len(points), unit="probe", disable=not progress, file=sys.stderr, dynamic_ncols=True)
     running: dict[str, Point] = {}
     # A probe run here writes its own row; one run on a cluster comes back to be written at once.
-    rows = DryRows(ledger, every_s=write_every if sweep.device == "dry" else 0.0)
+    rows = DryRows(ledger, every_s=write_every if sweep.device == "dry" else 0.0, replace=replace)
     t_start = time.perf_counter()
 
     def record(p: Point, r: Result) -> None:

@@ -226,3 +226,53 @@ def test_memory_held_through_the_step_and_loaded_first_keep_every_free_pointing_
     assert first == [3 * MIB, 30 * MIB, 5 * MIB, -2, RESET_PEAK, 4 * MIB, -3, -4]
     assert replay(first).peak_allocated == base.peak_allocated + 3 * MIB
     assert with_held(trace, 0) == with_first(trace, 0) == trace
+
+
+@pytest.mark.parametrize("held_mib", [37.3, 250.0, 1024.0])
+def test_a_remainder_held_through_the_step_adds_its_own_segment_to_the_simulated_reserved(held_mib):
+    # ledger.fit.dry_calibration.simulated_reserved, which the scoreboard's allocator-sim row reads
+    # off a dry-run row's simulation with nothing held, against the replay with the block held.
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from ledger.core.models import SimulatedAllocator
+    from ledger.fit.dry_calibration import simulated_reserved
+    from probe_kit.allocator import with_held
+    from probe_kit.dry_run import allocation_trace
+    from probe_kit.recipe import ProbeConfig
+
+    cfg = ProbeConfig(model="tiny-qwen2", rank=8, quant="4bit", random_weights=True, seq_len=512, response_len=16,
+                      fixes=[])
+    trace, _ = allocation_trace(cfg)
+    free = replay(trace)
+    sim = SimulatedAllocator(peak_allocated_mib=free.peak_allocated / MIB, peak_reserved_mib=free.peak_reserved / MIB,
+                             oom_below_mib=0.0)
+    held = replay(with_held(trace, int(held_mib * MIB)))
+    assert abs(simulated_reserved(sim, sim.peak_allocated_mib + held_mib) - held.peak_reserved / MIB) <= 2.0
+
+
+def test_ceiling_checks_the_rank_that_fits_with_the_simulated_allocator(capsys, tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import json
+
+    from ledger import cli
+
+    monkeypatch.setenv("VRAM_LEDGER_CACHE", str(tmp_path))
+    assert cli.main(["ceiling", "--model", "tiny-llama", "--seq-len", "256", "--gpu-mib", "1400", "--max-rank", "64",
+                     "--simulate-allocator", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    sim = doc["allocator"]
+    assert doc["fits_rank"] == 64 and sim["fits_rank"] == 64
+    (one,) = sim["checked"]
+    assert one["rank"] == 64 and one["verdict"] == "fits" and one["runs"][0]["oom_below_mib"] < one["free_for_pytorch_mib"][0]
+
+
+@pytest.mark.parametrize("extra", [["--rank", "16"], ["--seq-len", "256", "--budget-mib", "9000"],
+                                   ["--seq-len", "256", "--gpus", "2", "--strategy", "ddp"]])
+def test_ceiling_refuses_a_simulation_it_cannot_check_in_one_line(capsys, extra):
+    from ledger import cli
+
+    assert cli.main(["ceiling", "--model", "qwen2.5-0.5b", "--gpu", "rtx-4090", "--no-compute", "--simulate-allocator",
+                     *extra]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("--simulate-allocator: the simulation checks a rank ceiling on one card") and "\n" not in err

@@ -167,6 +167,38 @@ def test_dry_run_rows_join_the_scoreboard():
     assert b["addressable"] == 44  # the dry run itself is not a measured row
 
 
+def test_the_allocator_simulated_joins_the_scoreboard_on_rows_that_measured_reserved():
+    import math
+
+    from ledger.core.models import Lora, Provenance, SimulatedAllocator
+    from ledger.storage.dry_runs import load_dry_runs
+    from ledger.answer.predictor import Predictor
+
+    lg = store.load(BUNDLED)
+    probe = next(m for m in lg.measurements if m.id == "rx-7900-xtx-4bit-fixes-all-r16-seq7177")
+    assert probe.outcome.peak_reserved_mib
+    sim = SimulatedAllocator(peak_allocated_mib=5551.5, peak_reserved_mib=6580.0, oom_below_mib=6578.0)
+    lg.measurements.append(Measurement(
+        id="dry-r16", kind="dry_run", model="gemma-3-4b-it", quant="4bit", lora=Lora(rank=16, dropout=0.0),
+        seq_len=7177, response_len=237, memory_fixes="all",
+        outcome=Outcome(status="ok", peak_allocated_mib=5551.5, allocator=sim), provenance=Provenance(inferred=True)))
+    dry_rows = [m for m in load_dry_runs() if m.seq_len != 7177 or m.lora.rank != 16 or m.memory_fixes != "all"
+                or m.quant != "4bit" or m.lora.dora or m.lora.dropout]
+    b = scoreboard(lg, dry_runs=dry_rows)
+    est = next(e for e in b["estimators"] if e["name"] == "allocator-sim")
+    assert est["predicts"] == "reserved"
+    (row,) = [r for r in est["rows"] if r["id"] == probe.id]
+    # The simulated reserved with the card's remainder, fitted without the probe, held in a
+    # segment of its own (rounded up to 2 MiB), against the probe's measured peak reserved.
+    rem, _ = Predictor(lg, dry_rows, exclude=[probe.id]).remainder(probe.gpu, "amd")
+    assert rem > 10
+    assert row["estimate_mib"] == pytest.approx(6580.0 + math.ceil(rem / 2) * 2, abs=0.1)  # (sim allocated = dry's)
+    assert row["measured_quantity"] == "reserved" and row["measured_mib"] == probe.outcome.peak_reserved_mib
+    # Only rows that measured a reserved figure are scored.
+    ids = {r["id"] for r in est["rows"]}
+    assert all(next(m for m in lg.measurements if m.id == i).outcome.peak_reserved_mib for i in ids)
+
+
 def test_estimate_json_keys_name_the_unit_they_hold(capsys):
     assert cli.main(["estimate", "--probe", "--model", "gemma-3-4b-it", "--rank", "16", "--seq-len", "7177", "--ledger",
                      str(BUNDLED), "--json"]) == 0
@@ -227,3 +259,32 @@ def test_the_scoreboard_on_arrays_is_the_per_row_loops():
         assert not any(e["rows"] for e in arrays["estimators"])
         assert figures(arrays) == figures(kept)
         assert sum(e["n"] for e in arrays["estimators"]) > 0
+
+
+def test_an_answers_reserved_figure_is_its_dry_runs_simulated_allocator_where_the_row_has_one():
+    from ledger.core.models import Lora, Provenance, SimulatedAllocator
+    from ledger.fit.dry_calibration import simulated_reserved
+    from ledger.storage.dry_runs import load_dry_runs
+    from ledger.answer.predictor import Predictor
+    from ledger.vocab.recipe import Recipe
+
+    lg = store.load(BUNDLED)
+    sim = SimulatedAllocator(peak_allocated_mib=5560.0, peak_reserved_mib=6600.0, oom_below_mib=6050.0)
+    same = lambda m: (m.seq_len == 7177 and m.lora.rank == 16 and m.memory_fixes == "all" and m.quant == "4bit"  # noqa: E731
+                      and not m.lora.dora and not m.lora.dropout and m.response_len == 237)
+    dry_rows = [m for m in load_dry_runs() if not same(m)]
+    dry_rows.append(Measurement(
+        id="dry-r16", kind="dry_run", model="gemma-3-4b-it", quant="4bit", lora=Lora(rank=16, dropout=0.0),
+        seq_len=7177, response_len=237, memory_fixes="all",
+        outcome=Outcome(status="ok", peak_allocated_mib=5551.5, allocator=sim), provenance=Provenance(inferred=True)))
+    p = Predictor(lg, dry_rows)
+    recipe = Recipe(model="gemma-3-4b-it", quant="4bit", rank=16, seq_len=7177, response_len=237, fixes="all")
+    a = p.predict(recipe, "rtx-3060-ti")
+    iv = a.probe_allocated
+    assert a.reserved.mib == round(simulated_reserved(sim, iv.mib), 1)
+    assert a.reserved.high_mib == round(simulated_reserved(sim, iv.high_mib), 1)
+    # A recipe whose row has no simulation: the card's reserved/allocated ratio, as before.
+    assert p.table.simulated(recipe.replace(rank=40)) is None
+    other = p.predict(recipe.replace(rank=40), "rtx-3060-ti")
+    ratio = p.reserved_ratio("rtx-3060-ti")
+    assert other.reserved.mib == pytest.approx(other.probe_allocated.mib * ratio[0], abs=0.2)

@@ -275,6 +275,37 @@ def test_a_dry_sweep_records_rows_without_a_card(tmp_path):
     assert len(store.load(ledger).measurements) == 2
 
 
+def test_a_dry_sweep_that_simulates_the_allocator_replaces_the_rows_recorded_without_it(tmp_path):
+    body = ('[base]\nmodel = "tiny-llama"\nrandom_weights = true\nseq_len = 64\nresponse_len = 8\n'
+            '[axes]\nrank = [4, 8]\n')
+    plain = write(tmp_path, '[sweep]\nname = "d"\ndevice = "dry"\n' + body)
+    ledger = tmp_path / "d.json"
+    assert run_sweep.main([plain, "--ledger", str(ledger), "--no-progress"]) == 0
+    before = store.load(ledger).measurements
+    assert all(m.outcome.allocator is None for m in before)
+    sim = tmp_path / "sim.toml"
+    sim.write_text('[sweep]\nname = "d"\ndevice = "dry"\nsimulate_allocator = true\n' + body)
+    assert run_sweep.main([str(sim), "--ledger", str(ledger), "--no-progress"]) == 0
+    after = store.load(ledger).measurements
+    assert [m.id for m in after] == [m.id for m in before]  # replaced in place, nothing duplicated
+    for old, new in zip(before, after):
+        a = new.outcome.allocator
+        assert a is not None and a.conf is None and a.peak_reserved_mib >= a.peak_allocated_mib
+        assert a.peak_allocated_mib == pytest.approx(old.outcome.peak_allocated_mib, abs=0.2)
+        assert "probe_kit.allocator" in new.provenance.source
+    assert run_sweep.main([str(sim), "--ledger", str(ledger), "--resume", "--no-progress"]) == 0  # nothing to redo
+    assert store.load(ledger).measurements == after
+
+
+def test_the_allocators_simulation_is_a_dry_sweeps_in_one_line(tmp_path, capsys):
+    path = write(tmp_path, '[sweep]\nname = "p"\ndevice = "cpu"\nsimulate_allocator = true\n[base]\n'
+                           'model = "tiny-llama"\nrandom_weights = true\n')
+    assert run_sweep.main([path, "--ledger", str(tmp_path / "l.json"), "--no-progress"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"{path}:sweep.simulate_allocator: simulates a dry run's allocations") and "\n" not in err
+    assert not (tmp_path / "l.json").exists()
+
+
 def test_a_dry_sweep_writes_its_rows_together_and_keeps_them_when_stopped(tmp_path, monkeypatch):
     """Rows are appended in batches (one rewrite of the ledger per batch, not per row); a sweep
     stopped by a signal still records every point that finished before it."""

@@ -63,7 +63,7 @@ from ledger.core.answers import (
     widen,
 )
 from ledger.fit.dominance import Dominance
-from ledger.fit.dry_calibration import DryCalibration
+from ledger.fit.dry_calibration import DryCalibration, simulated_reserved
 from ledger.fit.dry_table import DryTable
 from ledger.fit.ledger_fit import LedgerFit
 from ledger.fit.limits import CardLimits
@@ -322,14 +322,28 @@ class Predictor:
             recipe = asked.replace(model=recipe.model)
         elif optimizer is not None:
             recipe = recipe.replace(optimizer=optimizer)
-        ratio = self.reserved_ratio(gpu)
-        reserved = None if judged is None or ratio is None else scale(judged, ratio[0], ratio[1], ratio[2])
+        reserved = self._reserved(judged, recipe, gpu, run == "probe" and not batch_text and not targets_text)
         return Answer(gpu=gpu, card_source="budget" if budget_mib is not None else (
                           "ledger" if gpu in self.ledger.gpus else "card table"),
                       recipe=recipe.memory_fields(), run=run,
                       probe_allocated=probe, real_allocated=real, reserved=reserved, method=method or None,
                       method_text=text, evidence=evidence, limit_low_mib=low, limit_high_mib=high, limit_source=lsrc,
                       margin_mib=margin_mib, verdict=verdict, why=why)
+
+    def _reserved(self, judged: Optional[Interval], recipe: Recipe, gpu: str, own: bool) -> Optional[Interval]:
+        """Peak reserved for a predicted peak allocated: where ``own`` (a probe's step of this very
+        recipe) and its committed dry-run row has the allocator simulated, that simulation with the
+        rest of the figure (the card's remainder) held through the step
+        (``ledger.fit.dry_calibration.simulated_reserved``); else the card's reserved/allocated ratio."""
+        if judged is None:
+            return None
+        sim = self.table.simulated(recipe) if own else None
+        if sim is not None:
+            ends = [None if v is None else round(simulated_reserved(sim, v), 1)
+                    for v in (judged.mib, judged.low_mib, judged.high_mib)]
+            return interval(*ends)
+        ratio = self.reserved_ratio(gpu)
+        return None if ratio is None else scale(judged, ratio[0], ratio[1], ratio[2])
 
     def _core(self, recipe: Recipe, gpu: str, vendor: Optional[str], run: Run) -> tuple:
         """What ``predict`` answers a recipe of one sequence (its micro-batch and fewer targets

@@ -4,6 +4,7 @@ longest sequence that fits at a rank."""
 from __future__ import annotations
 
 import argparse
+from typing import Optional
 from dataclasses import replace
 
 from ledger.storage import store
@@ -36,6 +37,11 @@ def add_ceiling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step", type=int, default=8, help="rank step (default 8)")
     p.add_argument("--max-rank", type=int, default=512, help="largest rank searched (default 512)")
     p.add_argument("--margin-mib", type=float, default=0.0, help="stay this far under the limit, MiB (default 0)")
+    p.add_argument("--simulate-allocator", action="store_true",
+                   help="with --seq-len on one card: replay the step at the rank that fits through a model of "
+                        "PyTorch's CUDA caching allocator (vram estimate --simulate-allocator; a dry run of every "
+                        "layer, seconds to minutes each, needs torch), and step the rank down while the simulated OOM "
+                        "point does not fit what the card leaves PyTorch (at most 4 simulations)")
     add_world_options(p)
     add_json_option(p)
 
@@ -67,6 +73,13 @@ def cmd_ceiling(args: argparse.Namespace) -> int:
     ledger = store.load(args.ledger)
     require_model(args.model, ledger)
     gpu, entry = card_from(args, ledger)
+    if args.simulate_allocator and (args.rank is not None or full or (args.gpus or 1) > 1 or gpu == BUDGET_CARD
+                                    or args.budget_mib is not None):
+        raise UserError(Issue("--simulate-allocator", "", "the simulation checks a rank ceiling on one card: give "
+                              "--seq-len and --gpu (or --gpu-mib), without --rank, --method full, --gpus or --budget-mib"))
+    if args.simulate_allocator and entry is not None and entry.vendor == "apple":
+        raise UserError(Issue("--simulate-allocator", "", f"{gpu} is a Mac: the simulation is of CUDA's (and ROCm's) "
+                              "caching allocator, not the MPS one"))
     if args.rank is not None or full:
         return _length_ceiling(args, ledger, gpu, entry)
     recipe = recipe_from(args)
@@ -89,8 +102,9 @@ def cmd_ceiling(args: argparse.Namespace) -> int:
     c = predictor.ceiling(recipe, gpu, entry=entry, run="real" if args.real else "probe",
                                             margin_mib=args.margin_mib, budget_mib=args.budget_mib, step=args.step,
                                             max_rank=args.max_rank)
+    sim = _simulated_ceiling(args, predictor, recipe, gpu, entry, c) if args.simulate_allocator else None
     if args.json:
-        dump_json(c.model_dump(mode="json"))
+        dump_json({**c.model_dump(mode="json"), **({"allocator": sim} if args.simulate_allocator else {})})
         return 0
     what = "a training run" if args.real else "a one-step probe"
     where = f"{'a budget' if gpu == BUDGET_CARD else gpu} at {args.seq_len} tokens" + _budget_text(args)
@@ -112,7 +126,71 @@ def cmd_ceiling(args: argparse.Namespace) -> int:
                   + (f" [{', '.join(r['evidence'][:3])}]" if r["evidence"] else ""))
     if c.note:
         print(f"  {c.note}")
+    if args.simulate_allocator:
+        for line in _simulated_lines(sim):
+            print(line)
     return 0
+
+
+#: Simulations a rank ceiling's check may run (each a dry run of every layer).
+MAX_SIMULATIONS = 4
+
+
+def _simulated_ceiling(args: argparse.Namespace, predictor, recipe, gpu: str, entry, c) -> Optional[dict]:
+    """The rank that fits, replayed through the caching allocator's model (``estimate._simulation``:
+    the card's remainder held, the OOM point against what the card leaves PyTorch). While the
+    simulation does not say fits, the next rank asked is the largest below whose predicted figure
+    plus that simulation's overhead (its OOM point less the predicted figure) fits, at most
+    ``MAX_SIMULATIONS`` in all. None when no rank fits."""
+    from .estimate import SIM_WIDTH, _simulation
+
+    if c.fits_rank is None:
+        return None
+    run = "real" if args.real else "probe"
+
+    def answer(rank: int):
+        a = predictor.predict(recipe.replace(rank=rank), gpu, entry=entry, run=run, margin_mib=args.margin_mib)
+        return a, (a.real_allocated if run == "real" else a.probe_allocated)
+
+    checked, rank = [], c.fits_rank
+    while rank >= args.step and len(checked) < MAX_SIMULATIONS:
+        a, figure = answer(rank)
+        sim = _simulation(predictor, recipe.replace(rank=rank), gpu, entry, a, "")
+        checked.append({"rank": rank, **sim})
+        free = sim["free_for_pytorch_mib"]
+        if sim["verdict"] in ("fits", None, "unknown") or free is None or figure is None or figure.mib is None:
+            break
+        over = sim["runs"][0]["oom_below_mib"] - figure.mib
+        rank -= args.step
+        while rank >= args.step:
+            _, f = answer(rank)
+            if f is not None and f.mib is not None and (f.mib + over) * (1 + SIM_WIDTH) <= free[0]:
+                break
+            rank -= args.step
+    last = checked[-1]
+    return {"fits_rank": last["rank"] if last["verdict_leaning_safe"] == "fits" else None, "checked": checked}
+
+
+def _simulated_lines(sim: Optional[dict]) -> list[str]:
+    if sim is None:
+        return ["  the allocator's simulation: no rank fits, nothing to check"]
+    out = []
+    for one in sim["checked"]:
+        run = one["runs"][0]
+        free = one["free_for_pytorch_mib"]
+        out.append(f"  simulated at r{one['rank']}: peak reserved {run['peak_reserved_mib']:,.1f} MiB, an OOM with "
+                   f"{run['oom_below_mib']:,.1f} MiB or less free for PyTorch"
+                   + (f"; the card leaves PyTorch {free[0]:,.1f}–{free[1]:,.1f} MiB" if free else "")
+                   + f": {one['verdict'] or 'unknown'}")
+    first = sim["checked"][0]["rank"]
+    if sim["fits_rank"] == first:
+        out.append(f"  the simulated allocator agrees: rank {first} fits")
+    elif sim["fits_rank"] is not None:
+        out.append(f"  leaning safe, the simulated allocator lowers the ceiling to rank {sim['fits_rank']}")
+    else:
+        out.append(f"  leaning safe: the simulated allocator does not confirm rank {first} (nor "
+                   f"{len(sim['checked']) - 1} steps below); ask `vram estimate --simulate-allocator` at lower ranks")
+    return out
 
 
 #: Dry runs a full fine-tuning length ceiling may add to pin its edges (each halves a chord's span).
@@ -209,8 +287,9 @@ def _length_ceiling(args: argparse.Namespace, ledger, gpu: str, entry) -> int:
                 break
             predictor = predictor_for(args, ledger)
             c = ask()
+    sim = _simulated_ceiling(args, predictor, recipe, gpu, entry, c) if args.simulate_allocator else None
     if args.json:
-        dump_json(c.model_dump(mode="json"))
+        dump_json({**c.model_dump(mode="json"), **({"allocator": sim} if args.simulate_allocator else {})})
         return 0
     what = "a training run" if args.real else "a one-step probe"
     print(_recipe_line(recipe, args))

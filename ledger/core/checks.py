@@ -18,7 +18,9 @@ Physics, each rule a property of the instruments, not of this ledger:
   weights (they cannot be trained);
 - a rank of a multi-GPU run names both its world (``world_size`` of 2 or more) and its strategy;
   CPU offload is a sharded run's (FSDP, ZeRO);
-  one GPU has neither.
+  one GPU has neither;
+- the allocator's simulation (``outcome.allocator``) is a dry run's, and its reserved includes its
+  allocated too.
 """
 
 from __future__ import annotations
@@ -116,6 +118,13 @@ def measurement_issues(ledger: Ledger, m: Measurement, where: str, name: str, to
     if m.cpu_offload and m.strategy in (None, "ddp"):
         yield Issue(name, f"{where}.cpu_offload", "CPU offload is a sharded run's (FSDP's, DeepSpeed ZeRO's): "
                     f"{m.strategy or 'one GPU'} has none")
+    sim = o.allocator
+    if sim is not None and m.kind != "dry_run":
+        yield Issue(name, f"{where}.outcome.allocator", "the allocator's simulation is a dry run's (kind dry_run); "
+                    f"a {m.kind} row's reserved figure is measured (outcome.peak_reserved_mib)")
+    if sim is not None and sim.peak_reserved_mib < sim.peak_allocated_mib:
+        yield Issue(name, f"{where}.outcome.allocator.peak_reserved_mib", f"{sim.peak_reserved_mib} MiB reserved is "
+                    f"below the {sim.peak_allocated_mib} MiB allocated (reserved includes what is allocated)")
     if _future(m.provenance.measured_on, today):
         yield Issue(name, f"{where}.provenance.measured_on", f"{m.provenance.measured_on} is in the future "
                     f"(today is {today})")

@@ -193,6 +193,22 @@ class OomProcess(_Model):
     in_use_mib: MiB = Field(description="Memory the message says that process had in use.")
 
 
+class SimulatedAllocator(_Model):
+    """A dry run's step replayed through a model of PyTorch's CUDA caching allocator
+    (``probe_kit.allocator``): its allocations and frees in order, every layer run, nothing held but
+    what the step holds (a card's remainder and CUDA context come on top)."""
+
+    conf: Optional[Line] = Field(
+        None, description="The PYTORCH_CUDA_ALLOC_CONF simulated; null: PyTorch's defaults."
+    )
+    peak_allocated_mib: MiB = Field(description="The simulation's peak allocated (every layer run, 512-byte blocks).")
+    peak_reserved_mib: MiB = Field(description="The simulation's peak reserved: allocated plus the cached free blocks.")
+    oom_below_mib: MiB = Field(
+        description="The most memory free for PyTorch at which the simulated step raises an OOM (2 MiB steps): a "
+                    "card must leave PyTorch more than this."
+    )
+
+
 class Oom(_Model):
     """What an out-of-memory message said. Figures the message did not give are null."""
 
@@ -273,6 +289,9 @@ class Outcome(_Model):
             "and optimizer state, with the optimizer step's temporaries (a dry run's tracker meter). Not counted: "
             "the process, its libraries, the loading of the model."
         ),
+    )
+    allocator: Optional[SimulatedAllocator] = Field(
+        None, description="A dry run's step replayed through the caching allocator's model (dry_run rows only)."
     )
     failed_at_step: Optional[int] = Field(
         None, ge=0, le=MAX_STEPS, description="Training step at which the run died."

@@ -14,7 +14,7 @@ import numpy as np
 
 from ledger.vocab.adapter import ALL_LINEAR, adapter_mib, experts_adapted
 from ledger.vocab.model_configs import model_name
-from ledger.core.models import Measurement
+from ledger.core.models import Measurement, SimulatedAllocator
 from ledger.vocab.recipe import FUSED_PROJECTIONS, Recipe, fixes_key, module_names, recipe_of, targets_of_row
 
 
@@ -53,6 +53,7 @@ class DryTable:
         self._slopes: dict = {}
         self._figures: dict = {}  # rank_figure's, by what it reads of the recipe
         self._weights: Optional[dict] = None  # weights_figure's rows, by what the weights depend on
+        self._by_id: Optional[dict] = None
 
     def table(self, name: Optional[str], quant: str, fixes: str, dropout: bool, dora: bool,
               response_len: Optional[int], checkpointing: bool = True, batch: int = 1,
@@ -296,6 +297,19 @@ class DryTable:
     def exact(self, recipe: Recipe) -> bool:
         """Whether a committed dry-run row is of this very recipe (else its figure is derived)."""
         return recipe.rank in self.exact_ranks(recipe)
+
+    def simulated(self, recipe: Recipe) -> Optional[SimulatedAllocator]:
+        """The simulated allocator of the committed dry-run row of this very recipe, where it has
+        one; else None."""
+        table = self.table(model_name(recipe.model), recipe.quant, recipe.fixes, recipe.dropout, recipe.dora,
+                           recipe.span(), recipe.checkpointing, recipe.batch, recipe.targets)
+        cell = table.get(recipe.seq_len, {}).get(recipe.rank)
+        if cell is None:
+            return None
+        if self._by_id is None:
+            self._by_id = {d.id: d for d in self.dry}
+        row = self._by_id.get(cell[1])
+        return None if row is None else row.outcome.allocator
 
     @cached_property
     def derivation(self) -> dict:

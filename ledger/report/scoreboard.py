@@ -72,6 +72,23 @@ class DryRunRows(Estimator):
         return None
 
 
+class AllocatorSim(DryRunRows):
+    """The allocator simulated: the committed dry-run row of the measured row's recipe replayed
+    through the caching allocator's model (``outcome.allocator``, PyTorch's defaults) with the
+    card's remainder fitted without the row held through the step; scored on the rows that
+    measured a peak reserved."""
+
+    name = "allocator-sim"
+    predicts = "reserved"
+    leaves_out = ("other streams, CUDA graphs and memory outside the caching allocator (the CUDA context); the "
+                  "memory free when the probe ran, which shapes a small card's cache (its OOM path releases it).")
+
+    def __init__(self, ledger: Ledger, dry_runs: Iterable[Measurement]):
+        reserved = {m.id for m in ledger.measurements if m.outcome.peak_reserved_mib is not None}
+        self.by_id = {r["id"]: r["simulated_reserved_mib"] for r in shared_predictor(ledger, dry_runs).dry_loo["rows"]
+                      if r.get("simulated_reserved_mib") is not None and r["id"] in reserved}
+
+
 #: The project's own held-out predictions refit once per row: above this size they are skipped.
 HELD_OUT_LIMIT = 1000
 
@@ -121,9 +138,9 @@ def scoreboard(ledger: Ledger, estimators: Optional[list[Estimator]] = None, kee
     if estimators is None:
         dry_runs = list(dry_runs) + [m for m in ledger.measurements if m.kind == "dry_run"]
         estimators = [*ESTIMATORS, VramLedger(dry_runs)]
-        dry = DryRunRows(ledger, dry_runs)
-        if dry.by_id:
-            estimators.append(dry)
+        for dry in (DryRunRows(ledger, dry_runs), AllocatorSim(ledger, dry_runs)):
+            if dry.by_id:
+                estimators.append(dry)
     arch_cache: dict[Optional[str], Optional[Arch]] = {}
     cards = {key: _card_mib(ledger, key) for key in ledger.gpus}
     addressable = []
