@@ -276,3 +276,32 @@ def test_ceiling_refuses_a_simulation_it_cannot_check_in_one_line(capsys, extra)
                      *extra]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("--simulate-allocator: the simulation checks a rank ceiling on one card") and "\n" not in err
+
+
+def test_an_answer_near_the_limit_names_the_allocators_simulation(capsys, tmp_path, monkeypatch):
+    # The limit allows for the card's reserved/allocated; a fits or tight whose top times the
+    # largest ratio the ledger's probes measured would pass it says so, and names the flag.
+    import json
+
+    from ledger import cli
+    from ledger.answer.predictor import Predictor
+    from ledger.storage import store
+    from ledger.storage.dry_runs import load_dry_runs
+
+    monkeypatch.setenv("VRAM_LEDGER_CACHE", str(tmp_path))
+    predictor = Predictor(store.load("ledger/vram.json"), load_dry_runs())
+    top, rid = predictor.limits.largest_ratio()
+    assert 1.2 < top < 1.5 and rid
+    base = ["estimate", "--model", "tiny-llama", "--rank", "8", "--seq-len", "256", "--json"]
+    seen = {}
+    for total in (1400, 1330, 9000):
+        assert cli.main(base + ["--gpu-mib", str(total)]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        a = doc["answer"]
+        ratio = predictor.reserved_ratio(doc["gpu"])[0]
+        near = a["verdict"] in ("fits", "tight") and a["real_allocated"]["high_mib"] * top > a["limit_low_mib"] * ratio
+        seen[total] = (a["verdict"], doc["near_limit"])
+        assert bool(doc["near_limit"]) == near, seen
+        if near:
+            assert "--simulate-allocator" in doc["near_limit"] and f"{top:.3f}" in doc["near_limit"]
+    assert seen[9000][1] is None and any(v[1] for v in seen.values()), seen

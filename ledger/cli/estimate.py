@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Optional
 import sys
 import textwrap
 
@@ -107,7 +108,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
                       "dropout": args.dropout, "dora": question.dora, "batch": question.batch, "fixes": fixes,
                       "response_len": args.response_len, "optimizer": optimizer},
            "gpu": gpu, "card_mib": card,
-           "answer": answer.model_dump(mode="json") if answer else None, "allocator": sim, "estimates": figures,
+           "answer": answer.model_dump(mode="json") if answer else None, "allocator": sim,
+           "near_limit": None if sim is not None or args.budget_mib is not None or answer is None or not gpu
+           else _near_the_limit(predictor, answer, gpu), "estimates": figures,
            "nearest_measurement": None if near is None else {
                "id": near.id, "gpu": near.gpu, "kind": near.kind, "rank": near.lora.rank, "seq_len": seq_len_of(near),
                "peak_allocated_mib": near.outcome.peak_allocated_mib,
@@ -134,6 +137,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         if gpu:
             print(textwrap.fill(f"{answer.why} ({answer.limit_source})", WIDTH, initial_indent="    ",
                                 subsequent_indent="      "))
+            if doc["near_limit"]:
+                print(textwrap.fill(doc["near_limit"], WIDTH, initial_indent="    ", subsequent_indent="      ",
+                                    break_on_hyphens=False))
         else:
             print("    give --gpu (or --gpu-mib for a card not in `vram cards`) for a verdict on a card")
     elif answer is not None:
@@ -181,6 +187,22 @@ def _headline(args: argparse.Namespace, arch, question, optimizer, gpu) -> str:
              if args.response_len is not None and not keeps_logits(fixes) else "")
           + (f", on each of {question.gpus} GPUs ({world_words(question.memory_fields())}), per GPU"
              if question.gpus > 1 else ""))
+
+
+def _near_the_limit(predictor, answer, gpu: str) -> Optional[str]:
+    """A line for a verdict of fits or tight whose figure is near enough the limit that a step
+    whose allocator caches as much as the most any probe of the ledger measured would not fit:
+    the limit divides by the card's reserved/allocated, which one step can exceed."""
+    iv, low = answer.allocated, answer.limit_low_mib
+    ratio, top = predictor.reserved_ratio(gpu), predictor.limits.largest_ratio()
+    if answer.verdict not in ("fits", "tight") or iv is None or iv.high_mib is None or not low or not ratio or not top:
+        return None
+    if iv.high_mib * top[0] <= low * ratio[0]:
+        return None
+    return (f"near the limit: it allows for the allocator's cache at about {ratio[0]:.3f} x allocated (the median "
+            f"of {'this card' if gpu in predictor.ledger.gpus else 'every card'}'s probes), and the ledger's probes "
+            f"measured up to {top[0]:.3f} ({top[1]}): --simulate-allocator replays this step's own allocations "
+            "through the caching allocator's model (seconds to minutes)")
 
 
 #: The simulated OOM point's width either way, as a fraction: the window the RTX 3070 Ti's probes

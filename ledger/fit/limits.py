@@ -146,6 +146,15 @@ class CardLimits:
                 self._ratios[gpu] = (statistics.median(rs), min(rs), max(rs)) if rs else None
         return self._ratios[gpu]
 
+    def largest_ratio(self) -> Optional[tuple[float, str]]:
+        """The largest peak reserved / peak allocated of the ledger's ok probes, with its row's id;
+        None when no probe has both."""
+        _, every, _ = self._ratio_rows
+        if not every:
+            return None
+        rid, ratio = max(every, key=lambda row: row[1])
+        return ratio, rid
+
     @cached_property
     def _ratio_rows(self) -> tuple[dict[Optional[str], list[tuple[str, float]]], list[tuple[str, float]], dict]:
         """Each ok probe's reserved / allocated as (id, ratio), by card and all together, in the
