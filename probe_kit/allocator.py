@@ -489,3 +489,62 @@ def with_held(trace: list[int], nbytes: int) -> list[int]:
     at = trace.index(RESET_PEAK) if RESET_PEAK in trace else len(trace)
     made = sum(1 for e in trace[:at] if e >= 0)
     return trace[:at] + [int(nbytes)] + _shift_frees(trace[at:], made)
+
+
+def trace_of_snapshot(events: Iterable[dict]) -> tuple[list[int], dict]:
+    """A real run's allocator history as a trace ``replay`` reads, and what the real allocator
+    itself did. ``events``: one device's entries of ``torch.cuda.memory._snapshot()
+    ["device_traces"]`` (history recorded with ``torch.cuda.memory._record_memory_history``).
+
+    Each ``alloc`` is an allocation of its size (the request, which ``replay`` rounds as the
+    allocator does), each ``free_completed`` the free of the live allocation at its address (a
+    block allocated before the history began is not in it: counted, not replayed). A run of
+    ``segment_free`` is ``torch.cuda.empty_cache()`` (``EMPTY_CACHE``), unless a
+    ``segment_alloc`` follows it: that is the allocator's own OOM path (release the cache, retry),
+    which a replay at the card's capacity makes itself. The real figures: the peak of reserved
+    memory the segment events give (``segment_alloc`` / ``segment_map`` less ``segment_free`` /
+    ``segment_unmap``, from what was reserved when the history began, unknown: 0) and of
+    allocated memory (the blocks' sizes as the allocator counts them are not in the history; the
+    requests' rounded sizes are)."""
+    events = list(events)
+    trace: list[int] = []
+    live: dict[int, int] = {}
+    made = unmatched = 0
+    reserved = peak_reserved = 0
+    allocated = peak_allocated = 0
+    sizes: dict[int, int] = {}
+    i = 0
+    while i < len(events):
+        e = events[i]
+        action = e.get("action")
+        if action == "alloc":
+            live[e["addr"]] = made
+            trace.append(int(e["size"]))
+            sizes[made] = round_size(int(e["size"]), AllocConf())
+            allocated += sizes[made]
+            peak_allocated = max(peak_allocated, allocated)
+            made += 1
+        elif action == "free_completed":
+            k = live.pop(e["addr"], None)
+            if k is None:
+                unmatched += 1
+            else:
+                trace.append(-(k + 1))
+                allocated -= sizes.pop(k)
+        elif action in ("segment_alloc", "segment_map"):
+            reserved += int(e["size"])
+            peak_reserved = max(peak_reserved, reserved)
+        elif action in ("segment_free", "segment_unmap"):
+            j = i
+            while j < len(events) and events[j].get("action") == action:
+                reserved -= int(events[j]["size"])
+                j += 1
+            retried = j < len(events) and events[j].get("action") in ("segment_alloc", "segment_map")
+            if action == "segment_free" and not retried:
+                trace.append(EMPTY_CACHE)
+            i = j
+            continue
+        i += 1
+    return trace, {"events": len(events), "allocations": made, "unmatched_frees": unmatched,
+                   "peak_reserved": peak_reserved, "peak_requested": peak_allocated}
+

@@ -305,3 +305,55 @@ def test_an_answer_near_the_limit_names_the_allocators_simulation(capsys, tmp_pa
         if near:
             assert "--simulate-allocator" in doc["near_limit"] and f"{top:.3f}" in doc["near_limit"]
     assert seen[9000][1] is None and any(v[1] for v in seen.values()), seen
+
+
+SNAPSHOT_EVENTS = [
+    {"action": "segment_alloc", "addr": 0x1000, "size": 30 * MIB},
+    {"action": "alloc", "addr": 0x1000, "size": 30 * MIB},
+    {"action": "segment_alloc", "addr": 0x9000000, "size": 20 * MIB},
+    {"action": "alloc", "addr": 0x9000000, "size": 5 * MIB},
+    {"action": "free_requested", "addr": 0x1000, "size": 30 * MIB},
+    {"action": "free_completed", "addr": 0x1000, "size": 30 * MIB},
+    {"action": "segment_free", "addr": 0x1000, "size": 30 * MIB},  # empty_cache: nothing retried after it
+    {"action": "alloc", "addr": 0x9000000 + 5 * MIB, "size": 4 * MIB},
+    {"action": "free_completed", "addr": 0x77, "size": 512},  # a block made before the history began
+    {"action": "snapshot", "addr": 0, "size": 0},
+]
+
+
+def test_a_real_runs_history_becomes_a_trace_with_its_own_peak_reserved():
+    from probe_kit.allocator import trace_of_snapshot
+
+    trace, real = trace_of_snapshot(SNAPSHOT_EVENTS)
+    assert trace == [30 * MIB, 5 * MIB, -1, EMPTY_CACHE, 4 * MIB]
+    assert real["peak_reserved"] == 50 * MIB and real["allocations"] == 3 and real["unmatched_frees"] == 1
+    assert replay(trace).peak_reserved == real["peak_reserved"]
+    # The allocator's own OOM path (its cache released, the segment tried again) is not an
+    # empty_cache: a replay at the card's capacity makes it itself.
+    retry = SNAPSHOT_EVENTS[:6] + [{"action": "segment_free", "addr": 0x1000, "size": 30 * MIB},
+                                   {"action": "segment_alloc", "addr": 0x1000, "size": 40 * MIB},
+                                   {"action": "alloc", "addr": 0x1000, "size": 40 * MIB}]
+    trace, real = trace_of_snapshot(retry)
+    assert EMPTY_CACHE not in trace and trace[-1] == 40 * MIB and real["peak_reserved"] == 60 * MIB
+
+
+def test_replay_compares_a_snapshot_with_the_model_and_refuses_bad_input_in_one_line(tmp_path, capsys):
+    import pickle
+
+    from probe_kit.replay import main
+
+    snap = tmp_path / "run.pickle"
+    snap.write_bytes(pickle.dumps({"device_traces": [SNAPSHOT_EVENTS], "segments": []}))
+    assert main([str(snap)]) == 0
+    out = capsys.readouterr().out
+    assert "real peak reserved 50.0 MiB (its segment events); replayed 50.0 MiB (+0.00%)" in out
+    assert "1 frees of blocks made before the history began" in out
+    bad = tmp_path / "bad.pickle"
+    bad.write_bytes(b"not a pickle")
+    for argv, message in (([str(bad)], f"{bad}: not a memory snapshot with device 0's history"),
+                          ([str(snap), "--device", "3"], f"{snap}: not a memory snapshot with device 3's history"),
+                          ([str(tmp_path / "none.pickle")], f"{tmp_path / 'none.pickle'}: no such file"),
+                          ([str(snap), "--alloc-conf", "max_split_size_mb:2"], "--alloc-conf: max_split_size_mb")):
+        assert main(argv) == 1
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(message) and "\n" not in err

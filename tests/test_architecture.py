@@ -103,7 +103,7 @@ def test_the_cli_imports_the_probe_kit_only_inside_functions():
 
 
 def test_the_probe_kit_never_imports_the_cli_and_parses_arguments_only_in_its_tools():
-    tools = {"probe_vram.py", "run_sweep.py", "dry_run.py", "gloo_run.py", "__main__.py"}
+    tools = {"probe_vram.py", "run_sweep.py", "dry_run.py", "gloo_run.py", "replay.py", "__main__.py"}
     for p in files("probe_kit"):
         mods = [m for m, _ in imports(p)]
         assert not any(_is(m, "ledger.cli") for m in mods), p
