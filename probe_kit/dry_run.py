@@ -481,7 +481,7 @@ def main(argv=None) -> int:
                    help="also replay the step's allocations through a model of PyTorch's CUDA caching allocator "
                         "(every layer run, its trace recorded; probe_kit/allocator.py): the simulated peak reserved, "
                         "the largest free cached block at that peak, and the card size below which the step raises "
-                        "an OOM")
+                        "an OOM; the row (--append, --json) records them as outcome.allocator")
     p.add_argument("--alloc-conf", metavar="CONF",
                    help="PYTORCH_CUDA_ALLOC_CONF for the simulation (e.g. expandable_segments:True, "
                         "max_split_size_mb:128, roundup_power2_divisions:4, garbage_collection_threshold:0.8); "
