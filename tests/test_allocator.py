@@ -187,6 +187,10 @@ def test_estimate_simulates_the_allocator_with_the_cards_remainder_and_leans_saf
         sim = json.loads(capsys.readouterr().out)["allocator"]
         assert sim["verdict"] == expected and len(sim["runs"]) == 1
         assert sim["verdict_leaning_safe"] in (expected, "won't fit")
+    # Against a --budget-mib of allocated memory the answer is the budget's: no simulated verdict.
+    assert cli.main(base + ["--gpu", "rtx-3060-ti", "--budget-mib", "100", "--simulate-allocator"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["allocator"]["verdict"] is None and doc["allocator"]["verdict_leaning_safe"] == doc["answer"]["verdict"]
 
 
 @pytest.mark.parametrize("extra,message", [

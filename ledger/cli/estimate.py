@@ -100,7 +100,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     else:  # no card: the same answer, with no limit to judge it against
         answer = predictor.predict(question, "", run="real" if args.real else "probe")
     figures = estimate_all(arch, question, card)
-    sim = _simulation(predictor, question, gpu, entry, answer, args.alloc_conf or "") if simulate else None
+    sim = _simulation(predictor, question, gpu, entry, answer, args.alloc_conf or "",
+                      judged=args.budget_mib is None) if simulate else None
     near = nearest_row(ledger, args.model, question, None if gpu == BUDGET_CARD else gpu)
     full = question.method == "full"
     doc = {"model": arch.name, "params": arch.total_params,
@@ -212,13 +213,13 @@ SIM_WIDTH = 0.02
 _WORSE = {"fits": 0, "tight": 1, "won't fit": 2}
 
 
-def _simulation(predictor, recipe, gpu, entry, answer, conf_text: str) -> dict:
+def _simulation(predictor, recipe, gpu, entry, answer, conf_text: str, judged: bool = True) -> dict:
     """The step's allocation trace (every layer, the vision tower of a multimodal config loaded)
     replayed through the caching allocator's model (``probe_kit.dry_run.simulate_allocator``) with
     the card's remainder (measured less dry-run peak allocated, ``predictor.remainder``) held
-    through the step, with PyTorch's defaults and with ``conf_text``; on a card, the OOM point
-    judged against the memory the card leaves PyTorch, and the answer's verdict leaning on the
-    worse of the two."""
+    through the step, with PyTorch's defaults and with ``conf_text``; on a card (and ``judged``:
+    not against a --budget-mib of allocated memory), the OOM point judged against the memory the
+    card leaves PyTorch, and the answer's verdict leaning on the worse of the two."""
     import importlib.util
 
     flag = "--alloc-conf" if conf_text else "--simulate-allocator"
@@ -260,7 +261,7 @@ def _simulation(predictor, recipe, gpu, entry, answer, conf_text: str) -> dict:
                            if held is not None else held_source),
            "runs": runs, "width_pct": SIM_WIDTH * 100, "free_for_pytorch_mib": None, "free_source": None,
            "verdict": None, "verdict_leaning_safe": answer.verdict if answer is not None else None}
-    if card:
+    if card and judged:
         low, high, source = predictor.free_for_pytorch(gpu, entry)
         # The defaults' run, or the asked configuration's where one is given: what the run will use.
         point = runs[-1]["oom_below_mib"]
