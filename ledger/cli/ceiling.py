@@ -188,8 +188,10 @@ def _simulated_lines(sim: Optional[dict]) -> list[str]:
     elif sim["fits_rank"] is not None:
         out.append(f"  leaning safe, the simulated allocator lowers the ceiling to rank {sim['fits_rank']}")
     else:
-        out.append(f"  leaning safe: the simulated allocator does not confirm rank {first} (nor "
-                   f"{len(sim['checked']) - 1} steps below); ask `vram estimate --simulate-allocator` at lower ranks")
+        below = ", ".join(f"r{one['rank']}" for one in sim["checked"][1:])
+        out.append(f"  leaning safe: the simulated allocator does not confirm rank {first}"
+                   + (f" (nor {below})" if below else "")
+                   + "; ask `vram estimate --simulate-allocator` at lower ranks")
     return out
 
 
