@@ -361,3 +361,17 @@ def test_replay_compares_a_snapshot_with_the_model_and_refuses_bad_input_in_one_
         assert main(argv) == 1
         err = capsys.readouterr().err.strip()
         assert err.startswith(message) and "\n" not in err
+
+
+def test_a_ceilings_simulation_says_whether_it_agrees_lowers_or_cannot_confirm():
+    from ledger.cli.ceiling import _simulated_lines
+
+    def one(rank, verdict, oom):
+        return {"rank": rank, "verdict": verdict, "free_for_pytorch_mib": [3815.3, 4236.0],
+                "runs": [{"peak_reserved_mib": oom + 2, "oom_below_mib": oom}]}
+    lowered = _simulated_lines({"fits_rank": 48, "checked": [one(96, "tight", 3922.0), one(48, "fits", 3218.0)]})
+    assert "simulated at r96: peak reserved 3,924.0 MiB, an OOM with 3,922.0 MiB or less free" in lowered[0]
+    assert lowered[-1] == "  leaning safe, the simulated allocator lowers the ceiling to rank 48"
+    none = _simulated_lines({"fits_rank": None, "checked": [one(96, "tight", 3922.0), one(64, "tight", 3794.0)]})
+    assert "does not confirm rank 96 (nor r64)" in none[-1]
+    assert _simulated_lines(None) == ["  the allocator's simulation: no rank fits, nothing to check"]
