@@ -4,8 +4,8 @@ longest sequence that fits at a rank."""
 from __future__ import annotations
 
 import argparse
-from typing import Optional
 from dataclasses import replace
+from typing import Optional
 
 from ledger.storage import store
 from ledger.core.errors import Issue, UserError
@@ -289,9 +289,8 @@ def _length_ceiling(args: argparse.Namespace, ledger, gpu: str, entry) -> int:
                 break
             predictor = predictor_for(args, ledger)
             c = ask()
-    sim = _simulated_ceiling(args, predictor, recipe, gpu, entry, c) if args.simulate_allocator else None
     if args.json:
-        dump_json({**c.model_dump(mode="json"), **({"allocator": sim} if args.simulate_allocator else {})})
+        dump_json(c.model_dump(mode="json"))
         return 0
     what = "a training run" if args.real else "a one-step probe"
     print(_recipe_line(recipe, args))

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from typing import Optional
 import sys
 import textwrap
+from typing import Optional
 
 from ledger.storage import store
 from ledger.core.answers import verdict_for
@@ -201,7 +201,7 @@ def _near_the_limit(predictor, answer, gpu: str) -> Optional[str]:
     if iv.high_mib * top[0] <= low * ratio[0]:
         return None
     return (f"near the limit: it allows for the allocator's cache at about {ratio[0]:.3f} x allocated (the median "
-            f"of {'this card' if gpu in predictor.ledger.gpus else 'every card'}'s probes), and the ledger's probes "
+            f"of {'this card' if predictor.limits.has_own_ratio(gpu) else 'every card'}'s probes), and the ledger's probes "
             f"measured up to {top[0]:.3f} ({top[1]}): --simulate-allocator replays this step's own allocations "
             "through the caching allocator's model (seconds to minutes)")
 

@@ -45,12 +45,12 @@ def median_without(values: list[float], drop: list[float]) -> float:
 def simulated_reserved(sim: SimulatedAllocator, allocated_mib: float) -> float:
     """The peak reserved of a step predicted to peak at ``allocated_mib`` allocated, from its dry
     run's simulation (``outcome.allocator``: nothing held): what the prediction holds beyond the
-    simulation's own peak allocated (a card's remainder) is held through the step. A block above 10 MiB gets a segment of its
-    own, its size rounded up to 2 MiB, so the step's other blocks are placed as they were (but for
-    what fits the under-2-MiB tail of that segment) and the peak grows by that segment; below
-    10 MiB, a 20 MiB segment the step's blocks may share (within 20 MiB). Memory the tracker
-    over-counted (a negative remainder) is taken off as it is. ``tests/test_allocator.py`` checks
-    this against the replay with the block held."""
+    simulation's own peak allocated (a card's remainder) is held through the step. A block above
+    10 MiB gets a segment of its own, its size rounded up to 2 MiB, so the step's other blocks are
+    placed as they were (but for what fits the under-2-MiB tail of that segment) and the peak grows
+    by that segment; below 10 MiB, a 20 MiB segment the step's blocks may share (within 20 MiB).
+    Memory the tracker over-counted (a negative remainder) is taken off as it is.
+    ``tests/test_allocator.py`` checks this against the replay with the block held."""
     held_mib = allocated_mib - sim.peak_allocated_mib
     if held_mib <= 0:
         return sim.peak_reserved_mib + held_mib

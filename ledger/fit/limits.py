@@ -146,6 +146,12 @@ class CardLimits:
                 self._ratios[gpu] = (statistics.median(rs), min(rs), max(rs)) if rs else None
         return self._ratios[gpu]
 
+    def has_own_ratio(self, gpu: str) -> bool:
+        """Whether ``reserved_ratio`` reads the card's own probes (else every card's)."""
+        by_card, _, _ = (self.base or self)._ratio_rows
+        gone = self._gone
+        return any(i not in gone for i, _ in by_card.get(gpu, ()))
+
     def largest_ratio(self) -> Optional[tuple[float, str]]:
         """The largest peak reserved / peak allocated of the ledger's ok probes, with its row's id;
         None when no probe has both."""
