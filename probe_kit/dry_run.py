@@ -58,7 +58,7 @@ from ledger.vocab.recipe import fixes_key, fixes_value
 from ledger.core.models import MAX_MIB, Environment, Measurement, Outcome, Provenance, SimulatedAllocator
 
 from .allocator import EMPTY_CACHE, RESET_PEAK
-from .depth import depth_plan, extrapolate, phase_marks, phase_peaks, with_layers
+from .depth import depth_plan, extrapolate, phase_marks, phase_peaks, trace_stacks, with_layers
 from .meters import MIB, TrackerMeter
 from .probe_vram import add_recipe_options, config_from_args, probe_id, rss_bytes, run_cli, versions
 from .recipe import ProbeConfig, RecipeError, checkpointing_as_asked, load_config, offload, prepare, step_offloader, \
@@ -152,9 +152,16 @@ def stand_in_4bit(model: torch.nn.Module, double_quant: bool, device: Optional[t
 @contextlib.contextmanager
 def fake_world() -> Iterator[object]:
     """FakeTensorMode on 'cpu' with the adjustments described in the module docstring."""
+    import importlib
+
     import torch.utils
     import transformers.masking_utils as masking
     from torch._subclasses.fake_tensor import FakeTensorMode
+
+    # peft's modules and the bitsandbytes it loads make constant tensors as they load (a default
+    # argument's ``torch.tensor(1)``, the 4-bit code tables): loaded first inside the fake world,
+    # they would be fake, counted by the first dry run of a process and by no later one.
+    importlib.import_module("peft")
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     swap, packed = torch.utils.swap_tensors, masking.find_packed_sequence_indices
@@ -331,24 +338,53 @@ def _fake_step(cfg: ProbeConfig, config, budget_mib: Optional[float], marks: Opt
 
 
 def allocation_trace(cfg: ProbeConfig, workspace_mib: float = CUBLAS_WORKSPACE_MIB,
-                     vision: bool = False) -> tuple[list[int], dict]:
-    """The step's device allocations and frees in order, every layer run (a trace is not
-    extrapolated in depth): the weights as loaded, then the cuBLAS workspaces (``CUBLAS_HANDLES``
-    of ``workspace_mib``, made through the caching allocator when the step's first matmuls run, and
-    kept), then the recipe's preparation and the step. With the tracker's figures. ``vision``: a
-    multimodal config's vision tower (``vision_mib``; loaded, never run) as the first allocation,
-    as the dry run's figure counts it."""
+                     vision: bool = False, full_depth: bool = False) -> tuple[list[int], dict]:
+    """The step's device allocations and frees in order at the model's whole depth: the weights
+    as loaded, then the cuBLAS workspaces (``CUBLAS_HANDLES`` of ``workspace_mib``, made through
+    the caching allocator when the step's first matmuls run, and kept), then the recipe's
+    preparation and the step. A deep model's trace is the traces of four short stacks extended
+    period by period (``probe_kit.trace_depth``, checked event for event on the fourth stack)
+    unless ``full_depth``, or the stacks would cost as much as every layer, or they are not
+    periodic: then every layer runs. ``vision``: a multimodal config's vision tower
+    (``vision_mib``; loaded, never run) as the first allocation, as the dry run's figure counts
+    it. With how its depth was found (``depth``) and, when every layer ran, the tracker's
+    figures."""
     from .allocator import with_first
+    from .trace_depth import whole_depth
 
     config = load_config(cfg.model)
+    layers = getattr(config, "num_hidden_layers", None)
+    depth: dict = {"method": "every layer", "layers": layers}
+    trace = None
+    stacks = None if full_depth or cfg.gpus > 1 else trace_stacks(config)
+    if stacks is not None:
+        types, periods = stacks
+        try:
+            short = [_traced_step(cfg, with_layers(config, t), workspace_mib)[0] for t in types]
+        except Exception as exc:  # a config the library will not build shorter: the whole depth it is
+            short, how = None, f"a short stack could not be built ({type(exc).__name__})"
+        if short is not None:
+            trace, how = whole_depth(short, periods)
+        if trace is not None:
+            depth = {"method": "extended", "layers": layers, "from_layers": [len(t) for t in types], "how": how}
+        else:
+            depth["why"] = how
+    raw: dict = {}
+    if trace is None:
+        trace, raw = _traced_step(cfg, config, workspace_mib)
+    raw["depth"] = depth
+    if vision:
+        trace = with_first(trace, int(vision_mib(cfg.model, cfg.quant) * MIB))
+    return trace, raw
+
+
+def _traced_step(cfg: ProbeConfig, config, workspace_mib: float) -> tuple[list[int], dict]:
+    """``allocation_trace`` of one config, every layer run (no vision tower)."""
     raw = _fake_step(cfg, config, None, trace=True)
     trace, loaded = raw.pop("trace"), raw.pop("loaded_at")
     made = sum(1 for e in trace[:loaded] if e >= 0)  # allocations before the workspaces keep their numbers
     shifted = [e if e >= 0 or e <= RESET_PEAK or -e - 1 < made else e - CUBLAS_HANDLES for e in trace[loaded:]]
-    trace = trace[:loaded] + [int(round(workspace_mib * MIB))] * CUBLAS_HANDLES + shifted
-    if vision:
-        trace = with_first(trace, int(vision_mib(cfg.model, cfg.quant) * MIB))
-    return trace, raw
+    return trace[:loaded] + [int(round(workspace_mib * MIB))] * CUBLAS_HANDLES + shifted, raw
 
 
 def predict(cfg: ProbeConfig, *, gpu: Optional[str] = None, ledger: Optional[str] = None,

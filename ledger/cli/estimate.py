@@ -248,13 +248,13 @@ def _simulation(predictor, recipe, gpu, entry, answer, conf_text: str, judged: b
         raise UserError(Issue(flag, "", str(exc))) from None
     card = bool(gpu) and gpu != BUDGET_CARD
     held, held_source = predictor.remainder(gpu, entry.vendor if entry else None) if card else (None, "no card given")
-    print("simulating the caching allocator: a dry run of every layer on the CPU (seconds to minutes)...",
+    print("simulating the caching allocator: a traced dry run on the CPU (seconds to minutes)...",
           file=sys.stderr, flush=True)
     trace, _ = allocation_trace(cfg, vision=True)
     runs = [simulate_allocator(cfg, AllocConf(), "", trace, held_mib=held or 0.0)]
     if conf_text:
         runs.append(simulate_allocator(cfg, conf, conf_text, trace, held_mib=held or 0.0))
-    doc = {"method": "the dry run's allocation trace (every layer) replayed through probe_kit.allocator, a model of "
+    doc = {"method": "the dry run's allocation trace (the model's whole depth) replayed through probe_kit.allocator, a model of "
                      "PyTorch's CUDA caching allocator; no fitted figure but the card's remainder",
            "held_mib": None if held is None else round(max(held, 0.0), 1),
            "held_source": (f"the card's remainder (measured less dry-run peak allocated), median over {held_source}"
