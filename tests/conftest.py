@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
+
+# One compute thread in each of the suite's workers (pytest-xdist runs one a core) and in the
+# processes their tests start: torch's default of one thread a core, in every worker at once,
+# oversubscribes the cores and OpenMP's idle threads spin (tests/test_recipe_axes.py on 2 cores:
+# 80 s of wall with the default, 43 s with one thread).
+os.environ["OMP_NUM_THREADS"] = "1"
+if "torch" in sys.modules:
+    sys.modules["torch"].set_num_threads(1)
 
 TESTS = Path(__file__).resolve().parent
 DATA = TESTS / "data"
@@ -23,7 +33,6 @@ def _own_dry_run_cache(tmp_path_factory):
     """The user's cache of computed dry runs is never read or written by the tests: every command
     that computes or reads cached dry runs gets a folder of the session's own (``--cache`` still
     names another)."""
-    import os
 
     folder = tmp_path_factory.mktemp("vram-ledger-cache")
     before = os.environ.get("VRAM_LEDGER_CACHE")

@@ -13,6 +13,8 @@ and computed again.
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import hashlib
 import importlib.util
 import os
@@ -20,7 +22,9 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import traceback
 from dataclasses import replace
 from pathlib import Path
 from typing import Optional
@@ -154,12 +158,18 @@ def _terms(layers: int, seq_len: int) -> list[float]:
     return [1.0, layers, seq_len / 1000, layers * seq_len / 1000]
 
 
+#: What a sweep process costs before its first dry run: Python with torch, transformers and peft
+#: loaded (6.7 s of wall on this project's 2-core CPU, ``python -c "import transformers, peft"``).
+#: A compute shares its points among processes only while each has at least this much to run.
+SHARD_START_S = 7.0
+
+
 def compute_points(points: list[dict], label: str, cache: Optional[str], *, no_compute: bool = False,
                    shards: Optional[int] = None, ray: Optional[str] = None) -> None:
     """Run these dry runs (a dry-run sweep appending to the cache's rows), with a time estimate
     first and the sweep's progress on stderr; ``no_compute`` refuses with what would run. The
-    points are shared among ``shards`` processes (default: one per core, at most two per point
-    pair), each appending under the ledger's lock."""
+    points are shared among ``shards`` processes (default: one per core, at most one per point
+    pair and per ``SHARD_START_S`` of expected work), each appending under the ledger's lock."""
     if not points:
         return
     target = cache_file(cache)
@@ -171,10 +181,14 @@ def compute_points(points: list[dict], label: str, cache: Optional[str], *, no_c
     if ray is not None and importlib.util.find_spec("ray") is None and not no_compute:
         raise UserError(Issue("--ray", "", "needs Ray, an optional extra: pip install -e '.[ray]'"))
     _drop_crashed(target)
-    shards = max(1, min(shards or os.cpu_count() or 1, len(points) // 2 or 1))
+    secs = seconds_for(points)
+    if shards is None:  # one a core, while each has more to run than its start costs
+        shards = min(os.cpu_count() or 1, len(points) // 2 or 1)
+        if secs is not None:
+            shards = min(shards, int(secs // SHARD_START_S) or 1)
+    shards = max(1, shards)
     if ray is not None:  # one driver; the cluster shares the points among its workers
         shards = 1
-    secs = seconds_for(points)
     guess = f"about {secs / shards:.0f} s" if secs else "time unknown"
     if ray is not None and secs:
         guess = f"about {secs:.0f} s of CPU, shared among the Ray cluster's workers"
@@ -196,7 +210,9 @@ def compute_points(points: list[dict], label: str, cache: Optional[str], *, no_c
         except (AttributeError, OSError, ValueError):  # a stream with no file (captured in a library call)
             out = None
         shard_args = [[]] if shards == 1 else [["--shard", f"{k}/{shards}"] for k in range(1, shards + 1)]
-        if out is not None:
+        if shards == 1 and ray is None and threading.current_thread() is threading.main_thread():
+            codes = [_sweep_here(argv[3:])]
+        elif out is not None:
             procs = [subprocess.Popen(argv + extra, stdout=out) for extra in shard_args]
             codes = [proc.wait() for proc in procs]
         else:
@@ -217,6 +233,41 @@ def compute_points(points: list[dict], label: str, cache: Optional[str], *, no_c
         raise UserError(Issue("--compute", "", f"{len(crashed)} of the dry runs crashed and were not kept: "
                               f"{crashed[0]}"))
     print(f"computed in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+
+
+def _sweep_here(argv: list[str]) -> int:
+    """One shard's sweep in this process (``probe_kit.run_sweep``, its output on stderr): torch,
+    transformers and peft load once for every compute a command asks (a ceiling's lengths, a fit
+    after an estimate) rather than once a compute, in a process of its own. What it records is
+    under the cache's lock as a process's would be; a crash of the sweep itself is its traceback
+    and exit code 1, as the process's would be."""
+    from probe_kit.run_sweep import main as sweep
+
+    with contextlib.redirect_stdout(sys.stderr):
+        try:
+            return sweep(argv)
+        except Exception:
+            traceback.print_exc()
+            return 1
+        finally:
+            if "triton" in sys.modules and _quiet_teardown not in _QUIET:
+                _QUIET.append(_quiet_teardown)
+                atexit.register(_quiet_teardown)
+
+
+_QUIET: list = []
+
+
+def _quiet_teardown() -> None:
+    """At exit, once the command has answered: standard error closed to what follows. Triton's
+    bindings, which torch loads during a dry run, list the objects still alive as the interpreter
+    tears its modules down (hundreds of lines of "nanobind: leaked ..."): noise, never the
+    answer's. Exit handlers run before that teardown."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    with contextlib.suppress(OSError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
 
 
 def _drop_crashed(target: Path) -> list[str]:
