@@ -4,24 +4,14 @@ dry run then runs every layer."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from ledger.core.paths import MODEL_CONFIGS as CONFIGS
 from probe_kit.allocator import RESET_PEAK, replay
 from probe_kit.trace_depth import whole_depth
+from test_depth import deeper
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
-
-
-def deeper(tmp_path, name: str, layers: int, **extra) -> str:
-    data = json.loads((CONFIGS / f"{name}.json").read_text(encoding="utf-8"))
-    data.update(num_hidden_layers=layers, **extra)
-    path = tmp_path / f"{name}-{layers}.json"
-    path.write_text(json.dumps(data), encoding="utf-8")
-    return str(path)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
